@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Copies the header/source-only dependencies into .third_party/ (git-ignored) so that the tree
+# can be built on a GPU host that has no Debian packages: carry .third_party with the device tool.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .third_party
+[ -d .third_party/googletest ] || cp -r /usr/src/googletest .third_party/googletest
+[ -d .third_party/nlohmann ] || cp -r /usr/include/nlohmann .third_party/nlohmann
+echo "third-party sources in .third_party/"
