@@ -1,0 +1,39 @@
+// Grouped bf16 GEMMs whose per-group row counts live in DEVICE memory only (no host sync):
+// the three products an expert MLP needs, forward and backward. fp32 accumulation.
+// Group g owns rows [offsets[g], offsets[g+1]) of the row-partitioned operands; rows at or past
+// offsets[num_groups] (up to the static bound max_rows) are never read or written.
+// Twin/reference: per-group cuBLAS loop in the synchronous baseline; tests: tests/gpu/test_grouped_gemm.cu.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+namespace moekit::cuda {
+
+struct GroupedGemmShape {
+    int64_t num_groups = 0;  // G (experts)
+    int64_t max_rows = 0;    // static bound on offsets[G] (e.g. T*k): sizes the launch, never a count
+    int64_t n = 0;           // output columns
+    int64_t k = 0;           // reduction length (fixed per group for nt/nn)
+    std::string to_string() const;
+};
+
+// C[r, :] = A[r, :] · B[g]ᵀ for r in group g.  A [max_rows, k], B [G, n, k] (weights [out, in]), C [max_rows, n].
+// (fc1 forward: X·W1ᵀ; fc2 forward: A·W2ᵀ.)
+void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                     const int32_t* d_offsets /*[G+1]*/, cudaStream_t stream);
+
+// C[r, :] = A[r, :] · B[g].  A [max_rows, k], B [G, k, n], C [max_rows, n]. (dgrad: dY·W.)
+void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                     const int32_t* d_offsets /*[G+1]*/, cudaStream_t stream);
+
+// C[g] (+)= A_gᵀ · B_g with A_g = rows of A [max_rows, m] in group g and B_g the same rows of
+// B [max_rows, n]; C [G, m, n] fp32 (weight gradients; reduction over the group's rows, which
+// may be zero rows: then C[g] is zeroed, or left unchanged when accumulate). (wgrad: dW = dYᵀ·X.)
+// Here shape.n = n, shape.k = m (the output rows per group).
+void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
+                     const int32_t* d_offsets /*[G+1]*/, bool accumulate, cudaStream_t stream);
+
+}  // namespace moekit::cuda
