@@ -98,7 +98,7 @@ std::string HostTensor::shape_string() const {
 std::vector<double> HostTensor::to_double() const {
     const int64_t n = numel();
     MOEKIT_CHECK(int64_t(bytes.size()) == n * int64_t(dtype_size(dtype)), "tensor byte size mismatch");
-    std::vector<double> out(size_t(n));
+    std::vector<double> out(static_cast<size_t>(n));
     const uint8_t* p = bytes.data();
     for (int64_t i = 0; i < n; ++i) {
         switch (dtype) {
