@@ -36,6 +36,10 @@ struct RouterContext {
     std::vector<int64_t> topk_idx;           // [T, k] selected experts, before dropping
     std::vector<uint8_t> keep_mask;          // [T, E] capacity mask (empty when dropless)
     std::vector<double> global_avg_tokens;   // [E] avg used by global_aux_loss in this forward
+    std::vector<double> aux_score_grad;      // [B*E] d(aux losses)/d aux scores[s*B+b, e] (empty = none)
+    double z_loss_weight = 0;                // d z-loss / d lse(row)^2 = coeff / valid rows (0 = none)
+    int64_t valid_tokens = 0;                // rows with padding_mask 0
+    int64_t capacity = -1;                   // expert capacity (-1 when dropless)
 };
 
 // Megatron TopKRouter.forward: jitter, gating linear, z-loss, score function + top-k (or
