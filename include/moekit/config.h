@@ -69,6 +69,8 @@ struct MoeConfig {
     int64_t shared_ffn() const { return moe_shared_expert_intermediate_size.value_or(0); }
     double aux_loss_coeff(const std::string& type) const;  // 0 for types not in the list
 
+    // Megatron's __post_init__ rewrites: a negative capacity factor becomes None (dropless).
+    void normalize();
     // Every violated rule, each naming the flag, the value and the rule; empty when valid.
     std::vector<std::string> validation_errors() const;
     // Throws UsageError listing all violations.
