@@ -1,0 +1,121 @@
+// Host side of the sync-free grouped GEMMs (grouped_gemm.h): argument checks, launch geometry from static bounds
+// only (the real per-group row counts are read by the kernels from device offsets), kernel choice (wgmma on Hopper,
+// mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests: tests/gpu/test_grouped_gemm.cu.
+#include "cuda/grouped_gemm.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+#include "cuda/grouped_gemm_kernels.cuh"
+
+namespace moekit::cuda {
+
+std::string GroupedGemmShape::to_string() const {
+    return str("GroupedGemmShape{groups=", num_groups, ", max_rows=", max_rows, ", n=", n, ", k=", k, "}");
+}
+
+namespace {
+
+std::atomic<int> g_kernel{int(GroupedGemmKernel::kAuto)};
+
+GroupedGemmKernel resolve_kernel() {
+    auto chosen = GroupedGemmKernel(g_kernel.load());
+    if (chosen == GroupedGemmKernel::kAuto) {
+        if (const char* env = std::getenv("MOEKIT_GEMM_KERNEL")) {
+            if (std::strcmp(env, "mma") == 0) return GroupedGemmKernel::kMmaSync;
+            if (std::strcmp(env, "wgmma") == 0) chosen = GroupedGemmKernel::kWgmma;
+        }
+    }
+    int dev = 0, major = 0, minor = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    bool hopper = major == 9 && minor == 0;  // the wgmma kernel is built for sm_90a only
+    if (chosen == GroupedGemmKernel::kWgmma)
+        MOEKIT_CHECK(hopper, "the wgmma grouped GEMM needs an sm_90 device, this one is sm_", major, minor);
+    if (chosen == GroupedGemmKernel::kAuto) chosen = hopper ? GroupedGemmKernel::kWgmma : GroupedGemmKernel::kMmaSync;
+    return chosen;
+}
+
+template <auto kKernel>
+void ensure_smem(int bytes) {
+    // Once per kernel instantiation and process: raise the dynamic shared-memory limit above 48 KB.
+    static std::atomic<bool> done{false};
+    if (done.load()) return;
+    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    done = true;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <gemm_detail::Op kOp>
+void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+            const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
+    using namespace gemm_detail;
+    MOEKIT_CHECK(s.num_groups >= 0 && s.max_rows >= 0 && s.n >= 0 && s.k >= 0, name, ": negative size in ",
+                 s.to_string());
+    MOEKIT_CHECK(s.n % 8 == 0 && s.k % 8 == 0, name, ": n and k must be multiples of 8 (16-byte row loads), got ",
+                 s.to_string());
+    MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
+                 ": sizes beyond 2^30 in ", s.to_string());
+    if (s.num_groups == 0 || s.n == 0) return;
+    if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return;
+    if (kOp == Op::kTN && s.k == 0) return;
+    MOEKIT_CHECK(A && B && C && d_offsets, name, ": null pointer");
+    MOEKIT_CHECK((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 == 0, name,
+                 ": A and B must be 16-byte aligned");
+    MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 8 == 0, name, ": C must be 8-byte aligned");
+
+    Params p{};
+    p.A = A;
+    p.B = B;
+    p.C = C;
+    p.offsets = d_offsets;
+    p.G = int(s.num_groups);
+    p.max_rows = int(s.max_rows);
+    p.n = int(s.n);
+    p.k = int(s.k);
+    p.accumulate = accumulate ? 1 : 0;
+
+    bool wgmma = resolve_kernel() == GroupedGemmKernel::kWgmma;
+    const int BM = 128, BN = wgmma ? 256 : 128;
+    p.tiles_n = int(ceil_div(s.n, BN));
+    // NT/NN: every group may end with a partial tile, hence the +G over the dense bound.
+    p.tiles_m = int(kOp == Op::kTN ? ceil_div(s.k, BM) : ceil_div(s.max_rows, BM) + s.num_groups);
+    int64_t grid = int64_t(p.tiles_m) * p.tiles_n * (kOp == Op::kTN ? s.num_groups : 1);
+    MOEKIT_CHECK(grid < (int64_t(1) << 31), name, ": too many tiles for ", s.to_string());
+    if (wgmma) {
+        constexpr int kSmem = smem_bytes<kOp, 128, 256, 4>();
+        ensure_smem<wgmma_kernel<kOp>>(kSmem);
+        wgmma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
+    } else {
+        constexpr int kSmem = smem_bytes<kOp, 128, 128, 4>();
+        ensure_smem<mma_kernel<kOp>>(kSmem);
+        mma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
+    }
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
+GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
+
+void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                     const int32_t* d_offsets, cudaStream_t stream) {
+    launch<gemm_detail::Op::kNT>("grouped_gemm_nt", shape, A, B, C, d_offsets, false, stream);
+}
+
+void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                     const int32_t* d_offsets, cudaStream_t stream) {
+    launch<gemm_detail::Op::kNN>("grouped_gemm_nn", shape, A, B, C, d_offsets, false, stream);
+}
+
+void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
+                     const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
+    launch<gemm_detail::Op::kTN>("grouped_gemm_tn", shape, A, B, C, d_offsets, accumulate, stream);
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,226 @@
+// Device side of the grouped GEMMs (grouped_gemm.h): tile scheduling from device offsets, cp.async loaders into
+// 128-byte-swizzled shared memory, and two compute cores over the same layout: mma.sync m16n8k16 (+ldmatrix) and
+// Hopper wgmma m64n256k16 (descriptors on the same swizzled tiles). bf16 operands, fp32 accumulation.
+// Host dispatch: grouped_gemm.cu; tests: tests/gpu/test_grouped_gemm.cu.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/grouped_gemm_wgmma.cuh"
+
+namespace moekit::cuda {
+// Which compute core grouped_gemm_* use. Default: wgmma on sm_90 devices, mma.sync elsewhere; the environment
+// variable MOEKIT_GEMM_KERNEL=mma|wgmma overrides it, and tests/benchmarks set it explicitly.
+enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma };
+void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
+GroupedGemmKernel grouped_gemm_kernel();  // the one that will run on the current device (never kAuto)
+}  // namespace moekit::cuda
+
+namespace moekit::cuda::gemm_detail {
+
+// NT: C[r] = A[r]·B[g]ᵀ (A K-major, B [n,k] K-major).  NN: C[r] = A[r]·B[g] (B [k,n] N-major).
+// TN: C[g] = A_gᵀ·B_g (both row-indexed, reduction over the group's rows: A M-major, B N-major).
+enum class Op { kNT, kNN, kTN };
+
+constexpr int kBK = 64;          // reduction tile: one 128-byte swizzle row of bf16
+constexpr int kBlockBytes = 8192;  // one [64 k-rows x 64 elements] MN-major block
+
+struct Params {
+    const __nv_bfloat16* A;
+    const __nv_bfloat16* B;
+    void* C;
+    const int32_t* offsets;
+    int G;
+    int max_rows;
+    int n;        // output columns
+    int k;        // NT/NN: reduction length; TN: output rows per group (m)
+    int tiles_m;  // NT/NN: static bound on row tiles; TN: ceil(m / BM)
+    int tiles_n;
+    int accumulate;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Tile [R rows][64 k] of a K-major matrix (row stride ld elements); rows >= row_end or k >= k_end are zero-filled.
+// Layout: row r at r*128 bytes, 16-byte chunk c stored at chunk c ^ (r & 7) (the wgmma 128B swizzle).
+template <int R, int kThreads>
+__device__ __forceinline__ void load_kmajor(uint32_t dst, const __nv_bfloat16* base, int64_t row0, int64_t row_end,
+                                            int64_t ld, int k0, int k_end, int tid) {
+#pragma unroll
+    for (int i = 0; i < R * 8 / kThreads; ++i) {
+        int c = tid + i * kThreads;
+        int r = c >> 3, ch = c & 7;
+        int64_t grow = row0 + r;
+        int gk = k0 + ch * 8;
+        bool valid = grow < row_end && gk < k_end;
+        const __nv_bfloat16* src = valid ? base + grow * ld + gk : base;
+        cp_async16(dst + r * 128 + ((ch ^ (r & 7)) << 4), src, valid);
+    }
+}
+
+// Tile [64 k-rows][E mn] of an MN-major matrix (row = reduction index, ld elements per row), stored as E/64 blocks
+// of [64 rows x 128 bytes], same swizzle. Rows outside [row0, row_end) or columns >= mn_end are zero-filled.
+template <int E, int kThreads>
+__device__ __forceinline__ void load_mnmajor(uint32_t dst, const __nv_bfloat16* base, int64_t row0, int64_t row_end,
+                                             int64_t ld, int mn0, int mn_end, int tid) {
+    constexpr int kChunksPerRow = E / 8;
+#pragma unroll
+    for (int i = 0; i < 64 * kChunksPerRow / kThreads; ++i) {
+        int c = tid + i * kThreads;
+        int r = c / kChunksPerRow, mc = c % kChunksPerRow;
+        int64_t grow = row0 + r;
+        int gmn = mn0 + mc * 8;
+        bool valid = grow < row_end && gmn < mn_end;
+        const __nv_bfloat16* src = valid ? base + grow * ld + gmn : base;
+        cp_async16(dst + (mc >> 3) * kBlockBytes + r * 128 + (((mc & 7) ^ (r & 7)) << 4), src, valid);
+    }
+}
+
+// Which rows / columns / reduction range one CTA owns, resolved from the device offsets.
+struct TileJob {
+    int group;
+    int64_t row0, row_end;  // NT/NN: output rows [row0, row_end); TN: reduction rows
+    int m0, n0;             // TN: output tile origin inside C[g]; NT/NN: n0 only
+    bool active;
+};
+
+// Raster the linear CTA id over (m-tile, n-tile) in bands of kBandM m-tiles so that one wave of CTAs reuses the
+// same A rows and B columns from L2.
+__device__ __forceinline__ void raster(int pid, int tiles_m, int tiles_n, int& pm, int& pn) {
+    constexpr int kBandM = 8;
+    int per_band = kBandM * tiles_n;
+    int band = pid / per_band;
+    int first_m = band * kBandM;
+    int band_m = min(tiles_m - first_m, kBandM);
+    int r = pid - band * per_band;
+    pm = first_m + r % band_m;
+    pn = r / band_m;
+}
+
+// NT/NN: the pm-th row tile over all groups (group g has ceil(count_g / BM) tiles, in group order). Warp 0 scans the
+// offsets 32 groups at a time; the answer goes through shared memory.
+template <int BM>
+__device__ __forceinline__ TileJob find_row_tile(const Params& p, int pm, int pn, int BN, int* s_job) {
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        int before = 0;
+        int found_g = -1, found_t = 0;
+        for (int base = 0; base < p.G && found_g < 0; base += 32) {
+            int g = base + lane;
+            int tiles = 0;
+            if (g < p.G) tiles = (p.offsets[g + 1] - p.offsets[g] + BM - 1) / BM;
+            int incl = tiles;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                int v = __shfl_up_sync(0xffffffffu, incl, d);
+                if (lane >= d) incl += v;
+            }
+            int lo = before + incl - tiles;
+            unsigned hit = __ballot_sync(0xffffffffu, tiles > 0 && pm >= lo && pm < before + incl);
+            if (hit) {
+                int src = __ffs(hit) - 1;
+                found_g = base + src;
+                found_t = __shfl_sync(0xffffffffu, pm - lo, src);
+            }
+            before += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) {
+            s_job[0] = found_g;
+            s_job[1] = found_t;
+        }
+    }
+    __syncthreads();
+    TileJob job{};
+    job.group = s_job[0];
+    job.active = job.group >= 0;
+    if (job.active) {
+        job.row0 = int64_t(p.offsets[job.group]) + int64_t(s_job[1]) * BM;
+        job.row_end = p.offsets[job.group + 1];
+    }
+    job.n0 = pn * BN;
+    return job;
+}
+
+template <Op kOp, int BM, int BN>
+__device__ __forceinline__ TileJob find_job(const Params& p, int* s_job) {
+    int pid = blockIdx.x;
+    if constexpr (kOp == Op::kTN) {
+        int per_group = p.tiles_m * p.tiles_n;
+        TileJob job{};
+        job.group = pid / per_group;
+        int pm, pn;
+        raster(pid - job.group * per_group, p.tiles_m, p.tiles_n, pm, pn);
+        job.m0 = pm * BM;
+        job.n0 = pn * BN;
+        job.row0 = p.offsets[job.group];
+        job.row_end = p.offsets[job.group + 1];
+        job.active = true;
+        return job;
+    } else {
+        int pm, pn;
+        raster(pid, p.tiles_m, p.tiles_n, pm, pn);
+        return find_row_tile<BM>(p, pm, pn, BN, s_job);
+    }
+}
+
+// Issue the cp.async copies of reduction tile kt for this CTA's job into one stage (A then B).
+template <Op kOp, int BM, int BN, int kThreads>
+__device__ __forceinline__ void load_stage(const Params& p, const TileJob& job, int kt, uint32_t sA, uint32_t sB,
+                                           int tid) {
+    if constexpr (kOp == Op::kTN) {
+        int64_t r0 = job.row0 + int64_t(kt) * kBK;
+        load_mnmajor<BM, kThreads>(sA, p.A, r0, job.row_end, p.k, job.m0, p.k, tid);
+        load_mnmajor<BN, kThreads>(sB, p.B, r0, job.row_end, p.n, job.n0, p.n, tid);
+    } else {
+        int k0 = kt * kBK;
+        load_kmajor<BM, kThreads>(sA, p.A, job.row0, job.row_end, p.k, k0, p.k, tid);
+        const __nv_bfloat16* Bg = p.B + int64_t(job.group) * p.n * p.k;
+        if constexpr (kOp == Op::kNT)
+            load_kmajor<BN, kThreads>(sB, Bg, job.n0, p.n, p.k, k0, p.k, tid);
+        else
+            load_mnmajor<BN, kThreads>(sB, Bg, k0, p.k, p.n, job.n0, p.n, tid);
+    }
+}
+
+template <Op kOp>
+__device__ __forceinline__ int num_ktiles(const Params& p, const TileJob& job) {
+    if constexpr (kOp == Op::kTN) return int((job.row_end - job.row0 + kBK - 1) / kBK);
+    return (p.k + kBK - 1) / kBK;
+}
+
+// Store one accumulator pair (columns col, col+1 of row `row` within the tile). NT/NN: bf16 rows of the group;
+// TN: fp32 C[g] with optional accumulation.
+template <Op kOp>
+__device__ __forceinline__ void store_pair(const Params& p, const TileJob& job, int row, int col, float v0, float v1) {
+    if constexpr (kOp == Op::kTN) {
+        int gm = job.m0 + row, gn = job.n0 + col;
+        if (gm >= p.k || gn >= p.n) return;
+        float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.C) + (int64_t(job.group) * p.k + gm) * p.n + gn);
+        if (p.accumulate) {
+            float2 old = *dst;
+            v0 += old.x;
+            v1 += old.y;
+        }
+        *dst = make_float2(v0, v1);
+    } else {
+        int64_t gr = job.row0 + row;
+        int gn = job.n0 + col;
+        if (gr >= job.row_end || gn >= p.n) return;
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.C) + gr * p.n + gn) =
+            __floats2bfloat162_rn(v0, v1);
+    }
+}
+
+}  // namespace moekit::cuda::gemm_detail
+
+#include "cuda/grouped_gemm_mma.cuh"
