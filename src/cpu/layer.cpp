@@ -47,6 +47,7 @@ void add_into(Matrix<T>& acc, const Matrix<T>& x) {
 
 template <typename T>
 MoeLayer<T>::MoeLayer(const MoeConfig& config) : config_(config), ctx_(std::make_unique<LayerContext<T>>()) {
+    config_.normalize();  // Megatron's __post_init__ rewrites (negative capacity factor -> dropless)
     config_.validate();
     ctx_->expert_shape = expert_mlp_shape(config_);
     ctx_->shared_shape = shared_mlp_shape(config_);
