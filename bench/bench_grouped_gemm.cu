@@ -1,0 +1,54 @@
+// Grouped expert GEMMs per preset: fc1/fc2 forward, dgrad and wgrad timed for the grouped wgmma and mma.sync
+// kernels, the synchronous cuBLAS baseline and dense cuBLAS GEMMs of the same FLOPs (the floor).
+// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--iters N] [--json FILE] [--mlp]
+// (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "cuda/bench_expert_mlp.h"
+#include "moekit/error.h"
+
+int main(int argc, char** argv) {
+    using namespace moekit::cuda::bench;
+    std::string preset = "all", json_path;
+    Options o;
+    bool mlp = false;
+    try {
+        for (int i = 1; i < argc; ++i) {
+            std::string a = argv[i];
+            auto value = [&]() -> std::string {
+                MOEKIT_REQUIRE(i + 1 < argc, a, " needs a value");
+                return argv[++i];
+            };
+            if (a == "--preset") preset = value();
+            else if (a == "--skew") o.zipf_s = parse_skew(value());
+            else if (a == "--iters") o.iters = std::stoi(value());
+            else if (a == "--json") json_path = value();
+            else if (a == "--mlp") mlp = true;
+            else throw moekit::UsageError("unknown flag " + a);
+        }
+        nlohmann::json all = nlohmann::json::array();
+        for (auto& p : presets()) {
+            if (preset != "all" && preset != p.name) continue;
+            auto r = bench_gemms(p, o);
+            std::printf("%s", format_gemm_table(r).c_str());
+            std::fflush(stdout);
+            all.push_back(r);
+            if (mlp) {
+                auto m = bench_expert_mlp(p, o);
+                std::printf("%s", format_mlp_table(m).c_str());
+                std::fflush(stdout);
+                all.push_back(m);
+            }
+        }
+        if (!json_path.empty()) std::ofstream(json_path) << all.dump(1) << "\n";
+    } catch (const moekit::UsageError& e) {
+        std::fprintf(stderr, "bench_grouped_gemm: error: %s\n", e.what());
+        return 2;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "bench_grouped_gemm: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,374 @@
+// Expert-GEMM and expert-MLP benchmarks (bench_expert_mlp.h): the sync-free grouped GEMMs (whole MLP step captured
+// in one CUDA graph in global capture mode, so any host sync would fail it) vs the synchronous cuBLAS baseline
+// (host syncs counted) vs the floor (dense cuBLAS GEMMs of the expert GEMMs' shapes, same run).
+#include "cuda/bench_expert_mlp.h"
+
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+
+#include "cuda/bench_util.cuh"
+#include "cuda/grouped_gemm.h"
+#include "cuda/grouped_gemm_sync.h"
+#include "moekit/error.h"
+
+namespace moekit::cuda::bench {
+
+const std::vector<Preset>& presets() {
+    static const std::vector<Preset> kPresets = {
+        {"mixtral", 4096, 14336, 8, 2, 8192},
+        {"dsv3-ep8", 7168, 2048, 32, 8, 4096},
+        {"dsv3-e256", 7168, 2048, 256, 8, 4096},
+        {"qwen3-30b", 2048, 768, 128, 8, 16384},
+    };
+    return kPresets;
+}
+
+int gpu_count() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+const Preset& find_preset(const std::string& name) {
+    std::string known;
+    for (auto& p : presets()) {
+        if (p.name == name) return p;
+        known += (known.empty() ? "" : "|") + p.name;
+    }
+    throw UsageError(str("--preset=", name, " is not a preset (", known, ")"));
+}
+
+double parse_skew(const std::string& value) {
+    double s = 0;
+    if (value.rfind("zipf:", 0) == 0) {
+        try {
+            s = std::stod(value.substr(5));
+        } catch (...) {
+            s = -1;
+        }
+    }
+    MOEKIT_REQUIRE(value.rfind("zipf:", 0) == 0 && s > 0 && std::isfinite(s), "--skew=", value,
+                   " must be zipf:S with S > 0 (e.g. zipf:1.2)");
+    return s;
+}
+
+std::vector<int32_t> routing_counts(const Preset& p, double zipf_s, uint64_t seed) {
+    std::vector<int32_t> counts(p.experts, 0);
+    std::vector<std::pair<double, int>> logits(p.experts);
+    for (int64_t t = 0; t < p.tokens; ++t) {
+        for (int64_t e = 0; e < p.experts; ++e) {
+            // Gumbel noise + log popularity: top-k = k distinct experts sampled by popularity.
+            double u = std::max(uniform01(seed, 7, uint64_t(t * p.experts + e)), 1e-300);
+            logits[e] = {-std::log(-std::log(u)) - zipf_s * std::log(double(e + 1)), int(e)};
+        }
+        std::partial_sort(logits.begin(), logits.begin() + p.topk, logits.end(), std::greater<>());
+        for (int64_t j = 0; j < p.topk; ++j) ++counts[logits[j].second];
+    }
+    return counts;
+}
+
+namespace {
+
+using gemm_detail::Op;
+
+struct Problem {
+    Preset p;
+    int64_t rows, H, F, E;
+    std::vector<int32_t> counts, offsets;
+    DevBuf<int32_t> d_off;
+    DevBuf<bf16> x, w1, w2, h, act, y;
+    DevBuf<float> dw1, dw2, prob;
+    Problem(const Preset& pr, const Options& o)
+        : p(pr), rows(pr.tokens * pr.topk), H(pr.hidden), F(pr.ffn), E(pr.experts),
+          counts(routing_counts(pr, o.zipf_s, o.seed)), offsets(pr.experts + 1, 0), d_off(pr.experts + 1),
+          x(rows * H), w1(E * 2 * F * H), w2(E * H * F), h(rows * 2 * F), act(rows * F), y(rows * H),
+          dw1(E * 2 * F * H), dw2(E * H * F), prob(rows) {
+        std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+        MOEKIT_CUDA_CHECK(cudaMemcpy(d_off.ptr, offsets.data(), sizeof(int32_t) * offsets.size(),
+                                     cudaMemcpyHostToDevice));
+        // Activations O(1), weights at init scale: realistic magnitudes, never zeros.
+        fill_uniform(x.ptr, rows * H, 1.f, o.seed + 1);
+        fill_uniform(w1.ptr, E * 2 * F * H, 0.02f, o.seed + 2);
+        fill_uniform(w2.ptr, E * H * F, 0.02f, o.seed + 3);
+        fill_uniform(h.ptr, rows * 2 * F, 1.f, o.seed + 4);
+        fill_uniform(act.ptr, rows * F, 1.f, o.seed + 5);
+        fill_uniform(y.ptr, rows * H, 1.f, o.seed + 6);
+        fill_uniform(prob.ptr, rows, 0.05f, 1.f, o.seed + 7);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+};
+
+struct GemmFns {
+    decltype(&grouped_gemm_nt) nt;
+    decltype(&grouped_gemm_nn) nn;
+    decltype(&grouped_gemm_tn) tn;
+};
+const GemmFns kGrouped{grouped_gemm_nt, grouped_gemm_nn, grouped_gemm_tn};
+const GemmFns kSync{sync_baseline::grouped_gemm_nt, sync_baseline::grouped_gemm_nn, sync_baseline::grouped_gemm_tn};
+
+// The six expert GEMMs of one MLP step, each as (name, op, n, k-or-m, A, B, C) with the grouped conventions.
+struct GemmCase {
+    const char* name;
+    Op op;
+    int64_t n, k;
+    const bf16 *A, *B;
+    void* C;
+};
+std::vector<GemmCase> gemm_cases(Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx) {
+    return {
+        {"fc1_fwd", Op::kNT, 2 * q.F, q.H, q.x.ptr, q.w1.ptr, q.h.ptr},
+        {"fc2_fwd", Op::kNT, q.H, q.F, q.act.ptr, q.w2.ptr, q.y.ptr},
+        {"fc2_dgrad", Op::kNN, q.F, q.H, dy, q.w2.ptr, dact},
+        {"fc2_wgrad", Op::kTN, q.F, q.H, dy, q.act.ptr, q.dw2.ptr},
+        {"fc1_dgrad", Op::kNN, q.H, 2 * q.F, dh, q.w1.ptr, dx},
+        {"fc1_wgrad", Op::kTN, q.H, 2 * q.F, dh, q.x.ptr, q.dw1.ptr},
+    };
+}
+
+void run_case(const GemmFns& f, const Problem& q, const GemmCase& c, cudaStream_t s) {
+    GroupedGemmShape shape{q.E, q.rows, c.n, c.k};
+    if (c.op == Op::kNT) f.nt(shape, c.A, c.B, static_cast<bf16*>(c.C), q.d_off.ptr, s);
+    if (c.op == Op::kNN) f.nn(shape, c.A, c.B, static_cast<bf16*>(c.C), q.d_off.ptr, s);
+    if (c.op == Op::kTN) f.tn(shape, c.A, c.B, static_cast<float*>(c.C), q.d_off.ptr, false, s);
+}
+
+double gemm_flops(const Problem& q, const GemmCase& c) { return 2.0 * double(q.rows) * double(c.n) * double(c.k); }
+
+bool is_hopper() {
+    int dev = 0, major = 0, minor = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    return major == 9 && minor == 0;
+}
+
+nlohmann::json header(const Problem& q, const Options& o) {
+    cudaDeviceProp prop{};
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    int maxc = *std::max_element(q.counts.begin(), q.counts.end());
+    int minc = *std::min_element(q.counts.begin(), q.counts.end());
+    return {{"preset", q.p.name}, {"H", q.H},          {"F", q.F},          {"E", q.E},
+            {"topk", q.p.topk},   {"T", q.p.tokens},    {"rows", q.rows},    {"zipf_s", o.zipf_s},
+            {"iters", o.iters},   {"device", prop.name}, {"max_count", maxc}, {"min_count", minc},
+            {"counts", q.counts}};
+}
+
+}  // namespace
+
+nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
+    Problem q(pr, o);
+    DevBuf<bf16> dy(q.rows * q.H), dact(q.rows * q.F), dh(q.rows * 2 * q.F), dx(q.rows * q.H);
+    fill_uniform(dy.ptr, q.rows * q.H, 1.f, o.seed + 8);
+    fill_uniform(dh.ptr, q.rows * 2 * q.F, 1.f, o.seed + 9);
+    cudaStream_t s;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    nlohmann::json out = header(q, o);
+    out["gemms"] = nlohmann::json::array();
+    for (auto& c : gemm_cases(q, dy.ptr, dact.ptr, dh.ptr, dx.ptr)) {
+        nlohmann::json r{{"name", c.name}, {"op", c.op == Op::kNT ? "nt" : c.op == Op::kNN ? "nn" : "tn"},
+                         {"n", c.n},       {"k", c.k},       {"gflop", gemm_flops(q, c) / 1e9}};
+        auto t = [&](auto&& fn) { return time_ms(fn, s, o.warmup, o.iters); };
+        if (is_hopper()) {
+            set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
+            r["wgmma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+        }
+        set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
+        r["mma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+        set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+        r["sync_ms"] = t([&] { run_case(kSync, q, c, s); });
+        r["dense_ms"] = t([&] { dense_gemm(c.op, q.rows, c.n, c.k, c.A, c.B, c.C, s); });
+        out["gemms"].push_back(r);
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+    return out;
+}
+
+std::string format_gemm_table(const nlohmann::json& r) {
+    std::string out = str(r["preset"].get<std::string>(), " (rows ", r["rows"].get<int64_t>(), ", counts ",
+                          r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
+                          r["zipf_s"].get<double>(), ") on ", r["device"].get<std::string>(), "\n");
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %9s %9s %9s %9s | %7s %7s | %6s\n", "gemm", "op", "GFLOP",
+                  "wgmma ms", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns");
+    out += line;
+    for (auto& g : r["gemms"]) {
+        double best = g.contains("wgmma_ms") ? g["wgmma_ms"].get<double>() : g["mma_ms"].get<double>();
+        double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
+        std::snprintf(line, sizeof line, "  %-10s %4s %8.1f | %9.3f %9.3f %9.3f %9.3f | %7.0f %7.0f | %5.2fx\n",
+                      g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf,
+                      g.contains("wgmma_ms") ? g["wgmma_ms"].get<double>() : NAN, g["mma_ms"].get<double>(),
+                      g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense);
+        out += line;
+    }
+    return out;
+}
+
+namespace {
+
+const char* const kStageNames[] = {"fc1",       "swiglu_probs", "fc2",       "fc2_dgrad",
+                                   "fc2_wgrad", "swiglu_bwd",   "fc1_dgrad", "fc1_wgrad"};
+constexpr int kNumStages = 8, kNumFwdStages = 3;
+
+// One forward+backward of the expert MLP with the given GEMM backend; ev (kNumStages + 1 events, or null) marks
+// the stage boundaries.
+void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx, cudaEvent_t* ev,
+              cudaStream_t s) {
+    auto mark = [&](int i) {
+        if (ev) MOEKIT_CUDA_CHECK(cudaEventRecord(ev[i], s));
+    };
+    const int G = int(q.E);
+    mark(0);
+    f.nt({q.E, q.rows, 2 * q.F, q.H}, q.x.ptr, q.w1.ptr, q.h.ptr, q.d_off.ptr, s);
+    mark(1);
+    swiglu_fwd_kernel<<<2048, 256, 0, s>>>(q.h.ptr, q.prob.ptr, q.act.ptr, q.d_off.ptr, G, q.rows, q.F);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    mark(2);
+    f.nt({q.E, q.rows, q.H, q.F}, q.act.ptr, q.w2.ptr, q.y.ptr, q.d_off.ptr, s);
+    mark(3);
+    f.nn({q.E, q.rows, q.F, q.H}, dy, q.w2.ptr, dact, q.d_off.ptr, s);
+    mark(4);
+    f.tn({q.E, q.rows, q.F, q.H}, dy, q.act.ptr, q.dw2.ptr, q.d_off.ptr, false, s);
+    mark(5);
+    swiglu_bwd_kernel<<<2048, 256, 0, s>>>(q.h.ptr, q.prob.ptr, dact, dh, q.d_off.ptr, G, q.rows, q.F);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    mark(6);
+    f.nn({q.E, q.rows, q.H, 2 * q.F}, dh, q.w1.ptr, dx, q.d_off.ptr, s);
+    mark(7);
+    f.tn({q.E, q.rows, q.H, 2 * q.F}, dh, q.x.ptr, q.dw1.ptr, q.d_off.ptr, false, s);
+    mark(8);
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Per-stage medians (ms) of eager steps, plus the median of the whole step.
+nlohmann::json stage_times(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx, const Options& o,
+                           cudaStream_t s) {
+    cudaEvent_t ev[kNumStages + 1];
+    for (auto& e : ev) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+    std::vector<std::vector<double>> t(kNumStages + 1);
+    for (int it = 0; it < o.warmup + o.iters; ++it) {
+        mlp_step(f, q, dy, dact, dh, dx, ev, s);
+        MOEKIT_CUDA_CHECK(cudaEventSynchronize(ev[kNumStages]));
+        if (it < o.warmup) continue;
+        for (int i = 0; i < kNumStages; ++i) {
+            float ms = 0;
+            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+            t[i].push_back(ms);
+        }
+        float fwd = 0, all = 0;
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&fwd, ev[0], ev[kNumFwdStages]));
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&all, ev[0], ev[kNumStages]));
+        t[kNumStages].push_back(all);
+        (void)fwd;
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    nlohmann::json r{{"stages_ms", nlohmann::json::object()}};
+    double fwd = 0, bwd = 0;
+    for (int i = 0; i < kNumStages; ++i) {
+        double m = median(t[i]);
+        r["stages_ms"][kStageNames[i]] = m;
+        (i < kNumFwdStages ? fwd : bwd) += m;
+    }
+    r["fwd_ms"] = fwd;  // sums of stage medians
+    r["bwd_ms"] = bwd;
+    r["eager_fwd_bwd_ms"] = median(t[kNumStages]);
+    return r;
+}
+
+}  // namespace
+
+nlohmann::json bench_expert_mlp(const Preset& pr, const Options& o) {
+    Problem q(pr, o);
+    DevBuf<bf16> dy(q.rows * q.H), dact(q.rows * q.F), dh(q.rows * 2 * q.F), dx(q.rows * q.H);
+    fill_uniform(dy.ptr, q.rows * q.H, 1.f, o.seed + 8);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaStream_t s;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    nlohmann::json out = header(q, o);
+    out["scope"] = "expert MLP (fc1, SwiGLU x probs, fc2; dgrad + wgrad); router/permute/combine not included";
+    const double flops = 3.0 * 2.0 * double(q.rows) * double(q.H) * double(3 * q.F);
+    out["gemm_tflop_fwd_bwd"] = flops / 1e12;
+
+    // Floor: dense cuBLAS fc1 [rows,H]x[H,2F] + fc2 [rows,F]x[F,H]; forward+backward = 3 x forward.
+    double fc1 = time_ms([&] { dense_gemm(Op::kNT, q.rows, 2 * q.F, q.H, q.x.ptr, q.w1.ptr, q.h.ptr, s); }, s,
+                         o.warmup, o.iters);
+    double fc2 = time_ms([&] { dense_gemm(Op::kNT, q.rows, q.H, q.F, q.act.ptr, q.w2.ptr, q.y.ptr, s); }, s,
+                         o.warmup, o.iters);
+    out["floor"] = {{"fc1_ms", fc1}, {"fc2_ms", fc2}, {"fwd_ms", fc1 + fc2}, {"fwd_bwd_ms", 3 * (fc1 + fc2)}};
+
+    // Sync-free grouped path: eager per-stage times, then the whole step captured in one graph (global capture
+    // mode: a host sync anywhere inside would make the capture fail) and timed by replays.
+    nlohmann::json grouped = stage_times(kGrouped, q, dy.ptr, dact.ptr, dh.ptr, dx.ptr, o, s);
+    grouped["kernel"] = grouped_gemm_kernel() == GroupedGemmKernel::kWgmma ? "wgmma" : "mma.sync";
+    int64_t syncs0 = sync_baseline::host_sync_count();
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    mlp_step(kGrouped, q, dy.ptr, dact.ptr, dh.ptr, dx.ptr, nullptr, s);
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    grouped["graph_fwd_bwd_ms"] = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, s)); }, s, o.warmup, o.iters);
+    grouped["host_syncs_per_step"] = sync_baseline::host_sync_count() - syncs0;  // 0: captured in one graph
+    grouped["captured_in_one_graph"] = true;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    grouped["fwd_bwd_ms"] = grouped["graph_fwd_bwd_ms"];
+    out["grouped"] = grouped;
+
+    // Synchronous baseline: offsets to the host before every GEMM, one cuBLAS GEMM per expert.
+    syncs0 = sync_baseline::host_sync_count();
+    nlohmann::json sync = stage_times(kSync, q, dy.ptr, dact.ptr, dh.ptr, dx.ptr, o, s);
+    sync["host_syncs_per_step"] = double(sync_baseline::host_sync_count() - syncs0) / (o.warmup + o.iters);
+    sync["fwd_bwd_ms"] = sync["eager_fwd_bwd_ms"];
+    out["sync"] = sync;
+
+    const double floor_ms = out["floor"]["fwd_bwd_ms"].get<double>();
+    const double g = grouped["fwd_bwd_ms"].get<double>(), b = sync["fwd_bwd_ms"].get<double>();
+    out["ratios"] = {{"grouped_vs_floor", g / floor_ms}, {"sync_vs_floor", b / floor_ms}, {"grouped_vs_sync", g / b}};
+    out["tflops"] = {{"grouped", flops / g / 1e9}, {"sync", flops / b / 1e9}, {"floor", flops / floor_ms / 1e9}};
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+    return out;
+}
+
+std::string format_mlp_table(const nlohmann::json& r) {
+    std::string out = str("moekit bench --preset ", r["preset"].get<std::string>(), "  (H ", r["H"].get<int64_t>(),
+                          ", F ", r["F"].get<int64_t>(), ", E ", r["E"].get<int64_t>(), ", k ", r["topk"].get<int64_t>(),
+                          ", T ", r["T"].get<int64_t>(), ", zipf ", r["zipf_s"].get<double>(), ", counts ",
+                          r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ") on ",
+                          r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-14s %12s %12s\n", "stage (ms)", "sync-free", "sync-cuBLAS");
+    out += line;
+    for (int i = 0; i < kNumStages; ++i) {
+        std::snprintf(line, sizeof line, "  %-14s %12.3f %12.3f\n", kStageNames[i],
+                      r["grouped"]["stages_ms"][kStageNames[i]].get<double>(),
+                      r["sync"]["stages_ms"][kStageNames[i]].get<double>());
+        out += line;
+    }
+    auto row = [&](const char* name, double a, double b, const char* fmt) {
+        std::snprintf(line, sizeof line, fmt, name, a, b);
+        out += line;
+    };
+    const char* f3 = "  %-14s %12.3f %12.3f\n";
+    row("forward", r["grouped"]["fwd_ms"].get<double>(), r["sync"]["fwd_ms"].get<double>(), f3);
+    row("backward", r["grouped"]["bwd_ms"].get<double>(), r["sync"]["bwd_ms"].get<double>(), f3);
+    row("fwd+bwd", r["grouped"]["fwd_bwd_ms"].get<double>(), r["sync"]["fwd_bwd_ms"].get<double>(), f3);
+    row("TFLOP/s", r["tflops"]["grouped"].get<double>(), r["tflops"]["sync"].get<double>(), "  %-14s %12.0f %12.0f\n");
+    row("host syncs", r["grouped"]["host_syncs_per_step"].get<double>(), r["sync"]["host_syncs_per_step"].get<double>(),
+        "  %-14s %12.0f %12.0f\n");
+    row("x floor", r["ratios"]["grouped_vs_floor"].get<double>(), r["ratios"]["sync_vs_floor"].get<double>(),
+        "  %-14s %11.2fx %11.2fx\n");
+    out += str("  floor (dense cuBLAS, 3 x fwd): ", r["floor"]["fwd_bwd_ms"].get<double>(), " ms, ",
+               r["tflops"]["floor"].get<double>(), " TFLOP/s; sync-free / sync = ",
+               r["ratios"]["grouped_vs_sync"].get<double>(), "\n");
+    return out;
+}
+
+}  // namespace moekit::cuda::bench

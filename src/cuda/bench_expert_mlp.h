@@ -1,0 +1,44 @@
+// Benchmarks of the expert GEMMs and the expert MLP (fc1, SwiGLU x probs, fc2, forward and backward) for the four
+// issue-3 presets: sync-free grouped GEMMs vs the synchronous cuBLAS baseline vs the floor (dense cuBLAS GEMMs of
+// the same shapes). Host-only header (no CUDA types). Used by tools/cmd_bench.cpp and bench/bench_grouped_gemm.cu.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moekit::cuda::bench {
+
+struct Preset {
+    std::string name;
+    int64_t hidden, ffn, experts, topk, tokens;  // H, F, E, k, T (SwiGLU: fc1 has 2F outputs)
+};
+const std::vector<Preset>& presets();
+int gpu_count();  // 0 when the driver or device is missing (never throws)
+const Preset& find_preset(const std::string& name);  // UsageError naming the known presets
+
+struct Options {
+    double zipf_s = 0;  // 0: uniform random logits; s > 0: expert e's popularity proportional to 1/(e+1)^s
+    int iters = 20;
+    int warmup = 3;
+    uint64_t seed = 1234;
+};
+// Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.
+double parse_skew(const std::string& value);
+
+// Per-expert row counts of top-k routing over T tokens: each token takes the k largest of (random Gumbel logits
+// + zipf bias), i.e. k distinct experts drawn by popularity without replacement.
+std::vector<int32_t> routing_counts(const Preset& p, double zipf_s, uint64_t seed);
+
+// Per-GEMM timings (fc1/fc2 forward, dgrad, wgrad) for grouped wgmma, grouped mma.sync, sync baseline and dense.
+nlohmann::json bench_gemms(const Preset& p, const Options& o);
+// The expert MLP forward/backward, stage by stage, for the grouped path (captured in one CUDA graph: zero host
+// syncs) and the sync baseline, with the floor = 3 x (dense fc1 + dense fc2) forward.
+nlohmann::json bench_expert_mlp(const Preset& p, const Options& o);
+
+// Human-readable tables of the two results above.
+std::string format_gemm_table(const nlohmann::json& r);
+std::string format_mlp_table(const nlohmann::json& r);
+
+}  // namespace moekit::cuda::bench

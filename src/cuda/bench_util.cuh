@@ -1,0 +1,136 @@
+// Helpers of the expert-GEMM / expert-MLP benchmarks (bench_expert_mlp.cu): device buffers, random fills,
+// SwiGLU x probs forward/backward (Megatron glu: silu(first half) * second half), dense cuBLAS GEMMs for the floor,
+// event timing (median over iterations). Benchmark-only code; the layer's own kernels live elsewhere.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/rng.h"
+#include "cuda/cuda_check.h"
+#include "cuda/grouped_gemm_kernels.cuh"
+
+namespace moekit::cuda::bench {
+
+using bf16 = __nv_bfloat16;
+
+template <typename T>
+struct DevBuf {
+    T* ptr = nullptr;
+    explicit DevBuf(size_t n) { MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, sizeof(T) * (n ? n : 1))); }
+    ~DevBuf() { cudaFree(ptr); }
+    DevBuf(const DevBuf&) = delete;
+    DevBuf& operator=(const DevBuf&) = delete;
+};
+
+// Uniform in [-scale, scale), never all zeros (zeros time faster than real data).
+__global__ void fill_uniform_kernel(bf16* p, size_t n, float scale, uint64_t seed) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+        p[i] = __float2bfloat16(float((2 * uniform01(seed, 0, i) - 1) * scale));
+}
+__global__ void fill_uniform_f32_kernel(float* p, size_t n, float lo, float hi, uint64_t seed) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+        p[i] = float(lo + (hi - lo) * uniform01(seed, 1, i));
+}
+inline void fill_uniform(bf16* p, size_t n, float scale, uint64_t seed) {
+    fill_uniform_kernel<<<1024, 256>>>(p, n, scale, seed);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+inline void fill_uniform(float* p, size_t n, float lo, float hi, uint64_t seed) {
+    fill_uniform_f32_kernel<<<1024, 256>>>(p, n, lo, hi, seed);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// act[r, j] = silu(h[r, j]) * h[r, F + j] * prob[r] for r < offsets[G] (read on the device).
+__global__ void swiglu_fwd_kernel(const bf16* h, const float* prob, bf16* act, const int32_t* offsets, int G,
+                                  int64_t max_rows, int64_t F) {
+    const int64_t rows = offsets[G];
+    const int64_t pairs = max_rows * F / 2;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+        int64_t r = (2 * i) / F, j = (2 * i) % F;
+        if (r >= rows) return;
+        float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + j));
+        float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + F + j));
+        float p = prob[r];
+        *reinterpret_cast<__nv_bfloat162*>(act + r * F + j) =
+            __floats2bfloat162_rn(g.x * sigmoidf_(g.x) * u.x * p, g.y * sigmoidf_(g.y) * u.y * p);
+    }
+}
+
+// dh from dact: d(gate) = dact*p*u*silu'(g), d(up) = dact*p*silu(g).
+__global__ void swiglu_bwd_kernel(const bf16* h, const float* prob, const bf16* dact, bf16* dh,
+                                  const int32_t* offsets, int G, int64_t max_rows, int64_t F) {
+    const int64_t rows = offsets[G];
+    const int64_t pairs = max_rows * F / 2;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+        int64_t r = (2 * i) / F, j = (2 * i) % F;
+        if (r >= rows) return;
+        float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + j));
+        float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + F + j));
+        float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dact + r * F + j));
+        float p = prob[r];
+        float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
+        *reinterpret_cast<__nv_bfloat162*>(dh + r * 2 * F + j) = __floats2bfloat162_rn(
+            d.x * p * u.x * s0 * (1.f + g.x * (1.f - s0)), d.y * p * u.y * s1 * (1.f + g.y * (1.f - s1)));
+        *reinterpret_cast<__nv_bfloat162*>(dh + r * 2 * F + F + j) =
+            __floats2bfloat162_rn(d.x * p * g.x * s0, d.y * p * g.y * s1);
+    }
+}
+
+// Dense cuBLAS GEMMs with the grouped functions' row-major conventions and one group of `rows` rows:
+// NT: C[rows,n] = A[rows,k]·B[n,k]ᵀ; NN: C = A·B[k,n]; TN: C[m,n] fp32 = A[rows,m]ᵀ·B[rows,n].
+inline cublasHandle_t dense_handle() {
+    static cublasHandle_t h = [] {
+        cublasHandle_t c = nullptr;
+        MOEKIT_CUBLAS_CHECK(cublasCreate(&c));
+        return c;
+    }();
+    return h;
+}
+inline void dense_gemm(gemm_detail::Op op, int64_t rows, int64_t n, int64_t k, const bf16* A, const bf16* B, void* C,
+                       cudaStream_t stream) {
+    const float alpha = 1.f, beta = 0.f;
+    cublasHandle_t h = dense_handle();
+    MOEKIT_CUBLAS_CHECK(cublasSetStream(h, stream));
+    using gemm_detail::Op;
+    if (op == Op::kNT)
+        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, B,
+                                         CUDA_R_16BF, int(k), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_16BF, int(n),
+                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    else if (op == Op::kNN)
+        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, B,
+                                         CUDA_R_16BF, int(n), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_16BF, int(n),
+                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    else  // k is m here
+        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(k), int(rows), &alpha, B,
+                                         CUDA_R_16BF, int(n), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_32F, int(n),
+                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// Median milliseconds of fn() on `stream` over iters runs after warmup runs, timed with events.
+template <typename Fn>
+double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) fn();
+    cudaEvent_t a, b;
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&a));
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&b));
+    std::vector<float> t;
+    for (int i = 0; i < iters; ++i) {
+        MOEKIT_CUDA_CHECK(cudaEventRecord(a, stream));
+        fn();
+        MOEKIT_CUDA_CHECK(cudaEventRecord(b, stream));
+        MOEKIT_CUDA_CHECK(cudaEventSynchronize(b));
+        float ms = 0;
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(t.begin(), t.end());
+    return t.empty() ? 0.0 : t[t.size() / 2];
+}
+
+}  // namespace moekit::cuda::bench

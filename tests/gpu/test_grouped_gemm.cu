@@ -1,0 +1,275 @@
+// Grouped GEMMs (src/cuda/grouped_gemm.h) and their synchronous cuBLAS baseline (grouped_gemm_sync.h) against a CPU
+// float64 reference on bf16-rounded random inputs: nt / nn / tn, both compute cores (mma.sync, wgmma on sm_90),
+// counts with zeros, one group taking all rows, sizes off the tile grid; rows past offsets[G] stay untouched.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/rng.h"
+#include "cuda/cuda_check.h"
+#include "cuda/grouped_gemm.h"
+#include "cuda/grouped_gemm_kernels.cuh"
+#include "cuda/grouped_gemm_sync.h"
+
+namespace moekit::cuda {
+namespace {
+
+bool have_gpu() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define SKIP_WITHOUT_GPU() \
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or 0): GPU test skipped"
+
+template <typename T>
+struct DeviceBuffer {
+    T* ptr = nullptr;
+    size_t len = 0;
+    explicit DeviceBuffer(size_t n) : len(n) { MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, sizeof(T) * (n ? n : 1))); }
+    explicit DeviceBuffer(const std::vector<T>& v) : DeviceBuffer(v.size()) { upload(v); }
+    ~DeviceBuffer() { cudaFree(ptr); }
+    void upload(const std::vector<T>& v) {
+        MOEKIT_CUDA_CHECK(cudaMemcpy(ptr, v.data(), sizeof(T) * v.size(), cudaMemcpyHostToDevice));
+    }
+    std::vector<T> download() const {
+        std::vector<T> v(len);
+        MOEKIT_CUDA_CHECK(cudaMemcpy(v.data(), ptr, sizeof(T) * len, cudaMemcpyDeviceToHost));
+        return v;
+    }
+};
+
+using bf16 = __nv_bfloat16;
+bf16 to_bf16(float f) {
+    uint16_t b = float_to_bf16_bits(f);
+    bf16 h;
+    std::memcpy(&h, &b, 2);
+    return h;
+}
+float from_bf16(bf16 h) {
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return bf16_bits_to_float(b);
+}
+uint16_t bits(bf16 h) {
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+
+// Random bf16 values in [-1, 1); the first `valid` elements random, the rest NaN (must never be read into results).
+std::vector<bf16> random_bf16(size_t n, uint64_t seed, size_t valid) {
+    Rng rng(seed);
+    std::vector<bf16> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = i < valid ? to_bf16(float(2 * rng.uniform() - 1)) : to_bf16(NAN);
+    return v;
+}
+
+std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
+    std::vector<int32_t> off(counts.size() + 1, 0);
+    for (size_t g = 0; g < counts.size(); ++g) off[g + 1] = off[g] + counts[g];
+    return off;
+}
+
+std::vector<int> random_counts(int G, int total, uint64_t seed, double zero_fraction) {
+    Rng rng(seed);
+    std::vector<double> w(G);
+    double sum = 0;
+    for (auto& x : w) sum += (x = rng.uniform() < zero_fraction ? 0.0 : 0.2 + rng.uniform());
+    std::vector<int> c(G, 0);
+    int used = 0;
+    for (int g = 0; g < G; ++g) used += (c[g] = sum > 0 ? int(total * w[g] / sum) : 0);
+    for (int g = 0; used < total; g = (g + 1) % G)
+        if (w[g] > 0 || sum == 0) ++c[g], ++used;
+    return c;
+}
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        double d = got[i] - ref[i];
+        num += std::isnan(got[i]) ? 1e30 : d * d;
+        den += ref[i] * ref[i];
+    }
+    return std::sqrt(num / (den > 0 ? den : 1));
+}
+
+enum class Backend { kMma, kWgmma, kSync };
+const char* name(Backend b) { return b == Backend::kMma ? "mma.sync" : b == Backend::kWgmma ? "wgmma" : "sync-cublas"; }
+
+std::vector<Backend> backends() {
+    std::vector<Backend> out{Backend::kMma, Backend::kSync};
+    int dev = 0, major = 0, minor = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (major == 9 && minor == 0) out.push_back(Backend::kWgmma);
+    return out;
+}
+
+void select(Backend b) {
+    if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
+    if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
+}
+
+enum class Op { kNT, kNN };
+
+// nt / nn: C[r] = A[r]·B[g]ᵀ or A[r]·B[g]; rows past offsets[G] (up to max_rows) must keep the canary.
+void check_row_gemm(Op op, const std::vector<int>& counts, int slack_rows, int n, int k, uint64_t seed) {
+    const int G = int(counts.size());
+    auto off = offsets_of(counts);
+    const int rows = off[G], max_rows = rows + slack_rows;
+    auto A = random_bf16(size_t(max_rows) * k, seed, size_t(rows) * k);
+    auto B = random_bf16(size_t(G) * n * k, seed + 1, size_t(G) * n * k);
+    std::vector<double> ref(size_t(rows) * n, 0.0);
+    for (int g = 0; g < G; ++g)
+        for (int r = off[g]; r < off[g + 1]; ++r)
+            for (int j = 0; j < n; ++j) {
+                double s = 0;
+                for (int q = 0; q < k; ++q) {
+                    double b = op == Op::kNT ? from_bf16(B[(size_t(g) * n + j) * k + q])
+                                             : from_bf16(B[(size_t(g) * k + q) * n + j]);
+                    s += double(from_bf16(A[size_t(r) * k + q])) * b;
+                }
+                ref[size_t(r) * n + j] = s;
+            }
+    DeviceBuffer<bf16> dA(A), dB(B);
+    DeviceBuffer<int32_t> dOff(off);
+    const bf16 canary = to_bf16(-12345.f);
+    GroupedGemmShape shape{G, max_rows, n, k};
+    for (Backend b : backends()) {
+        SCOPED_TRACE(::testing::Message() << name(b) << (op == Op::kNT ? " nt" : " nn") << " G=" << G << " n=" << n
+                                          << " k=" << k << " rows=" << rows << " seed=" << seed);
+        select(b);
+        DeviceBuffer<bf16> dC(std::vector<bf16>(size_t(max_rows) * n, canary));
+        if (b == Backend::kSync)
+            (op == Op::kNT ? sync_baseline::grouped_gemm_nt : sync_baseline::grouped_gemm_nn)(
+                shape, dA.ptr, dB.ptr, dC.ptr, dOff.ptr, nullptr);
+        else
+            (op == Op::kNT ? grouped_gemm_nt : grouped_gemm_nn)(shape, dA.ptr, dB.ptr, dC.ptr, dOff.ptr, nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        auto C = dC.download();
+        std::vector<double> got(size_t(rows) * n);
+        for (size_t i = 0; i < got.size(); ++i) got[i] = from_bf16(C[i]);
+        // bf16 output rounding (2^-9 relative) dominates; fp32 accumulation adds far less.
+        EXPECT_LT(rel_err(got, ref), 1e-2);
+        size_t touched = 0;
+        for (size_t i = size_t(rows) * n; i < C.size(); ++i) touched += bits(C[i]) != bits(canary);
+        EXPECT_EQ(touched, 0u) << "elements written past offsets[G]";
+    }
+    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+}
+
+// tn: C[g] (+)= A_gᵀ·B_g in fp32 over the group's rows (zero rows: zeroed, or unchanged with accumulate).
+void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool accumulate, uint64_t seed) {
+    const int G = int(counts.size());
+    auto off = offsets_of(counts);
+    const int rows = off[G], max_rows = rows + slack_rows;
+    auto A = random_bf16(size_t(max_rows) * m, seed, size_t(rows) * m);
+    auto B = random_bf16(size_t(max_rows) * n, seed + 1, size_t(rows) * n);
+    Rng rng(seed + 2);
+    std::vector<float> C0(size_t(G) * m * n);
+    for (auto& x : C0) x = float(2 * rng.uniform() - 1);
+    std::vector<double> ref(C0.size());
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < m; ++i)
+            for (int j = 0; j < n; ++j) {
+                double s = accumulate ? C0[(size_t(g) * m + i) * n + j] : 0.0;
+                for (int r = off[g]; r < off[g + 1]; ++r)
+                    s += double(from_bf16(A[size_t(r) * m + i])) * from_bf16(B[size_t(r) * n + j]);
+                ref[(size_t(g) * m + i) * n + j] = s;
+            }
+    DeviceBuffer<bf16> dA(A), dB(B);
+    DeviceBuffer<int32_t> dOff(off);
+    GroupedGemmShape shape{G, max_rows, n, m};
+    for (Backend b : backends()) {
+        SCOPED_TRACE(::testing::Message() << name(b) << " tn G=" << G << " m=" << m << " n=" << n
+                                          << " rows=" << rows << " accumulate=" << accumulate << " seed=" << seed);
+        select(b);
+        DeviceBuffer<float> dC(C0);
+        if (b == Backend::kSync)
+            sync_baseline::grouped_gemm_tn(shape, dA.ptr, dB.ptr, dC.ptr, dOff.ptr, accumulate, nullptr);
+        else
+            grouped_gemm_tn(shape, dA.ptr, dB.ptr, dC.ptr, dOff.ptr, accumulate, nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        auto C = dC.download();
+        std::vector<double> got(C.begin(), C.end());
+        // fp32 accumulation of up to ~1e3 products of magnitude <= 1: relative error well under 1e-4.
+        EXPECT_LT(rel_err(got, ref), 1e-4);
+        for (int g = 0; g < G; ++g) {
+            if (counts[g] != 0) continue;
+            size_t bad = 0;
+            for (size_t i = size_t(g) * m * n; i < size_t(g + 1) * m * n; ++i)
+                bad += accumulate ? C[i] != C0[i] : C[i] != 0.f;
+            EXPECT_EQ(bad, 0u) << "empty group " << g << " not " << (accumulate ? "left unchanged" : "zeroed");
+        }
+    }
+    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+}
+
+TEST(GroupedGemm, EmptyFirstGroupTiny) {
+    SKIP_WITHOUT_GPU();
+    check_row_gemm(Op::kNT, {0, 4}, 3, 64, 32, 11);
+    check_row_gemm(Op::kNN, {0, 4}, 3, 64, 32, 12);
+    check_tn({0, 4}, 3, 64, 32, false, 13);
+}
+
+TEST(GroupedGemm, AllRowsInOneGroup) {
+    SKIP_WITHOUT_GPU();
+    check_row_gemm(Op::kNT, {0, 0, 300, 0}, 0, 256, 128, 21);
+    check_row_gemm(Op::kNN, {0, 0, 300, 0}, 17, 256, 128, 22);
+    check_tn({0, 0, 300, 0}, 5, 128, 256, false, 23);
+}
+
+TEST(GroupedGemm, UnevenCountsWithZerosMidShape) {
+    SKIP_WITHOUT_GPU();
+    // G=8, H=256, F=384 (SwiGLU fc1 n = 2F = 768): fc1 forward, fc2 forward, dgrad, wgrad shapes.
+    auto counts = random_counts(8, 1000, 31, 0.25);
+    check_row_gemm(Op::kNT, counts, 24, 768, 256, 32);  // fc1: X·W1ᵀ
+    check_row_gemm(Op::kNT, counts, 24, 256, 384, 33);  // fc2: A·W2ᵀ
+    check_row_gemm(Op::kNN, counts, 24, 256, 768, 34);  // dgrad fc1: dH·W1
+    check_tn(counts, 24, 768, 256, false, 35);          // wgrad fc1: dHᵀ·X
+}
+
+TEST(GroupedGemm, SizesOffTheTileGrid) {
+    SKIP_WITHOUT_GPU();
+    // n, k multiples of 8 but not of any tile; row counts not multiples of the row tile.
+    std::vector<int> counts{1, 129, 0, 65, 7, 255};
+    check_row_gemm(Op::kNT, counts, 9, 200, 72, 41);
+    check_row_gemm(Op::kNN, counts, 9, 136, 264, 42);
+    check_tn(counts, 9, 200, 136, false, 43);
+    check_tn(counts, 9, 72, 264, true, 44);
+}
+
+TEST(GroupedGemm, ManyGroupsSmallCounts) {
+    SKIP_WITHOUT_GPU();
+    auto counts = random_counts(64, 700, 51, 0.3);
+    check_row_gemm(Op::kNT, counts, 0, 128, 64, 52);
+    check_row_gemm(Op::kNN, counts, 0, 64, 128, 53);
+    check_tn(counts, 0, 64, 128, true, 54);
+}
+
+TEST(GroupedGemm, RejectsUnalignedSizes) {
+    SKIP_WITHOUT_GPU();
+    GroupedGemmShape shape{2, 16, 60, 64};
+    DeviceBuffer<bf16> A(16 * 64), B(2 * 64 * 64), C(16 * 64);
+    DeviceBuffer<int32_t> off(std::vector<int32_t>{0, 8, 16});
+    EXPECT_THROW(grouped_gemm_nt(shape, A.ptr, B.ptr, C.ptr, off.ptr, nullptr), Error);
+}
+
+TEST(GroupedGemm, SyncBaselineCountsHostSyncs) {
+    SKIP_WITHOUT_GPU();
+    GroupedGemmShape shape{2, 16, 64, 64};
+    DeviceBuffer<bf16> A(random_bf16(16 * 64, 61, 16 * 64)), B(random_bf16(2 * 64 * 64, 62, 2 * 64 * 64));
+    DeviceBuffer<bf16> C(16 * 64);
+    DeviceBuffer<int32_t> off(std::vector<int32_t>{0, 8, 16});
+    int64_t before = sync_baseline::host_sync_count();
+    sync_baseline::grouped_gemm_nt(shape, A.ptr, B.ptr, C.ptr, off.ptr, nullptr);
+    sync_baseline::grouped_gemm_nn(shape, A.ptr, B.ptr, C.ptr, off.ptr, nullptr);
+    EXPECT_EQ(sync_baseline::host_sync_count() - before, 2);
+}
+
+}  // namespace
+}  // namespace moekit::cuda

@@ -1,0 +1,81 @@
+// `moekit bench`: times one MoE layer step forward+backward on the GPU for a preset (mixtral, dsv3-ep8, dsv3-e256,
+// qwen3-30b): per-stage times, TFLOP/s, host syncs, ratios to the floor (dense cuBLAS GEMMs of the expert shapes)
+// and to the synchronous baseline. Compiles without CUDA (then it exits 2). Engine: src/cuda/bench_expert_mlp.cu.
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "command.h"
+#include "moekit/error.h"
+
+#ifdef MOEKIT_WITH_CUDA
+#include "cuda/bench_expert_mlp.h"
+#endif
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
+    "                    [--device cuda]\n"
+    "Times the expert MLP forward+backward (fc1, SwiGLU x probs, fc2) with the sync-free grouped GEMMs (one CUDA\n"
+    "graph, no host sync) and with the synchronous cuBLAS baseline, against the floor: dense cuBLAS GEMMs of the\n"
+    "expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; forward+backward = 3 x forward).\n";
+
+int run_bench(const std::vector<std::string>& args) {
+    std::string preset, skew, json_path, device = "cuda";
+    int iters = 20;
+    for (size_t i = 0; i < args.size(); ++i) {
+        const std::string& a = args[i];
+        if (a == "--help" || a == "-h") {
+            std::fputs(kUsage, stdout);
+            return 0;
+        }
+        auto value = [&]() -> std::string {
+            MOEKIT_REQUIRE(i + 1 < args.size(), a, " needs a value\n", kUsage);
+            return args[++i];
+        };
+        if (a == "--preset") preset = value();
+        else if (a == "--skew") skew = value();
+        else if (a == "--json") json_path = value();
+        else if (a == "--device") device = value();
+        else if (a == "--iters") {
+            std::string v = value();
+            try {
+                iters = std::stoi(v);
+            } catch (...) {
+                iters = 0;
+            }
+            MOEKIT_REQUIRE(iters >= 1, "--iters=", v, " must be a positive integer");
+        } else {
+            throw moekit::UsageError(moekit::str("unknown flag ", a, "\n", kUsage));
+        }
+    }
+    MOEKIT_REQUIRE(!preset.empty(), "--preset is required\n", kUsage);
+    MOEKIT_REQUIRE(device == "cuda", "--device=", device, ": moekit bench runs on cuda only");
+#ifdef MOEKIT_WITH_CUDA
+    namespace b = moekit::cuda::bench;
+    MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
+    b::Options o;
+    o.iters = iters;
+    if (!skew.empty()) o.zipf_s = b::parse_skew(skew);
+    const b::Preset& p = b::find_preset(preset);
+    nlohmann::json r = b::bench_expert_mlp(p, o);
+    std::printf("%s", b::format_mlp_table(r).c_str());
+    if (!json_path.empty()) {
+        std::ofstream f(json_path);
+        MOEKIT_REQUIRE(f.good(), "--json=", json_path, ": cannot open for writing");
+        f << r.dump(1) << "\n";
+    }
+    return 0;
+#else
+    (void)skew;
+    (void)json_path;
+    (void)iters;
+    throw moekit::UsageError("moekit bench needs a CUDA build and a GPU (this build has no CUDA backend)");
+#endif
+}
+
+moekit::tools::RegisterCommand reg("bench", "time the MoE layer forward+backward on the GPU (presets)", run_bench);
+
+}  // namespace
