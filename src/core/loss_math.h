@@ -42,8 +42,7 @@ MOEKIT_HD void aux_scores_row_backward(ScoreFunction f, const T* logits, int64_t
         dot += grad[e] * a;
     }
     const T d = sum + T(1e-20);
-    for (int64_t e = 0; e < E; ++e)
-        dlogits[e] += (grad[e] / d - dot / (d * d)) * elementwise_score_grad(f, logits[e]);
+    for (int64_t e = 0; e < E; ++e) dlogits[e] += (grad[e] / d - dot / (d * d)) * elementwise_score_grad(f, logits[e]);
 }
 
 // switch_load_balancing_loss_func: loss = factor * sum_i (sum_x s_{x,i}) * tokens_i with

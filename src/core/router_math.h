@@ -16,41 +16,80 @@ enum class ScoreFunction : int { softmax = 0, sigmoid = 1, sqrtsoftplus = 2 };
 
 // One overload set that works on host (std::) and device (CUDA's global math functions).
 #if defined(__CUDA_ARCH__)
-template <typename T> MOEKIT_HD T rm_exp(T x) { return exp(x); }
-template <typename T> MOEKIT_HD T rm_log(T x) { return log(x); }
-template <typename T> MOEKIT_HD T rm_log1p(T x) { return log1p(x); }
-template <typename T> MOEKIT_HD T rm_sqrt(T x) { return sqrt(x); }
+template <typename T>
+MOEKIT_HD T rm_exp(T x) {
+    return exp(x);
+}
+template <typename T>
+MOEKIT_HD T rm_log(T x) {
+    return log(x);
+}
+template <typename T>
+MOEKIT_HD T rm_log1p(T x) {
+    return log1p(x);
+}
+template <typename T>
+MOEKIT_HD T rm_sqrt(T x) {
+    return sqrt(x);
+}
 #else
-template <typename T> MOEKIT_HD T rm_exp(T x) { return std::exp(x); }
-template <typename T> MOEKIT_HD T rm_log(T x) { return std::log(x); }
-template <typename T> MOEKIT_HD T rm_log1p(T x) { return std::log1p(x); }
-template <typename T> MOEKIT_HD T rm_sqrt(T x) { return std::sqrt(x); }
+template <typename T>
+MOEKIT_HD T rm_exp(T x) {
+    return std::exp(x);
+}
+template <typename T>
+MOEKIT_HD T rm_log(T x) {
+    return std::log(x);
+}
+template <typename T>
+MOEKIT_HD T rm_log1p(T x) {
+    return std::log1p(x);
+}
+template <typename T>
+MOEKIT_HD T rm_sqrt(T x) {
+    return std::sqrt(x);
+}
 #endif
 
 // ---- scalar score functions and their derivatives (d score / d logit) ----
 
 template <typename T>
-MOEKIT_HD T score_sigmoid(T x) { return T(1) / (T(1) + rm_exp(-x)); }
+MOEKIT_HD T score_sigmoid(T x) {
+    return T(1) / (T(1) + rm_exp(-x));
+}
 
 template <typename T>
-MOEKIT_HD T score_sigmoid_grad(T x) { T s = score_sigmoid(x); return s * (T(1) - s); }
+MOEKIT_HD T score_sigmoid_grad(T x) {
+    T s = score_sigmoid(x);
+    return s * (T(1) - s);
+}
 
 // torch.nn.functional.softplus (beta 1, threshold 20: linear above it).
 template <typename T>
-MOEKIT_HD T softplus(T x) { return x > T(20) ? x : rm_log1p(rm_exp(x)); }
+MOEKIT_HD T softplus(T x) {
+    return x > T(20) ? x : rm_log1p(rm_exp(x));
+}
 
 template <typename T>
-MOEKIT_HD T softplus_grad(T x) { return x > T(20) ? T(1) : score_sigmoid(x); }
+MOEKIT_HD T softplus_grad(T x) {
+    return x > T(20) ? T(1) : score_sigmoid(x);
+}
 
 template <typename T>
-MOEKIT_HD T sqrtsoftplus(T x) { return rm_sqrt(softplus(x)); }
+MOEKIT_HD T sqrtsoftplus(T x) {
+    return rm_sqrt(softplus(x));
+}
 
 template <typename T>
-MOEKIT_HD T sqrtsoftplus_grad(T x) { return softplus_grad(x) / (T(2) * sqrtsoftplus(x)); }
+MOEKIT_HD T sqrtsoftplus_grad(T x) {
+    return softplus_grad(x) / (T(2) * sqrtsoftplus(x));
+}
 
 // The element-wise score of sigmoid / sqrtsoftplus (softmax is a row function).
 template <typename T>
-MOEKIT_HD T elementwise_score(ScoreFunction f, T x) { return f == ScoreFunction::sigmoid ? score_sigmoid(x) : sqrtsoftplus(x); }
+MOEKIT_HD T elementwise_score(ScoreFunction f, T x) {
+    return f == ScoreFunction::sigmoid ? score_sigmoid(x) : sqrtsoftplus(x);
+}
 
 template <typename T>
 MOEKIT_HD T elementwise_score_grad(ScoreFunction f, T x) {
@@ -76,10 +115,14 @@ MOEKIT_HD SoftmaxStats<T> softmax_stats(const T* x, int64_t n, const int64_t* id
 }
 
 template <typename T>
-MOEKIT_HD T softmax_at(T x, SoftmaxStats<T> st) { return rm_exp(x - st.max) / st.sum; }
+MOEKIT_HD T softmax_at(T x, SoftmaxStats<T> st) {
+    return rm_exp(x - st.max) / st.sum;
+}
 
 template <typename T>
-MOEKIT_HD T logsumexp(SoftmaxStats<T> st) { return st.max + rm_log(st.sum); }
+MOEKIT_HD T logsumexp(SoftmaxStats<T> st) {
+    return st.max + rm_log(st.sum);
+}
 
 // ---- top-k ordering ----
 // Total order used by every selection: allowed entries first (a disallowed entry acts like
@@ -114,8 +157,8 @@ MOEKIT_HD void topk_ordered(const T* s, const uint8_t* allowed, int64_t n, int64
 // Group-limited routing: group score = sum of the top (k / group_topk) scores of each of the G
 // groups; the group_topk best groups stay allowed. group_scores [G] and allowed [E] are scratch.
 template <typename T>
-MOEKIT_HD void group_limited_allowed(const T* s, int64_t E, int64_t G, int64_t group_topk, int64_t k,
-                                     T* group_scores, uint8_t* allowed) {
+MOEKIT_HD void group_limited_allowed(const T* s, int64_t E, int64_t G, int64_t group_topk, int64_t k, T* group_scores,
+                                     uint8_t* allowed) {
     const int64_t per = E / G, m = k / group_topk;
     for (int64_t g = 0; g < G; ++g) {
         T sum = T(0);

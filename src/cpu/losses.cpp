@@ -114,8 +114,7 @@ AuxLossTerms aux_losses(const MoeConfig& config, const Matrix<T>& scores, const 
             switch_load_balancing_loss(scores.data.data(), rows, E, out.global_avg_tokens, total, k, E, c_glob);
         const double f = total > 0 ? switch_loss_factor(c_glob, E, k, total) : 0.0;
         for (int64_t b = 0; b < B; ++b)
-            for (int64_t e = 0; e < E; ++e)
-                out.score_grad[size_t(b * E + e)] += f * out.global_avg_tokens[size_t(e)];
+            for (int64_t e = 0; e < E; ++e) out.score_grad[size_t(b * E + e)] += f * out.global_avg_tokens[size_t(e)];
     }
     return out;
 }
@@ -143,16 +142,16 @@ void z_loss_backward(const Matrix<T>& logits, const std::vector<uint8_t>& paddin
     }
 }
 
-#define MOEKIT_INSTANTIATE_LOSSES(T)                                                                            \
+#define MOEKIT_INSTANTIATE_LOSSES(T)                                                                               \
     template void aux_scores<T>(const Matrix<T>&, ScoreFunction, int64_t, const std::vector<uint8_t>&, Matrix<T>&, \
-                                std::vector<uint8_t>&);                                                          \
-    template void aux_scores_backward<T>(const Matrix<T>&, ScoreFunction, const Matrix<T>&,                      \
-                                         const std::vector<uint8_t>&, Matrix<T>&);                               \
-    template double switch_load_balancing_loss<T>(const T*, int64_t, int64_t, const std::vector<double>&, double, \
-                                                  int64_t, int64_t, double);                                     \
-    template AuxLossTerms aux_losses<T>(const MoeConfig&, const Matrix<T>&, const std::vector<uint8_t>&, bool,   \
-                                        int64_t, int64_t, RouterState&);                                         \
-    template double z_loss<T>(const Matrix<T>&, const std::vector<uint8_t>&, double, double*);                  \
+                                std::vector<uint8_t>&);                                                            \
+    template void aux_scores_backward<T>(const Matrix<T>&, ScoreFunction, const Matrix<T>&,                        \
+                                         const std::vector<uint8_t>&, Matrix<T>&);                                 \
+    template double switch_load_balancing_loss<T>(const T*, int64_t, int64_t, const std::vector<double>&, double,  \
+                                                  int64_t, int64_t, double);                                       \
+    template AuxLossTerms aux_losses<T>(const MoeConfig&, const Matrix<T>&, const std::vector<uint8_t>&, bool,     \
+                                        int64_t, int64_t, RouterState&);                                           \
+    template double z_loss<T>(const Matrix<T>&, const std::vector<uint8_t>&, double, double*);                     \
     template void z_loss_backward<T>(const Matrix<T>&, const std::vector<uint8_t>&, double, Matrix<T>&);
 
 MOEKIT_INSTANTIATE_LOSSES(float)

@@ -11,11 +11,14 @@
 #include "core/loss_math.h"
 #include "core/router_math.h"
 #include "cpu/losses.h"
+#include "cpu/parallel.h"
 #include "moekit/error.h"
 
 namespace moekit::cpu {
 
 namespace {
+
+constexpr int64_t kRowsPerChunk = 64;  // parallel_for granularity for the gating GEMMs
 
 bool is_padding(const std::vector<uint8_t>& mask, int64_t t) { return !mask.empty() && mask[size_t(t)] != 0; }
 
@@ -64,8 +67,8 @@ std::vector<uint8_t> capacity_mask(const RouterContext<T>& ctx, const std::vecto
         for (int64_t t : valid) std::fill_n(keep.begin() + t * E, E, uint8_t(1));
         return keep;
     }
-    MOEKIT_REQUIRE(policy == "probs" || policy == "position",
-                   "--moe-token-drop-policy=", policy, " must be probs or position");
+    MOEKIT_REQUIRE(policy == "probs" || policy == "position", "--moe-token-drop-policy=", policy,
+                   " must be probs or position");
     std::vector<int64_t> order(valid);
     for (int64_t e = 0; e < E; ++e) {
         if (policy == "probs") {
@@ -135,14 +138,16 @@ void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, con
 
     // 2. Gating linear logits = x_router . W^T (accumulated in double: the reference rounds once).
     ctx.logits = Matrix<T>(rows, E);
-    for (int64_t t = 0; t < rows; ++t)
-        for (int64_t e = 0; e < E; ++e) {
-            double acc = 0;
-            const T* xr = ctx.router_input.row(t);
-            const T* w = router_weight.row(e);
-            for (int64_t h = 0; h < H; ++h) acc += double(xr[h]) * double(w[h]);
-            ctx.logits(t, e) = T(acc);
-        }
+    parallel_for(rows, kRowsPerChunk, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t e = 0; e < E; ++e) {
+                double acc = 0;
+                const T* xr = ctx.router_input.row(t);
+                const T* w = router_weight.row(e);
+                for (int64_t h = 0; h < H; ++h) acc += double(xr[h]) * double(w[h]);
+                ctx.logits(t, e) = T(acc);
+            }
+    });
 
     // 3. Selection and probs.
     const bool sinkhorn_routing = uses_sinkhorn(config);
@@ -204,7 +209,8 @@ void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, con
             Matrix<T> scores;
             std::vector<uint8_t> aux_map;
             aux_scores(ctx.logits, route_params(config).score, k, ctx.padding_mask, scores, aux_map);
-            AuxLossTerms terms = aux_losses(config, scores, aux_map, !ctx.padding_mask.empty(), ctx.seq_length, B, state);
+            AuxLossTerms terms =
+                aux_losses(config, scores, aux_map, !ctx.padding_mask.empty(), ctx.seq_length, B, state);
             ctx.losses.aux_loss = terms.aux_loss;
             ctx.losses.seq_aux_loss = terms.seq_aux_loss;
             ctx.losses.global_aux_loss = terms.global_aux_loss;
@@ -223,7 +229,8 @@ void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, con
         if (state.local_tokens_per_expert.empty()) state.local_tokens_per_expert.assign(size_t(E), 0.0);
         MOEKIT_CHECK(int64_t(state.local_tokens_per_expert.size()) == E, "local_tokens_per_expert has ",
                      state.local_tokens_per_expert.size(), " entries, expected E=", E);
-        for (int64_t e = 0; e < E; ++e) state.local_tokens_per_expert[size_t(e)] += double(ctx.tokens_per_expert[size_t(e)]);
+        for (int64_t e = 0; e < E; ++e)
+            state.local_tokens_per_expert[size_t(e)] += double(ctx.tokens_per_expert[size_t(e)]);
     }
 }
 
@@ -259,30 +266,43 @@ void router_backward(const MoeConfig& config, const Matrix<T>& router_weight, co
     if (!ctx.aux_score_grad.empty()) {
         Matrix<T> grad_scores(rows, E);
         for (int64_t t = 0; t < rows; ++t)
-            for (int64_t e = 0; e < E; ++e)
-                grad_scores(t, e) = T(scale * ctx.aux_score_grad[size_t((t % B) * E + e)]);
+            for (int64_t e = 0; e < E; ++e) grad_scores(t, e) = T(scale * ctx.aux_score_grad[size_t((t % B) * E + e)]);
         aux_scores_backward(ctx.logits, route_params(config).score, grad_scores, ctx.padding_mask, dlogits);
     }
     if (ctx.z_loss_weight != 0) z_loss_backward(ctx.logits, ctx.padding_mask, scale * ctx.z_loss_weight, dlogits);
 
-    // Gating linear backward: dW += dlogits^T x_router; dx += (dlogits W) * jitter.
-    for (int64_t e = 0; e < E; ++e)
-        for (int64_t h = 0; h < H; ++h) {
-            double acc = 0;
-            for (int64_t t = 0; t < rows; ++t) acc += double(dlogits(t, e)) * double(ctx.router_input(t, h));
-            grad_router_weight(e, h) += T(acc);
+    // Gating linear backward: dW += dlogits^T x_router; dx += (dlogits W) * jitter. Each output
+    // element is summed by one thread in a fixed order (t, resp. e ascending): deterministic.
+    parallel_for(E, 1, [&](int64_t begin, int64_t end) {
+        std::vector<double> acc(static_cast<size_t>(H));
+        for (int64_t e = begin; e < end; ++e) {
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (int64_t t = 0; t < rows; ++t) {
+                const double d = double(dlogits(t, e));
+                const T* xr = ctx.router_input.row(t);
+                for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += d * double(xr[h]);
+            }
+            for (int64_t h = 0; h < H; ++h) grad_router_weight(e, h) += T(acc[size_t(h)]);
         }
-    for (int64_t t = 0; t < rows; ++t)
-        for (int64_t h = 0; h < H; ++h) {
-            double acc = 0;
-            for (int64_t e = 0; e < E; ++e) acc += double(dlogits(t, e)) * double(router_weight(e, h));
-            grad_hidden(t, h) += ctx.jitter.empty() ? T(acc) : T(acc) * ctx.jitter(t, h);
+    });
+    parallel_for(rows, kRowsPerChunk, [&](int64_t begin, int64_t end) {
+        std::vector<double> acc(static_cast<size_t>(H));
+        for (int64_t t = begin; t < end; ++t) {
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (int64_t e = 0; e < E; ++e) {
+                const double d = double(dlogits(t, e));
+                const T* w = router_weight.row(e);
+                for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += d * double(w[h]);
+            }
+            for (int64_t h = 0; h < H; ++h)
+                grad_hidden(t, h) += ctx.jitter.empty() ? T(acc[size_t(h)]) : T(acc[size_t(h)]) * ctx.jitter(t, h);
         }
+    });
 }
 
-#define MOEKIT_INSTANTIATE_ROUTER(T)                                                                            \
-    template void router_forward<T>(const MoeConfig&, const Matrix<T>&, const std::vector<double>&,            \
-                                    const LayerInput<T>&, RouterState&, RouterContext<T>&);                     \
+#define MOEKIT_INSTANTIATE_ROUTER(T)                                                                                \
+    template void router_forward<T>(const MoeConfig&, const Matrix<T>&, const std::vector<double>&,                 \
+                                    const LayerInput<T>&, RouterState&, RouterContext<T>&);                         \
     template void router_backward<T>(const MoeConfig&, const Matrix<T>&, const RouterContext<T>&, const Matrix<T>&, \
                                      Matrix<T>&, Matrix<T>&);
 

@@ -45,8 +45,8 @@ struct RouterRun {
 
 // Forward, then backward with grad_probs (zeros when empty).
 RouterRun run(const MoeConfig& c, const Matrix<double>& w, const Matrix<double>& hidden, RouterState& state,
-        int64_t seq_length = 0, int64_t batch = 1, const std::vector<uint8_t>& padding = {},
-        const Matrix<double>& grad_probs = {}, const std::vector<double>& bias = {}) {
+              int64_t seq_length = 0, int64_t batch = 1, const std::vector<uint8_t>& padding = {},
+              const Matrix<double>& grad_probs = {}, const std::vector<double>& bias = {}) {
     LayerInput<double> in;
     in.hidden = hidden;
     in.seq_length = seq_length;
@@ -165,7 +165,10 @@ TEST(Losses, L6InjectionScale) {
         RouterState st;
         RouterRun none = run(c, w, x, st);
         for (double v : none.grad_weight.data) EXPECT_EQ(v, 0.0);
-        if (with_z) c.moe_z_loss_coeff = 1e-2; else c.moe_aux_loss_coeff = {1e-2};
+        if (with_z)
+            c.moe_z_loss_coeff = 1e-2;
+        else
+            c.moe_aux_loss_coeff = {1e-2};
         c.moe_loss_backward_scale = 1.0;
         RouterRun one = run(c, w, x, st);
         c.moe_loss_backward_scale = 0.125;
@@ -228,7 +231,8 @@ TEST(Losses, L7ShardingInvariance) {
         RouterState st;
         RouterRun routed = run(loss_config(E, k, {"aux_loss"}, {coeff}, name), identity(E), logits, st);
         EXPECT_NEAR(routed.ctx.losses.aux_loss, full_loss, 1e-15);
-        for (int64_t i = 0; i < T * E; ++i) EXPECT_NEAR(routed.grad_hidden.data[size_t(i)], full.data[size_t(i)], 1e-15);
+        for (int64_t i = 0; i < T * E; ++i)
+            EXPECT_NEAR(routed.grad_hidden.data[size_t(i)], full.data[size_t(i)], 1e-15);
     }
 }
 

@@ -137,10 +137,10 @@ TEST(Router, R7RandomInvariants) {
         double scaling;
         int64_t groups, group_topk;
     };
-    const std::vector<Variant> variants = {{"softmax", false, 0, 0, 0}, {"softmax", true, 0, 0, 0},
-                                           {"sigmoid", false, 0, 0, 0}, {"sqrtsoftplus", false, 0, 0, 0},
+    const std::vector<Variant> variants = {{"softmax", false, 0, 0, 0},   {"softmax", true, 0, 0, 0},
+                                           {"sigmoid", false, 0, 0, 0},   {"sqrtsoftplus", false, 0, 0, 0},
                                            {"softmax", false, 2.5, 0, 0}, {"sigmoid", false, 2.5, 0, 0},
-                                           {"sigmoid", false, 0, 4, 2}, {"softmax", true, 0, 4, 1}};
+                                           {"sigmoid", false, 0, 4, 2},   {"softmax", true, 0, 4, 1}};
     uint64_t seed = 7;
     for (const Variant& v : variants)
         for (int64_t k : {1, 2, 8}) {
@@ -171,8 +171,7 @@ TEST(Router, R7RandomInvariants) {
                 if ((v.score == "softmax" && !v.pre) || (v.score != "softmax" && k > 1))
                     EXPECT_NEAR(sum, target, 1e-5 * target) << "t=" << t;  // fp32 row sum
                 if (v.score == "softmax" && v.pre && k < E) EXPECT_LT(sum, 1.0) << "t=" << t;
-                if (v.groups)
-                    EXPECT_LE(std::accumulate(groups_touched.begin(), groups_touched.end(), 0), v.group_topk);
+                if (v.groups) EXPECT_LE(std::accumulate(groups_touched.begin(), groups_touched.end(), 0), v.group_topk);
             }
             EXPECT_EQ(total, T * k);
             EXPECT_EQ(std::accumulate(ctx.tokens_per_expert.begin(), ctx.tokens_per_expert.end(), int64_t(0)), T * k);
@@ -239,7 +238,8 @@ TEST(Capacity, C2Dropping) {
         }
         // Pad rows that are not routed carry prob 0.
         for (int64_t i = 0; i < T * E; ++i)
-            if (pad.routing_map[size_t(i)] && !dropless.routing_map[size_t(i)]) EXPECT_EQ(pad.probs.data[size_t(i)], 0.0);
+            if (pad.routing_map[size_t(i)] && !dropless.routing_map[size_t(i)])
+                EXPECT_EQ(pad.probs.data[size_t(i)], 0.0);
         c.moe_expert_capacity_factor = 2.0;
         c.moe_pad_expert_input_to_capacity = true;
         auto all = route<double>(c, logits);
@@ -273,7 +273,8 @@ TEST(ExpertBias, CountsPostDropValidOnlyAndTrainingOnly) {
     const auto logits = random_logits(16, 4, 11);
     auto ctx = route<double>(c, logits, bias, &st, true, pad);
     EXPECT_EQ(std::accumulate(st.local_tokens_per_expert.begin(), st.local_tokens_per_expert.end(), 0.0), 13 * 2);
-    for (int64_t e = 0; e < 4; ++e) EXPECT_EQ(st.local_tokens_per_expert[size_t(e)], double(ctx.tokens_per_expert[size_t(e)]));
+    for (int64_t e = 0; e < 4; ++e)
+        EXPECT_EQ(st.local_tokens_per_expert[size_t(e)], double(ctx.tokens_per_expert[size_t(e)]));
     route<double>(c, logits, bias, &st, false, pad);  // eval: no counts
     EXPECT_EQ(std::accumulate(st.local_tokens_per_expert.begin(), st.local_tokens_per_expert.end(), 0.0), 26);
     c.moe_expert_capacity_factor = 0.5;  // post-drop counts

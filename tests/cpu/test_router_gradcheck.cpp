@@ -33,8 +33,8 @@ struct Eval {
     RouterContext<double> ctx;
 };
 
-Eval evaluate(const MoeConfig& c, const Matrix<double>& w, const LayerInput<double>& in, const std::vector<double>& bias,
-              const RouterState& state0, const Matrix<double>& R) {
+Eval evaluate(const MoeConfig& c, const Matrix<double>& w, const LayerInput<double>& in,
+              const std::vector<double>& bias, const RouterState& state0, const Matrix<double>& R) {
     RouterState state = state0;  // the global tracker must start from the same point every time
     Eval ev;
     router_forward(c, w, bias, in, state, ev.ctx);
@@ -92,21 +92,27 @@ void run_gradcheck(const GradCase& gc, bool main_term, uint64_t seed) {
         return ev.ctx.routing_map == base.ctx.routing_map && ev.ctx.topk_idx == base.ctx.topk_idx;
     };
     for (int64_t i = 0; i < in.hidden.size(); ++i)
-        check(grad_hidden.data[size_t(i)], [&](double d) {
-            LayerInput<double> p = in;
-            p.hidden.data[size_t(i)] += d;
-            Eval ev = evaluate(c, w0, p, bias, state0, R);
-            EXPECT_TRUE(same_selection(ev)) << "selection changed under the FD step; pick another seed";
-            return ev.objective;
-        }, "hidden", i);
+        check(
+            grad_hidden.data[size_t(i)],
+            [&](double d) {
+                LayerInput<double> p = in;
+                p.hidden.data[size_t(i)] += d;
+                Eval ev = evaluate(c, w0, p, bias, state0, R);
+                EXPECT_TRUE(same_selection(ev)) << "selection changed under the FD step; pick another seed";
+                return ev.objective;
+            },
+            "hidden", i);
     for (int64_t i = 0; i < w0.size(); ++i)
-        check(grad_weight.data[size_t(i)], [&](double d) {
-            Matrix<double> w = w0;
-            w.data[size_t(i)] += d;
-            Eval ev = evaluate(c, w, in, bias, state0, R);
-            EXPECT_TRUE(same_selection(ev)) << "selection changed under the FD step; pick another seed";
-            return ev.objective;
-        }, "router weight", i);
+        check(
+            grad_weight.data[size_t(i)],
+            [&](double d) {
+                Matrix<double> w = w0;
+                w.data[size_t(i)] += d;
+                Eval ev = evaluate(c, w, in, bias, state0, R);
+                EXPECT_TRUE(same_selection(ev)) << "selection changed under the FD step; pick another seed";
+                return ev.objective;
+            },
+            "router weight", i);
     EXPECT_GT(max_grad, 1e-4);  // the check compared something non-trivial
 }
 
@@ -125,20 +131,26 @@ std::vector<GradCase> cases() {
     v.push_back({"sqrtsoftplus", [](MoeConfig& c) { c.moe_router_score_function = "sqrtsoftplus"; }});
     v.push_back({"sigmoid k=1", [](MoeConfig& c) { c.moe_router_score_function = "sigmoid"; }, 4, 1});
     v.push_back({"sqrtsoftplus k=3", [](MoeConfig& c) { c.moe_router_score_function = "sqrtsoftplus"; }, 6, 3});
-    v.push_back({"group-limited sigmoid", [](MoeConfig& c) {
+    v.push_back({"group-limited sigmoid",
+                 [](MoeConfig& c) {
                      c.moe_router_score_function = "sigmoid";
                      c.moe_router_num_groups = 4;
                      c.moe_router_group_topk = 2;
-                 }, 8, 2});
-    v.push_back({"group-limited softmax pre", [](MoeConfig& c) {
+                 },
+                 8, 2});
+    v.push_back({"group-limited softmax pre",
+                 [](MoeConfig& c) {
                      c.moe_router_pre_softmax = true;
                      c.moe_router_num_groups = 4;
                      c.moe_router_group_topk = 2;
-                 }, 8, 4});
-    GradCase bias{"expert bias", [](MoeConfig& c) {
+                 },
+                 8, 4});
+    GradCase bias{"expert bias",
+                  [](MoeConfig& c) {
                       c.moe_router_score_function = "sigmoid";
                       c.moe_router_enable_expert_bias = true;
-                  }, 6, 2};
+                  },
+                  6, 2};
     bias.bias = true;
     v.push_back(bias);
     v.push_back({"scaling factor sigmoid", [](MoeConfig& c) {
@@ -152,31 +164,45 @@ std::vector<GradCase> cases() {
     global.prior_tracker = true;
     v.push_back(global);
     for (const std::string score : {"softmax", "sigmoid", "sqrtsoftplus"}) {
-        GradCase all{"all losses " + score, [=](MoeConfig& c) {
+        GradCase all{"all losses " + score,
+                     [=](MoeConfig& c) {
                          c.moe_router_score_function = score;
                          c.moe_router_load_balancing_type = {"aux_loss", "seq_aux_loss", "global_aux_loss"};
                          c.moe_aux_loss_coeff = {0.2, 0.3, 0.1};
                          c.moe_z_loss_coeff = 0.05;
-                     }, 4, 2, 3, 2};
+                     },
+                     4,
+                     2,
+                     3,
+                     2};
         all.prior_tracker = true;
         v.push_back(all);
     }
     v.push_back({"z-loss", [](MoeConfig& c) { c.moe_z_loss_coeff = 0.1; }});
     v.push_back({"capacity probs", [](MoeConfig& c) { c.moe_expert_capacity_factor = 0.5; }, 4, 2, 8});
-    v.push_back({"capacity position", [](MoeConfig& c) {
+    v.push_back({"capacity position",
+                 [](MoeConfig& c) {
                      c.moe_expert_capacity_factor = 0.5;
                      c.moe_token_drop_policy = "position";
-                 }, 4, 2, 8});
-    v.push_back({"capacity pad", [](MoeConfig& c) {
+                 },
+                 4, 2, 8});
+    v.push_back({"capacity pad",
+                 [](MoeConfig& c) {
                      c.moe_expert_capacity_factor = 1.0;
                      c.moe_pad_expert_input_to_capacity = true;
-                 }, 4, 2, 8});
-    GradCase pad{"padding mask", [](MoeConfig& c) {
+                 },
+                 4, 2, 8});
+    GradCase pad{"padding mask",
+                 [](MoeConfig& c) {
                      c.moe_router_load_balancing_type = {"aux_loss", "seq_aux_loss", "global_aux_loss"};
                      c.moe_aux_loss_coeff = {0.2, 0.3, 0.1};
                      c.moe_z_loss_coeff = 0.05;
                      c.moe_expert_capacity_factor = 1.0;
-                 }, 4, 2, 4, 2};
+                 },
+                 4,
+                 2,
+                 4,
+                 2};
     pad.padding = true;
     v.push_back(pad);
     v.push_back({"jitter", [](MoeConfig& c) {
@@ -197,8 +223,8 @@ class RouterGradcheck : public ::testing::TestWithParam<GradCase> {};
 TEST_P(RouterGradcheck, MatchesFiniteDifferences) {
     const GradCase& gc = GetParam();
     run_gradcheck(gc, true, 1000 + uint64_t(gc.name.size()));
-    const bool has_losses = gc.name.find("loss") != std::string::npos || gc.name == "jitter" ||
-                            gc.name == "padding mask";
+    const bool has_losses =
+        gc.name.find("loss") != std::string::npos || gc.name == "jitter" || gc.name == "padding mask";
     if (has_losses) run_gradcheck(gc, false, 2000 + uint64_t(gc.name.size()));
 }
 
