@@ -44,6 +44,12 @@ struct RouterContext {
 
 // Megatron TopKRouter.forward: jitter, gating linear, z-loss, score function + top-k (or
 // sinkhorn), capacity dropping, aux losses, expert-bias counts (into `state`).
+// [moekit] choices (router.cpp): all maths in T (moe_router_dtype is the caller's choice of T);
+// top-k ties go to the lower expert index; jitter element t*H+h is jitter_factor(jitter_seed,
+// t*H+h, eps) (core/router_math.h); padded rows get no experts and no gradient, and capacity,
+// Sinkhorn, losses and counts see only the valid rows, so a masked run equals a run on the valid
+// rows alone; capacity policy "position" keeps the first routed tokens by index, and pad-to-capacity
+// fills with the lowest-index unrouted valid tokens (prob 0).
 template <typename T>
 void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, const std::vector<double>& expert_bias,
                     const LayerInput<T>& input, RouterState& state, RouterContext<T>& ctx);

@@ -187,6 +187,38 @@ TEST(Router, FloatAndDoubleAgree) {
     for (int64_t i = 0; i < f.probs.size(); ++i) EXPECT_NEAR(f.probs.data[size_t(i)], d.probs.data[size_t(i)], 1e-6);
 }
 
+// The float reference follows the double one (gating linear and router backward included).
+TEST(Router, FloatBackwardFollowsDouble) {
+    MoeConfig c = base_config(8, 2, "sigmoid");
+    c.moe_aux_loss_coeff = {0.1};
+    c.moe_z_loss_coeff = 1e-2;
+    Rng rng(17);
+    Matrix<double> w(8, 16), x(32, 16), gp(32, 8);
+    for (auto* m : {&w, &x, &gp})
+        for (auto& v : m->data) v = rng.normal();
+    LayerInput<double> in;
+    in.hidden = x;
+    LayerInput<float> inf;
+    inf.hidden = x.cast<float>();
+    RouterState sd, sf;
+    RouterContext<double> cd;
+    RouterContext<float> cf;
+    router_forward(c, w, {}, in, sd, cd);
+    router_forward(c, w.cast<float>(), {}, inf, sf, cf);
+    ASSERT_EQ(cd.routing_map, cf.routing_map);
+    Matrix<double> gxd, gwd;
+    Matrix<float> gxf, gwf;
+    router_backward(c, w, cd, gp, gxd, gwd);
+    router_backward(c, w.cast<float>(), cf, gp.cast<float>(), gxf, gwf);
+    // fp32 rounding of O(1) values through a few ops: 1e-5 relative to the largest gradient.
+    double scale = 0;
+    for (double v : gwd.data) scale = std::max(scale, std::fabs(v));
+    for (int64_t i = 0; i < gwd.size(); ++i) EXPECT_NEAR(gwf.data[size_t(i)], gwd.data[size_t(i)], 1e-5 * scale);
+    for (int64_t i = 0; i < gxd.size(); ++i) EXPECT_NEAR(gxf.data[size_t(i)], gxd.data[size_t(i)], 1e-5 * scale);
+    EXPECT_NEAR(cf.losses.aux_loss, cd.losses.aux_loss, 1e-6 * cd.losses.aux_loss);
+    EXPECT_NEAR(cf.losses.z_loss, cd.losses.z_loss, 1e-6 * cd.losses.z_loss);
+}
+
 TEST(Capacity, C1GetCapacity) {
     EXPECT_EQ(get_capacity(16, 4, 1.0), 4);
     EXPECT_EQ(get_capacity(16, 4, 0.5), 2);
