@@ -116,7 +116,8 @@ nlohmann::json to_json(const MoeConfig& config) {
 
 void print_config(const MoeConfig& config, std::FILE* out) {
     std::fprintf(out, "config:\n");
-    for (const auto& [key, value] : to_json(config).items())
+    const nlohmann::json j = to_json(config);  // named: items() does not extend a temporary's life
+    for (const auto& [key, value] : j.items())
         std::fprintf(out, "  %-40s %s\n", key.c_str(), value.dump().c_str());
 }
 

@@ -397,6 +397,20 @@ TEST_F(ConfigFile, ToJsonRoundTripsEveryField) {
     EXPECT_EQ(to_json(back), j);
 }
 
+TEST(Flags, PrintConfigListsEveryField) {
+    MoeConfig c = valid_config();
+    std::FILE* f = std::tmpfile();
+    ASSERT_NE(f, nullptr);
+    print_config(c, f);
+    std::rewind(f);
+    std::string text;
+    for (int ch; (ch = std::fgetc(f)) != EOF;) text += char(ch);
+    std::fclose(f);
+    const nlohmann::json j = to_json(c);
+    for (const auto& [key, value] : j.items()) EXPECT_NE(text.find(key), std::string::npos) << key;
+    EXPECT_NE(text.find("num_moe_experts"), std::string::npos);
+}
+
 TEST(Flags, HelpListsEveryFlagWithDefault) {
     MoeConfig c;
     FlagParser p("moekit test [flags]");

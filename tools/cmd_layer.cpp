@@ -1,0 +1,319 @@
+// `moekit layer`: one forward+backward of one MoE layer on tensors from safetensors files, for parity
+// checks against Megatron-Core (weights with Megatron's state-dict names; input [S, B, H]). Writes
+// output, grad_input, grad.<parameter>, probs, routing_map, tokens_per_expert and loss.* in the compute
+// dtype, with the resolved config in the metadata. File contract: docs/usage.md. Test: tests/cpu/test_cmd_layer.cpp.
+#include <cmath>
+#include <cstdio>
+#include <optional>
+#include <type_traits>
+
+#include "command.h"
+#include "core/flags.h"
+#include "core/rng.h"
+#include "io/safetensors.h"
+#include "moekit/error.h"
+#include "moekit/layer.h"
+#include "moekit/weights.h"
+
+namespace moekit::tools {
+namespace {
+
+constexpr uint64_t kStreamRandomInput = 0x1a7e'0001;  // rng stream of the input drawn without --input
+
+struct LayerArgs {
+    std::string weights, weights_prefix, input, grad_output, out, init, save_weights;
+    std::string dtype = "fp32", device = "cpu";
+    bool eval = false;
+    bool micro_batch_size_given = false;  // then it must match the input's B
+};
+
+bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::bf16 || d == DType::f16; }
+
+std::string names_of(const std::map<std::string, HostTensor>& tensors) {
+    std::string s;
+    for (const auto& [name, t] : tensors) s += (s.empty() ? "" : ", ") + name;
+    return s.empty() ? "nothing" : s;
+}
+
+// The prefix under which router.weight lives ("" or e.g. "decoder.layers.0.mlp."), for shape inference.
+std::string find_prefix(const std::map<std::string, HostTensor>& tensors, const std::string& given) {
+    if (!given.empty() || tensors.count("router.weight")) return given;
+    std::string found;
+    for (const auto& [name, t] : tensors)
+        if (name.size() > 14 && name.compare(name.size() - 14, 14, ".router.weight") == 0) {
+            if (!found.empty()) return "";  // several layers: weights_from_tensors reports it
+            found = name.substr(0, name.size() - 13);
+        }
+    return found;
+}
+
+// Shapes the user did not give are read from the weight file (H, E, F, shared size, shared gate).
+std::string infer_shapes(MoeConfig& c, const FlagParser& p, const std::map<std::string, HostTensor>& tensors,
+                         const std::string& prefix) {
+    std::string inferred;
+    auto note = [&](const std::string& flag, int64_t v) { inferred += " " + flag + "=" + std::to_string(v); };
+    auto shape_of = [&](const std::string& name) -> const std::vector<int64_t>* {
+        auto it = tensors.find(prefix + name);
+        return it == tensors.end() || it->second.shape.size() != 2 ? nullptr : &it->second.shape;
+    };
+    if (const auto* router = shape_of("router.weight")) {
+        if (!p.was_set("--hidden-size")) c.hidden_size = (*router)[1], note("--hidden-size", c.hidden_size);
+        if (!p.was_set("--num-experts")) c.num_moe_experts = (*router)[0], note("--num-experts", (*router)[0]);
+    }
+    const auto* fc2 = shape_of("experts.local_experts.0.linear_fc2.weight");
+    if (!fc2) fc2 = shape_of("experts.linear_fc2.weight0");
+    if (fc2 && !p.was_set("--moe-ffn-hidden-size") && !p.was_set("--ffn-hidden-size"))
+        c.moe_ffn_hidden_size = (*fc2)[1], note("--moe-ffn-hidden-size", (*fc2)[1]);
+    if (const auto* shared = shape_of("shared_experts.linear_fc2.weight");
+        shared && !p.was_set("--moe-shared-expert-intermediate-size"))
+        c.moe_shared_expert_intermediate_size = (*shared)[1], note("--moe-shared-expert-intermediate-size", (*shared)[1]);
+    if (shape_of("shared_experts.gate_weight") && !p.was_set("--moe-shared-expert-gate") && !c.moe_shared_expert_gate)
+        c.moe_shared_expert_gate = true, inferred += " --moe-shared-expert-gate";
+    return inferred;
+}
+
+// A float tensor of an exact shape from a file; messages name the file, the tensor and the expectation.
+const HostTensor& require_tensor(const SafetensorsFile& f, const std::string& path, const std::string& name,
+                                 const std::vector<int64_t>& shape, const std::string& shape_text) {
+    auto it = f.tensors.find(name);
+    MOEKIT_REQUIRE(it != f.tensors.end(), path, ": missing tensor '", name, "' (expected ", shape_text, "; the file has ",
+                   names_of(f.tensors), ")");
+    MOEKIT_REQUIRE(is_float(it->second.dtype), path, ": tensor '", name, "' has dtype ", dtype_name(it->second.dtype),
+                   ", not a floating type (F32, F64, BF16, F16)");
+    MOEKIT_REQUIRE(shape.empty() || it->second.shape == shape, path, ": tensor '", name, "' has shape ",
+                   it->second.shape_string(), ", expected ", shape_text);
+    return it->second;
+}
+
+void refuse_unknown(const SafetensorsFile& f, const std::string& path, std::initializer_list<const char*> known) {
+    for (const auto& [name, t] : f.tensors) {
+        bool ok = false;
+        for (const char* k : known) ok = ok || name == k;
+        std::string list;
+        for (const char* k : known) list += (list.empty() ? "" : ", ") + std::string(k);
+        MOEKIT_REQUIRE(ok, path, ": unexpected tensor '", name, "' (this file may hold ", list, ")");
+    }
+}
+
+template <typename T>
+Matrix<T> as_matrix(const HostTensor& t, int64_t rows, int64_t cols) {
+    Matrix<T> m(rows, cols);
+    const auto v = t.to_double();
+    for (size_t i = 0; i < v.size(); ++i) m.data[i] = T(v[i]);
+    return m;
+}
+
+template <typename T>
+HostTensor tensor_of(const Matrix<T>& m, std::vector<int64_t> shape, DType dtype) {
+    return HostTensor::from_double(std::vector<double>(m.data.begin(), m.data.end()), std::move(shape), dtype);
+}
+
+double norm(const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x * x;
+    return std::sqrt(s);
+}
+
+template <typename T>
+int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>& argv, const std::string& inferred,
+              const SafetensorsFile* weight_file, const std::string& weights_prefix) {
+    constexpr DType kDtype = sizeof(T) == 8 ? DType::f64 : DType::f32;
+    std::map<std::string, std::string> meta;
+
+    // ---- input [S, B, H], padding_mask [B, S], grad_output [S, B, H] ----
+    const int64_t H = cfg.hidden_size;
+    Matrix<T> hidden;
+    std::vector<uint8_t> padding;
+    SafetensorsFile in_file;
+    int64_t S = cfg.seq_length, B = cfg.micro_batch_size;
+    if (!a.input.empty()) {
+        in_file = read_safetensors(a.input);
+        refuse_unknown(in_file, a.input, {"input", "padding_mask", "grad_output"});
+        const HostTensor& x = require_tensor(in_file, a.input, "input", {}, str("[S, B, ", H, "]"));
+        MOEKIT_REQUIRE(x.shape.size() == 3 && x.shape[2] == H, a.input, ": tensor 'input' has shape ", x.shape_string(),
+                       ", expected [S, B, ", H, "] (--hidden-size=", H, ")");
+        MOEKIT_REQUIRE(cfg.seq_length == 0 || cfg.seq_length == x.shape[0], a.input, ": tensor 'input' has S=",
+                       x.shape[0], " but --seq-length=", cfg.seq_length);
+        MOEKIT_REQUIRE(!a.micro_batch_size_given || cfg.micro_batch_size == x.shape[1], a.input,
+                       ": tensor 'input' has B=", x.shape[1], " but --micro-batch-size=", cfg.micro_batch_size);
+        S = x.shape[0], B = x.shape[1];
+        hidden = as_matrix<T>(x, S * B, H);
+        meta["input"] = a.input;
+        if (auto it = in_file.tensors.find("padding_mask"); it != in_file.tensors.end()) {
+            const HostTensor& m = it->second;
+            MOEKIT_REQUIRE(m.dtype == DType::boolean || m.dtype == DType::u8, a.input, ": tensor 'padding_mask' has dtype ",
+                           dtype_name(m.dtype), ", expected BOOL or U8 (True = padding)");
+            MOEKIT_REQUIRE(m.shape == std::vector<int64_t>({B, S}), a.input, ": tensor 'padding_mask' has shape ",
+                           m.shape_string(), ", expected [", B, ", ", S, "] (Megatron's [B, S] layout)");
+            padding.assign(size_t(S * B), 0);
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t s = 0; s < S; ++s) padding[size_t(s * B + b)] = m.bytes[size_t(b * S + s)] != 0;
+        }
+    } else {
+        MOEKIT_REQUIRE(S > 0, "--input is required (or give --seq-length to draw a random N(0, 1) input)");
+        hidden = Matrix<T>(S * B, H);
+        Rng rng(cfg.seed, kStreamRandomInput);
+        for (auto& v : hidden.data) v = T(rng.normal());
+        meta["input"] = str("random N(0, 1), seed ", cfg.seed, " (written as 'input')");
+    }
+    cfg.seq_length = S, cfg.micro_batch_size = B;
+
+    Matrix<T> grad_out;
+    const std::vector<int64_t> sbh = {S, B, H};
+    const std::string sbh_text = str("[", S, ", ", B, ", ", H, "]");
+    if (!a.grad_output.empty()) {
+        const SafetensorsFile g = read_safetensors(a.grad_output);
+        refuse_unknown(g, a.grad_output, {"grad_output"});
+        grad_out = as_matrix<T>(require_tensor(g, a.grad_output, "grad_output", sbh, sbh_text), S * B, H);
+        meta["grad_output"] = a.grad_output;
+    } else if (in_file.tensors.count("grad_output")) {
+        grad_out = as_matrix<T>(require_tensor(in_file, a.input, "grad_output", sbh, sbh_text), S * B, H);
+        meta["grad_output"] = a.input;
+    } else {
+        grad_out = Matrix<T>(S * B, H, T(1));  // = output.sum().backward() in PyTorch
+        meta["grad_output"] = "ones (as output.sum().backward())";
+    }
+
+    // ---- weights ----
+    MoeWeights<T> w;
+    if (weight_file) {
+        try {
+            w = weights_from_tensors<T>(cfg, weight_file->tensors, weights_prefix);
+        } catch (const UsageError& e) {
+            throw UsageError(str(a.weights, ": ", e.what()));
+        }
+        meta["weights"] = a.weights;
+    } else {
+        w = init_weights<T>(cfg, cfg.seed);
+        meta["weights"] = str("random init (Megatron's), seed ", cfg.seed);
+    }
+    if (!a.save_weights.empty()) {
+        // The compute dtype, so that reloading reproduces this run bit for bit.
+        write_safetensors(a.save_weights, weights_to_tensors(w, kDtype),
+                          {{"format", "pt"}, {"moekit_config", to_json(cfg).dump()}});
+    }
+
+    // ---- one forward + backward ----
+    print_config(cfg);
+    LayerInput<T> in;
+    in.hidden = hidden;
+    in.seq_length = S;
+    in.micro_batch_size = B;
+    in.padding_mask = padding;
+    in.training = !a.eval;
+    in.jitter_seed = cfg.seed;
+    const int64_t E = cfg.num_experts();
+    std::map<std::string, HostTensor> out;
+    MoeWeights<T> grads = zeros_like(w);
+    Matrix<T> output, grad_input;
+    RoutingSummary summary;
+    if (a.device == "cpu") {
+        cpu::MoeLayer<T> layer(cfg);
+        output = layer.forward(w, in);
+        grad_input = layer.backward(w, grad_out, grads);
+        summary = layer.summary();
+        out["probs"] = tensor_of(layer.probs(), {S * B, E}, kDtype);
+        HostTensor map;
+        map.dtype = DType::boolean;
+        map.shape = {S * B, E};
+        map.bytes.assign(layer.routing_map().begin(), layer.routing_map().end());
+        for (auto& b : map.bytes) b = b != 0;
+        out["routing_map"] = map;
+    } else if constexpr (std::is_same_v<T, float>) {
+        // Other devices expose no probs / routing map through LayerRunner: the file says so.
+        auto runner = make_layer_runner(cfg, a.device);
+        output = runner->forward(w, in);
+        grad_input = runner->backward(w, grad_out, grads);
+        summary = runner->summary();
+        meta["missing"] = "probs, routing_map (not exposed by the " + a.device + " runner)";
+    } else {
+        throw UsageError(str("--dtype fp64 runs on --device cpu only (got --device ", a.device, ")"));
+    }
+
+    out["output"] = tensor_of(output, sbh, kDtype);
+    out["grad_input"] = tensor_of(grad_input, sbh, kDtype);
+    out["grad_output"] = tensor_of(grad_out, sbh, kDtype);
+    if (a.input.empty()) out["input"] = tensor_of(hidden, sbh, kDtype);
+    for (auto& [name, t] : weights_to_tensors(grads, kDtype, "grad.")) out[name] = std::move(t);
+    out["tokens_per_expert"] = HostTensor::from_double(
+        std::vector<double>(summary.tokens_per_expert.begin(), summary.tokens_per_expert.end()),
+        {int64_t(summary.tokens_per_expert.size())}, DType::i64);
+    const LossValues& l = summary.losses;
+    for (const auto& [name, v] : std::map<std::string, double>{{"aux_loss", l.aux_loss},
+                                                               {"seq_aux_loss", l.seq_aux_loss},
+                                                               {"global_aux_loss", l.global_aux_loss},
+                                                               {"z_loss", l.z_loss}})
+        out["loss." + name] = HostTensor::from_double({v}, {}, kDtype);
+
+    std::string command = "moekit layer";
+    for (const auto& s : argv) command += " " + s;
+    meta["command"] = command;
+    meta["config"] = to_json(cfg).dump();
+    meta["dtype"] = a.dtype;
+    meta["device"] = a.device;
+    meta["format"] = "pt";
+    write_safetensors(a.out, out, meta);
+
+    std::printf("moekit layer: %s, %s, S=%lld B=%lld H=%lld E=%lld k=%lld%s%s\n", a.device.c_str(), a.dtype.c_str(),
+                (long long)S, (long long)B, (long long)H, (long long)E, (long long)cfg.moe_router_topk,
+                inferred.empty() ? "" : "; from the weights:", inferred.c_str());
+    std::printf("  weights: %s\n  input: %s\n  grad_output: %s\n", meta["weights"].c_str(), meta["input"].c_str(),
+                meta["grad_output"].c_str());
+    std::printf("  |output| = %.6g  |grad_input| = %.6g\n", norm(out["output"].to_double()),
+                norm(out["grad_input"].to_double()));
+    std::printf("  losses: aux %.6g  seq_aux %.6g  global_aux %.6g  z %.6g\n", l.aux_loss, l.seq_aux_loss,
+                l.global_aux_loss, l.z_loss);
+    std::printf("  tokens per expert:");
+    for (auto n : summary.tokens_per_expert) std::printf(" %lld", (long long)n);
+    std::printf("\n  wrote %zu tensors to %s%s%s\n", out.size(), a.out.c_str(),
+                a.save_weights.empty() ? "" : ", weights to ", a.save_weights.c_str());
+    return 0;
+}
+
+int layer_main(const std::vector<std::string>& argv) {
+    MoeConfig cfg;
+    LayerArgs a;
+    FlagParser p("moekit layer (--weights W.safetensors | --init random) [--input X.safetensors] "
+                 "[--grad-output G.safetensors] --out R.safetensors [MoE flags]");
+    add_moe_flags(p, cfg);
+    p.section("layer tool");
+    p.add("--weights", &a.weights, "weights with Megatron's state-dict names (safetensors)");
+    p.add("--weights-prefix", &a.weights_prefix, "name prefix in --weights, e.g. decoder.layers.0.mlp. (auto-detected)");
+    p.add("--init", &a.init, "random: Megatron's init from --seed instead of --weights");
+    p.add("--save-weights", &a.save_weights, "write the weights used (compute dtype) to this file");
+    p.add("--input", &a.input, "input [S, B, H], optional padding_mask [B, S] and grad_output [S, B, H]");
+    p.add("--grad-output", &a.grad_output, "grad_output [S, B, H] (default: from --input, else ones)");
+    p.add("--out", &a.out, "results file (safetensors)");
+    p.add("--dtype", &a.dtype, "compute dtype of the CPU reference: fp32 | fp64");
+    p.add("--device", &a.device, "cpu | cuda");
+    p.add("--eval", &a.eval, "forward in eval mode (no losses, no expert-bias counts)");
+    if (!p.parse(argv)) return 0;
+    a.micro_batch_size_given = p.was_set("--micro-batch-size");
+
+    MOEKIT_REQUIRE(!a.out.empty(), "--out is required (the results file)");
+    MOEKIT_REQUIRE(a.init.empty() || a.init == "random", "--init=", a.init, ": must be random");
+    MOEKIT_REQUIRE(a.weights.empty() != a.init.empty(), a.weights.empty()
+                                                            ? "give --weights W.safetensors or --init random"
+                                                            : "--weights and --init random exclude each other");
+    MOEKIT_REQUIRE(a.dtype == "fp32" || a.dtype == "fp64", "--dtype=", a.dtype, ": must be fp32 or fp64");
+    MOEKIT_REQUIRE(a.device == "cpu" || a.device == "cuda", "--device=", a.device, ": must be cpu or cuda");
+    MOEKIT_REQUIRE(a.device == "cpu" || a.dtype == "fp32", "--dtype fp64 runs on --device cpu only");
+
+    std::optional<SafetensorsFile> weight_file;
+    std::string prefix, inferred;
+    if (!a.weights.empty()) {
+        weight_file = read_safetensors(a.weights);
+        prefix = find_prefix(weight_file->tensors, a.weights_prefix);
+        inferred = infer_shapes(cfg, p, weight_file->tensors, prefix);
+    }
+    cfg.normalize();
+    cfg.validate();
+    const SafetensorsFile* wf = weight_file ? &*weight_file : nullptr;
+    return a.dtype == "fp64" ? run_layer<double>(cfg, a, argv, inferred, wf, a.weights_prefix)
+                             : run_layer<float>(cfg, a, argv, inferred, wf, a.weights_prefix);
+}
+
+RegisterCommand reg("layer", "one forward+backward of a MoE layer on safetensors files (parity tool)", layer_main);
+
+}  // namespace
+}  // namespace moekit::tools
