@@ -1,0 +1,81 @@
+// DeviceBuffer<T>: an owning cudaMalloc'd array sized once, outside any layer step (the sync-free
+// path never allocates). Host copies here are synchronous and only for set-up, tests and the
+// LayerRunner interface. Used by src/cuda/moe_layer.cu and the GPU tests.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+
+namespace moekit::cuda {
+
+template <typename T>
+class DeviceBuffer {
+public:
+    DeviceBuffer() = default;
+    explicit DeviceBuffer(int64_t count) { resize(count); }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+    DeviceBuffer(DeviceBuffer&& o) noexcept { swap(o); }
+    DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+        swap(o);
+        return *this;
+    }
+    ~DeviceBuffer() {
+        if (ptr_) cudaFree(ptr_);
+    }
+
+    // Frees and reallocates (contents undefined) unless the size is unchanged; zero-filled.
+    void resize(int64_t count) {
+        if (count == count_ && ptr_) return;
+        if (ptr_) MOEKIT_CUDA_CHECK(cudaFree(ptr_));
+        ptr_ = nullptr;
+        count_ = count;
+        if (count > 0) {
+            MOEKIT_CUDA_CHECK(cudaMalloc(&ptr_, size_t(count) * sizeof(T)));
+            MOEKIT_CUDA_CHECK(cudaMemset(ptr_, 0, size_t(count) * sizeof(T)));
+        }
+    }
+    void upload(const std::vector<T>& host) {
+        MOEKIT_CHECK(int64_t(host.size()) == count_, "upload of ", host.size(), " elements into a buffer of ", count_);
+        if (count_) MOEKIT_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    }
+    std::vector<T> download() const { return download(count_); }
+    std::vector<T> download(int64_t count) const {
+        MOEKIT_CHECK(count <= count_, "download of ", count, " elements from a buffer of ", count_);
+        std::vector<T> host(static_cast<size_t>(count));
+        if (count) MOEKIT_CUDA_CHECK(cudaMemcpy(host.data(), ptr_, size_t(count) * sizeof(T), cudaMemcpyDeviceToHost));
+        return host;
+    }
+
+    T* get() { return ptr_; }
+    const T* get() const { return ptr_; }
+    int64_t size() const { return count_; }
+    size_t bytes() const { return size_t(count_) * sizeof(T); }
+
+private:
+    void swap(DeviceBuffer& o) noexcept {
+        std::swap(ptr_, o.ptr_);
+        std::swap(count_, o.count_);
+    }
+    T* ptr_ = nullptr;
+    int64_t count_ = 0;
+};
+
+// Host copies of raw device arrays (tests, runner; never inside a step).
+template <typename T>
+std::vector<T> download(const T* device, int64_t count) {
+    std::vector<T> host(static_cast<size_t>(count));
+    if (count) MOEKIT_CUDA_CHECK(cudaMemcpy(host.data(), device, size_t(count) * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+}
+template <typename T>
+void upload(T* device, const std::vector<T>& host) {
+    if (!host.empty())
+        MOEKIT_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,25 @@
+// The expert GEMM backend a CudaMoeLayer calls through: the sync-free grouped GEMM
+// (src/cuda/grouped_gemm.h) or the synchronous per-expert cuBLAS baseline (same signatures,
+// src/cuda/grouped_gemm_sync.h). Function pointers keep the layer independent of which one.
+#pragma once
+#include "cuda/grouped_gemm.h"
+
+namespace moekit::cuda {
+
+struct ExpertGemm {
+    using Nt = void (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
+                        const int32_t*, cudaStream_t);
+    using Tn = void (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*, const int32_t*,
+                        bool, cudaStream_t);
+    Nt nt = nullptr;  // C = A · B[g]ᵀ   (forward)
+    Nt nn = nullptr;  // C = A · B[g]    (dgrad)
+    Tn tn = nullptr;  // C[g] = A_gᵀ B_g (wgrad, fp32)
+    const char* name = "";
+};
+
+enum class ExpertGemmKind { grouped, sync_baseline };
+
+// Throws UsageError when the kind is not built in.
+ExpertGemm expert_gemm(ExpertGemmKind kind);
+
+}  // namespace moekit::cuda

@@ -1,0 +1,240 @@
+// CUDA router losses (see losses.cuh). Aux scores: softmax over all E, or sigmoid/sqrtsoftplus
+// renormalised over all E; aux map: plain top-k of those scores (no bias, group limit or
+// dropping); padding rows zeroed. Every reduction has a fixed order, so results are bitwise stable.
+#include <algorithm>
+
+#include "cuda/cuda_check.h"
+#include "cuda/losses.cuh"
+#include "cuda/router_warp.cuh"
+
+namespace moekit::cuda {
+
+using namespace detail;
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kLossThreads = 256;
+
+// Warp per token: aux scores, aux map (top-k by repeated arg-max), log-sum-exp.
+template <typename R>
+__global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const int64_t tok = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+    if (tok >= s.num_tokens) return;
+    const int E = int(s.num_experts), fn = int(s.score_function);
+    const size_t stride = (size_t(E) * (sizeof(R) + 1) + 15) / 16 * 16;
+    R* sc = reinterpret_cast<R*>(smem_raw + stride * warp);
+    uint8_t* taken = reinterpret_cast<uint8_t*>(sc + E);
+    const R* row = t.logits + tok * E;
+    for (int e = lane; e < E; e += kWarp) sc[e] = row[e], taken[e] = 0;
+    __syncwarp();
+    const R lse = warp_logsumexp(sc, E, lane);
+    if (lane == 0) t.lse[tok] = lse;
+    if (!need_aux) return;
+    const bool pad = t.padding_mask[tok] != 0;
+    R sum = 0;
+    for (int e = lane; e < E; e += kWarp) {
+        sc[e] = score_of<R>(fn, sc[e], lse);
+        sum += sc[e];
+    }
+    sum = fn == 0 ? R(1) : warp_sum(sum);
+    __syncwarp();
+    R* out = t.aux_scores + tok * E;
+    uint8_t* map = t.aux_map + tok * E;
+    for (int e = lane; e < E; e += kWarp) {
+        if (fn != 0) sc[e] = sc[e] / (sum + R(1e-20));
+        out[e] = pad ? R(0) : sc[e];
+        map[e] = 0;
+    }
+    __syncwarp();
+    for (int j = 0; j < s.topk; ++j) {
+        const int i = warp_take_best(sc, taken, E, lane);
+        if (lane == 0 && !pad) map[i] = 1;
+    }
+}
+
+// Block per (expert, sequence b): sums over the S tokens of sequence b in token order.
+template <typename R>
+__global__ void column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
+    __shared__ R red_r[kLossThreads];
+    __shared__ int red_a[kLossThreads], red_v[kLossThreads];
+    const int64_t E = s.num_experts, B = s.micro_batch_size, e = blockIdx.x, b = blockIdx.y;
+    R sum = 0;
+    int acount = 0, vcount = 0;
+    for (int64_t i = threadIdx.x; i < s.seq_length; i += blockDim.x) {
+        const int64_t tok = i * B + b;
+        const bool valid = t.padding_mask[tok] == 0;
+        if (need_aux) {
+            sum += t.aux_scores[tok * E + e];
+            acount += t.aux_map[tok * E + e];
+        }
+        vcount += valid && t.routing_map[tok * E + e];
+    }
+    red_r[threadIdx.x] = sum, red_a[threadIdx.x] = acount, red_v[threadIdx.x] = vcount;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) {
+            red_r[threadIdx.x] += red_r[threadIdx.x + w];
+            red_a[threadIdx.x] += red_a[threadIdx.x + w];
+            red_v[threadIdx.x] += red_v[threadIdx.x + w];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        t.score_sums[b * E + e] = red_r[0];
+        t.aux_counts[b * E + e] = red_a[0];
+        t.valid_counts[b * E + e] = red_v[0];
+    }
+}
+
+template <typename R>
+__device__ R block_sum(R v, R* red) {
+    __syncthreads();
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+        __syncthreads();
+    }
+    return red[0];
+}
+
+// One block: loss values, per-(b, e) gradient coefficients, tracker updates.
+template <typename R>
+__global__ void loss_values_kernel(RouterShape s, LossShape ls, LossTensors<R> t) {
+    __shared__ R red[kLossThreads];
+    const int64_t T = s.num_tokens, E = s.num_experts, B = s.micro_batch_size;
+    const R k = R(s.topk), scale = R(ls.backward_scale);
+    R nv = 0, z = 0;
+    for (int64_t tok = threadIdx.x; tok < T; tok += blockDim.x)
+        if (!t.padding_mask[tok]) nv += 1, z += t.lse[tok] * t.lse[tok];
+    const R n_valid = block_sum(nv, red);
+    const R z_sum = block_sum(z, red);
+    const R n_div = max(n_valid, R(1));
+    // Megatron switch_load_balancing_loss_func: coeff * E / (k * T_tot^2) * sum_i P_i * tokens_i.
+    const R aux_c = R(ls.aux_coeff) * R(E) / (k * n_div * n_div);
+    const R seq_tokens = max(n_valid / R(B), R(1));
+    const R seq_c = R(ls.seq_aux_coeff) * R(E) / (k * seq_tokens * seq_tokens * R(B));
+    const R glob_c = R(ls.global_aux_coeff) * R(E) / (k * n_div * n_div);
+    int32_t steps = 0;
+    if (ls.global_aux_coeff != 0) steps = *t.ga_steps + 1;
+    __syncthreads();
+    R aux = 0, seq = 0, glob = 0;
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        R p_tot = 0;
+        int64_t c_tot = 0, v_tot = 0;
+        for (int64_t b = 0; b < B; ++b) {
+            const R p = t.score_sums[b * E + e];
+            const int64_t c = t.aux_counts[b * E + e];
+            p_tot += p, c_tot += c, v_tot += t.valid_counts[b * E + e];
+            seq += p * R(c);
+        }
+        aux += p_tot * R(c_tot);
+        R avg = 0;
+        if (ls.global_aux_coeff != 0) {
+            t.global_tokens_per_expert[e] += double(c_tot);
+            avg = R(t.global_tokens_per_expert[e] / double(steps));
+            glob += p_tot * avg;
+        }
+        if (t.local_tokens_per_expert) t.local_tokens_per_expert[e] += double(v_tot);
+        for (int64_t b = 0; b < B; ++b)
+            t.grad_coeff[b * E + e] = scale * (aux_c * R(c_tot) + seq_c * R(t.aux_counts[b * E + e]) + glob_c * avg);
+    }
+    aux = block_sum(aux, red);
+    seq = block_sum(seq, red);
+    glob = block_sum(glob, red);
+    if (threadIdx.x == 0) {
+        t.losses[kAuxLoss] = aux_c * aux;
+        t.losses[kSeqAuxLoss] = seq_c * seq;
+        t.losses[kGlobalAuxLoss] = glob_c * glob;
+        t.losses[kZLoss] = R(ls.z_coeff) * z_sum / n_div;
+        t.z_grad_coeff[0] = scale * R(ls.z_coeff) / n_div;
+        if (ls.global_aux_coeff != 0) *t.ga_steps = steps;
+    }
+}
+
+// Warp per valid token: dl += d/dl of sum_e coeff[b, e] * aux_score[t, e] + z-loss term.
+template <typename R>
+__global__ void losses_backward_kernel(RouterShape s, LossShape ls, LossTensors<R> t, R* grad_logits) {
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const int64_t tok = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+    if (tok >= s.num_tokens || t.padding_mask[tok]) return;
+    const int E = int(s.num_experts), fn = int(s.score_function);
+    const int64_t b = tok % s.micro_batch_size;
+    const R* row = t.logits + tok * E;
+    R* grow = grad_logits + tok * E;
+    const R lse = t.lse[tok];
+    const R zc = ls.z_coeff != 0 ? t.z_grad_coeff[0] * R(2) * lse : R(0);
+    const bool aux = ls.need_aux();
+    const R* coeff = t.grad_coeff + b * E;
+    // <ds, s> over the row (s = the aux scores, ds = coeff).
+    R dot = 0, fsum = 0;
+    for (int e = lane; e < E; e += kWarp) {
+        if (aux) dot += coeff[e] * t.aux_scores[tok * E + e];
+        if (fn != 0) fsum += score_of<R>(fn, row[e], lse);
+    }
+    dot = warp_sum(dot);
+    fsum = fn != 0 ? warp_sum(fsum) + R(1e-20) : R(1);
+    for (int e = lane; e < E; e += kWarp) {
+        const R soft = exp(row[e] - lse);
+        R g = zc * soft;
+        if (aux) {
+            const R ds = coeff[e];
+            if (fn == 0) {
+                g += soft * (ds - dot);
+            } else {
+                g += (ds - dot) / fsum * score_grad<R>(fn, row[e]);
+            }
+        }
+        grow[e] += g;
+    }
+}
+
+}  // namespace
+
+LossShape LossShape::from_config(const MoeConfig& c) {
+    LossShape l;
+    l.aux_coeff = c.aux_loss_coeff("aux_loss");
+    l.seq_aux_coeff = c.aux_loss_coeff("seq_aux_loss");
+    l.global_aux_coeff = c.aux_loss_coeff("global_aux_loss");
+    l.z_coeff = c.moe_z_loss_coeff.value_or(0.0);
+    l.backward_scale = c.moe_loss_backward_scale;
+    return l;
+}
+
+template <typename R>
+void losses_forward(const RouterShape& s, const LossShape& ls, const LossTensors<R>& t, cudaStream_t stream) {
+    const int64_t E = s.num_experts;
+    const size_t smem = (size_t(E) * (sizeof(R) + 1) + 15) / 16 * 16 * kWarpsPerBlock;
+    if (smem > 48 * 1024)
+        MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&aux_scores_kernel<R>),
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    aux_scores_kernel<R><<<int(ceil_div(s.num_tokens, kWarpsPerBlock)), kWarpsPerBlock * kWarp, smem, stream>>>(
+        s, t, ls.need_aux());
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    column_stats_kernel<R><<<dim3(unsigned(E), unsigned(s.micro_batch_size)), kLossThreads, 0, stream>>>(
+        s, t, ls.need_aux());
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    loss_values_kernel<R><<<1, kLossThreads, 0, stream>>>(s, ls, t);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+template <typename R>
+void losses_backward(const RouterShape& s, const LossShape& ls, const LossTensors<R>& t, R* grad_logits,
+                     cudaStream_t stream) {
+    if (!ls.any()) return;
+    losses_backward_kernel<R><<<int(ceil_div(s.num_tokens, kWarpsPerBlock)), kWarpsPerBlock * kWarp, 0, stream>>>(
+        s, ls, t, grad_logits);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+template void losses_forward<float>(const RouterShape&, const LossShape&, const LossTensors<float>&, cudaStream_t);
+template void losses_forward<double>(const RouterShape&, const LossShape&, const LossTensors<double>&, cudaStream_t);
+template void losses_backward<float>(const RouterShape&, const LossShape&, const LossTensors<float>&, float*,
+                                     cudaStream_t);
+template void losses_backward<double>(const RouterShape&, const LossShape&, const LossTensors<double>&, double*,
+                                      cudaStream_t);
+
+}  // namespace moekit::cuda

@@ -1,0 +1,317 @@
+// CudaMoeLayer implementation (see moe_layer.h): LayerImpl<R> owns the static device buffers and
+// enqueues the stage kernels; nothing here allocates, copies to the host or waits inside
+// forward()/backward().
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/activation.cuh"
+#include "cuda/combine.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/losses.cuh"
+#include "cuda/moe_layer.h"
+#include "cuda/permute.cuh"
+#include "cuda/router.cuh"
+#include "cuda/shared_expert.cuh"
+
+namespace moekit::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
+
+template <typename R>
+class LayerImpl final : public CudaMoeLayer {
+public:
+    LayerImpl(const CudaLayerShape& shape) : shape_(shape), gemm_(expert_gemm(ExpertGemmKind::grouped)) {
+        const RouterShape& r = shape.router;
+        const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
+        const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
+        hidden_.resize(T * H), mask_.resize(T), grad_output_.resize(T * H);
+        router_weight_.resize(E * H), expert_bias_.resize(E), fc1_.resize(E * F1 * H), fc2_.resize(E * H * F);
+        output_.resize(T * H), grad_input_.resize(T * H);
+        grad_router_weight_.resize(E * H), grad_fc1_.resize(E * F1 * H), grad_fc2_.resize(E * H * F);
+        hidden_r_.resize(T * H), weight_r_.resize(E * H), logits_.resize(T * E), probs_.resize(T * E);
+        map_.resize(T * E), topk_idx_.resize(T * K);
+        aux_scores_.resize(T * E), aux_map_.resize(T * E), lse_.resize(T);
+        score_sums_.resize(B * E), aux_counts_.resize(B * E), valid_counts_.resize(B * E), grad_coeff_.resize(B * E);
+        z_grad_coeff_.resize(1), losses_.resize(kNumLossSlots), local_tokens_.resize(E), global_tokens_.resize(E);
+        ga_steps_.resize(1);
+        counts_.resize(E), offsets_.resize(E + 1), rank_.resize(T * E), row_token_.resize(M), row_prob_.resize(M);
+        token_offsets_.resize(T + 1), token_rows_.resize(M), token_counts_.resize(T);
+        rows_.resize(M * H), fc1_out_.resize(M * F1), act_out_.resize(M * F), expert_out_.resize(M * H);
+        grad_rows_.resize(M * H), grad_act_.resize(M * F), grad_fc1_out_.resize(M * F1), grad_x_rows_.resize(M * H);
+        grad_row_probs_.resize(M), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
+        if (shape.has_shared) {
+            const int64_t Fs = shape.shared.ffn, Fs1 = shape.shared.fc1_rows();
+            shared_offsets_.resize(2);
+            shared_offsets_.upload({0, int32_t(T)});
+            shared_fc1_.resize(Fs1 * H), shared_fc2_.resize(H * Fs), shared_gate_.resize(H);
+            grad_shared_fc1_.resize(Fs1 * H), grad_shared_fc2_.resize(H * Fs), grad_shared_gate_.resize(H);
+            s_fc1_out_.resize(T * Fs1), s_act_.resize(T * Fs), s_out_.resize(T * H), s_gate_.resize(T);
+            s_grad_out_.resize(T * H), s_grad_act_.resize(T * Fs), s_grad_fc1_out_.resize(T * Fs1);
+            s_grad_x_.resize(T * H), s_grad_logit_.resize(T);
+        }
+        MOEKIT_CUBLAS_CHECK(cublasCreate(&cublas_));
+        workspace_.resize(int64_t(kCublasWorkspaceBytes));
+        MOEKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace_.get(), kCublasWorkspaceBytes));
+        for (auto& e : events_) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+        fill_buffers();
+    }
+    ~LayerImpl() override {
+        if (cublas_) cublasDestroy(cublas_);
+        for (auto& e : events_)
+            if (e) cudaEventDestroy(e);
+    }
+
+    const CudaLayerShape& shape() const override { return shape_; }
+    const LayerBuffers& buffers() const override { return buf_; }
+    void set_expert_gemm(const ExpertGemm& gemm) override { gemm_ = gemm; }
+    void enable_stage_timing(bool on) override { timing_ = on; }
+    StageTimesMs forward_times_ms() override { return times(0); }
+    StageTimesMs backward_times_ms() override { return times(1); }
+
+    void forward(cudaStream_t stream, bool training) override {
+        const RouterShape& r = shape_.router;
+        const int64_t H = r.hidden, E = r.num_experts, M = shape_.max_rows, F = shape_.ffn, F1 = shape_.fc1_rows;
+        training_ = training;
+        mark(stream, 0, LayerStage::router, true);
+        router_forward<R>(r, router_tensors(), cublas_, stream);
+        if (training && (shape_.loss.any() || r.has_expert_bias)) losses_forward<R>(r, shape_.loss, loss_tensors(), stream);
+        mark(stream, 0, LayerStage::router, false);
+        mark(stream, 0, LayerStage::permute, true);
+        build_routing_plan<R>(map_.get(), probs_.get(), plan(), stream);
+        permute_rows<R>(plan(), H, hidden_.get(), rows_.get(), stream);
+        mark(stream, 0, LayerStage::permute, false);
+        if (shape_.has_shared) {
+            mark(stream, 0, LayerStage::shared_expert, true);
+            shared_expert_forward(shape_.shared, shared_tensors(), gemm_, stream);
+            mark(stream, 0, LayerStage::shared_expert, false);
+        }
+        mark(stream, 0, LayerStage::fc1, true);
+        gemm_.nt(GroupedGemmShape{E, M, F1, H}, rows_.get(), fc1_.get(), fc1_out_.get(), offsets_.get(), stream);
+        mark(stream, 0, LayerStage::fc1, false);
+        mark(stream, 0, LayerStage::activation, true);
+        activation_forward<R>(act_shape(), offsets_.get() + E, fc1_out_.get(), row_prob_.get(), act_out_.get(), stream);
+        mark(stream, 0, LayerStage::activation, false);
+        mark(stream, 0, LayerStage::fc2, true);
+        gemm_.nt(GroupedGemmShape{E, M, H, F}, act_out_.get(), fc2_.get(), expert_out_.get(), offsets_.get(), stream);
+        mark(stream, 0, LayerStage::fc2, false);
+        mark(stream, 0, LayerStage::combine, true);
+        combine_forward<R>(plan(), H, expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
+                           shape_.has_shared && shape_.shared.has_gate ? s_gate_.get() : nullptr, output_.get(),
+                           stream);
+        mark(stream, 0, LayerStage::combine, false);
+    }
+
+    void backward(cudaStream_t stream) override {
+        const RouterShape& r = shape_.router;
+        const int64_t H = r.hidden, E = r.num_experts, M = shape_.max_rows, F = shape_.ffn, F1 = shape_.fc1_rows;
+        mark(stream, 1, LayerStage::combine, true);
+        combine_backward<R>(plan(), H, grad_output_.get(), grad_rows_.get(), stream);
+        mark(stream, 1, LayerStage::combine, false);
+        mark(stream, 1, LayerStage::fc2, true);
+        gemm_.nn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), fc2_.get(), grad_act_.get(), offsets_.get(), stream);
+        gemm_.tn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), act_out_.get(), grad_fc2_.get(), offsets_.get(), false,
+                 stream);
+        mark(stream, 1, LayerStage::fc2, false);
+        mark(stream, 1, LayerStage::activation, true);
+        activation_backward<R>(act_shape(), offsets_.get() + E, fc1_out_.get(), row_prob_.get(), grad_act_.get(),
+                               grad_fc1_out_.get(), grad_row_probs_.get(), stream);
+        mark(stream, 1, LayerStage::activation, false);
+        mark(stream, 1, LayerStage::fc1, true);
+        gemm_.nn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), fc1_.get(), grad_x_rows_.get(), offsets_.get(),
+                 stream);
+        gemm_.tn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), rows_.get(), grad_fc1_.get(), offsets_.get(),
+                 false, stream);
+        mark(stream, 1, LayerStage::fc1, false);
+        mark(stream, 1, LayerStage::permute, true);
+        permute_rows_backward<R>(plan(), H, grad_x_rows_.get(), grad_input_.get(), false, stream);
+        mark(stream, 1, LayerStage::permute, false);
+        if (shape_.has_shared) {
+            mark(stream, 1, LayerStage::shared_expert, true);
+            shared_expert_backward(shape_.shared, shared_tensors(), gemm_, grad_output_.get(), grad_input_.get(),
+                                   stream);
+            mark(stream, 1, LayerStage::shared_expert, false);
+        }
+        mark(stream, 1, LayerStage::router, true);
+        scatter_row_probs_grad<R>(plan(), map_.get(), grad_row_probs_.get(), grad_probs_.get(), stream);
+        router_backward_probs<R>(r, router_tensors(), grad_probs_.get(), grad_logits_.get(), stream);
+        if (training_) losses_backward<R>(r, shape_.loss, loss_tensors(), grad_logits_.get(), stream);
+        router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), grad_router_weight_.get(), grad_input_.get(),
+                                  hidden_r_.get(), cublas_, stream);
+        mark(stream, 1, LayerStage::router, false);
+    }
+
+    LossValues read_losses() const override {
+        LossValues v;
+        if (!training_) return v;
+        const std::vector<R> l = losses_.download();
+        v.aux_loss = double(l[kAuxLoss]), v.seq_aux_loss = double(l[kSeqAuxLoss]);
+        v.global_aux_loss = double(l[kGlobalAuxLoss]), v.z_loss = double(l[kZLoss]);
+        return v;
+    }
+    std::vector<int64_t> read_tokens_per_expert() const override {
+        const std::vector<int32_t> c = counts_.download();
+        return std::vector<int64_t>(c.begin(), c.end());
+    }
+    std::vector<double> read_local_tokens_per_expert() const override { return local_tokens_.download(); }
+    void reset_local_tokens_per_expert() override { MOEKIT_CUDA_CHECK(cudaMemset(local_tokens_.get(), 0, local_tokens_.bytes())); }
+    void reset_global_aux_loss_tracker() override {
+        MOEKIT_CUDA_CHECK(cudaMemset(global_tokens_.get(), 0, global_tokens_.bytes()));
+        MOEKIT_CUDA_CHECK(cudaMemset(ga_steps_.get(), 0, ga_steps_.bytes()));
+    }
+
+private:
+    ActivationShape act_shape() const {
+        return ActivationShape{shape_.max_rows, shape_.ffn, shape_.gated_linear_unit, shape_.act};
+    }
+    RouterTensors<R> router_tensors() {
+        return RouterTensors<R>{hidden_.get(),   router_weight_.get(), shape_.router.has_expert_bias ? expert_bias_.get() : nullptr,
+                                mask_.get(),     hidden_r_.get(),      weight_r_.get(),
+                                logits_.get(),   topk_idx_.get(),      probs_.get(),
+                                map_.get()};
+    }
+    LossTensors<R> loss_tensors() {
+        LossTensors<R> t;
+        t.logits = logits_.get(), t.routing_map = map_.get(), t.padding_mask = mask_.get();
+        t.aux_scores = aux_scores_.get(), t.aux_map = aux_map_.get(), t.lse = lse_.get();
+        t.score_sums = score_sums_.get(), t.aux_counts = aux_counts_.get(), t.valid_counts = valid_counts_.get();
+        t.grad_coeff = grad_coeff_.get(), t.z_grad_coeff = z_grad_coeff_.get(), t.losses = losses_.get();
+        t.local_tokens_per_expert = shape_.router.has_expert_bias ? local_tokens_.get() : nullptr;
+        t.global_tokens_per_expert = global_tokens_.get(), t.ga_steps = ga_steps_.get();
+        return t;
+    }
+    RoutingPlan<R> plan() {
+        RoutingPlan<R> p;
+        p.num_tokens = shape_.router.num_tokens, p.num_experts = shape_.router.num_experts, p.max_rows = shape_.max_rows;
+        p.counts = counts_.get(), p.offsets = offsets_.get(), p.rank = rank_.get(), p.row_token = row_token_.get();
+        p.row_prob = row_prob_.get(), p.token_offsets = token_offsets_.get(), p.token_rows = token_rows_.get();
+        p.token_counts = token_counts_.get();
+        return p;
+    }
+    SharedExpertTensors shared_tensors() {
+        SharedExpertTensors t;
+        t.offsets = shared_offsets_.get(), t.x = hidden_.get(), t.fc1 = shared_fc1_.get(), t.fc2 = shared_fc2_.get();
+        t.gate = shape_.shared.has_gate ? shared_gate_.get() : nullptr;
+        t.fc1_out = s_fc1_out_.get(), t.act_out = s_act_.get(), t.out = s_out_.get(), t.gate_value = s_gate_.get();
+        t.grad_out_gated = s_grad_out_.get(), t.grad_act = s_grad_act_.get(), t.grad_fc1_out = s_grad_fc1_out_.get();
+        t.grad_x = s_grad_x_.get(), t.grad_gate_logit = s_grad_logit_.get();
+        t.grad_fc1 = grad_shared_fc1_.get(), t.grad_fc2 = grad_shared_fc2_.get(), t.grad_gate = grad_shared_gate_.get();
+        return t;
+    }
+    void fill_buffers() {
+        LayerBuffers& b = buf_;
+        b.hidden = hidden_.get(), b.padding_mask = mask_.get(), b.grad_output = grad_output_.get();
+        b.router_weight = router_weight_.get(), b.expert_bias = expert_bias_.get(), b.fc1 = fc1_.get(), b.fc2 = fc2_.get();
+        b.shared_fc1 = shared_fc1_.get(), b.shared_fc2 = shared_fc2_.get(), b.shared_gate = shared_gate_.get();
+        b.output = output_.get(), b.grad_input = grad_input_.get(), b.grad_router_weight = grad_router_weight_.get();
+        b.grad_fc1 = grad_fc1_.get(), b.grad_fc2 = grad_fc2_.get(), b.grad_shared_fc1 = grad_shared_fc1_.get();
+        b.grad_shared_fc2 = grad_shared_fc2_.get(), b.grad_shared_gate = grad_shared_gate_.get();
+        b.logits = logits_.get(), b.probs = probs_.get(), b.routing_map = map_.get(), b.topk_idx = topk_idx_.get();
+        b.counts = counts_.get(), b.offsets = offsets_.get(), b.row_token = row_token_.get();
+        b.row_prob = row_prob_.get(), b.token_offsets = token_offsets_.get(), b.token_rows = token_rows_.get();
+        b.rows = rows_.get(), b.fc1_out = fc1_out_.get(), b.act_out = act_out_.get(), b.expert_out = expert_out_.get();
+        b.grad_row_probs = grad_row_probs_.get(), b.grad_probs = grad_probs_.get(), b.grad_logits = grad_logits_.get();
+        b.losses = losses_.get(), b.local_tokens_per_expert = local_tokens_.get();
+        b.global_tokens_per_expert = global_tokens_.get(), b.ga_steps = ga_steps_.get();
+    }
+    // Stage timing: events [pass][stage][begin/end]; recorded only when enabled.
+    void mark(cudaStream_t stream, int pass, LayerStage stage, bool begin) {
+        if (!timing_) return;
+        MOEKIT_CUDA_CHECK(cudaEventRecord(event(pass, stage, begin), stream));
+        recorded_[pass][size_t(stage)] = true;
+    }
+    cudaEvent_t event(int pass, LayerStage stage, bool begin) {
+        return events_[(size_t(pass) * size_t(LayerStage::count) + size_t(stage)) * 2 + (begin ? 0 : 1)];
+    }
+    StageTimesMs times(int pass) {
+        StageTimesMs out{};
+        for (int s = 0; s < int(LayerStage::count); ++s) {
+            if (!recorded_[pass][size_t(s)]) continue;
+            MOEKIT_CUDA_CHECK(cudaEventSynchronize(event(pass, LayerStage(s), false)));
+            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&out[size_t(s)], event(pass, LayerStage(s), true),
+                                                   event(pass, LayerStage(s), false)));
+        }
+        return out;
+    }
+
+    CudaLayerShape shape_;
+    ExpertGemm gemm_;
+    LayerBuffers buf_;
+    cublasHandle_t cublas_ = nullptr;
+    bool training_ = true, timing_ = false;
+    std::array<cudaEvent_t, size_t(LayerStage::count) * 4> events_{};
+    std::array<std::array<bool, size_t(LayerStage::count)>, 2> recorded_{};
+    DeviceBuffer<uint8_t> workspace_;
+    DeviceBuffer<bf16> hidden_, grad_output_, router_weight_, fc1_, fc2_, output_;
+    DeviceBuffer<uint8_t> mask_, map_, aux_map_;
+    DeviceBuffer<R> expert_bias_, hidden_r_, weight_r_, logits_, probs_, aux_scores_, lse_, score_sums_, grad_coeff_;
+    DeviceBuffer<R> z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_;
+    DeviceBuffer<float> grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_;
+    DeviceBuffer<int32_t> topk_idx_, aux_counts_, valid_counts_, ga_steps_, counts_, offsets_, rank_, row_token_;
+    DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, shared_offsets_;
+    DeviceBuffer<double> local_tokens_, global_tokens_;
+    DeviceBuffer<bf16> rows_, fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
+    DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
+    DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;
+    DeviceBuffer<float> grad_shared_fc1_, grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_;
+};
+
+}  // namespace
+
+const char* layer_stage_name(LayerStage stage) {
+    switch (stage) {
+        case LayerStage::router: return "router";
+        case LayerStage::permute: return "permute";
+        case LayerStage::shared_expert: return "shared_expert";
+        case LayerStage::fc1: return "fc1";
+        case LayerStage::activation: return "activation";
+        case LayerStage::fc2: return "fc2";
+        case LayerStage::combine: return "combine";
+        case LayerStage::count: break;
+    }
+    return "?";
+}
+
+CudaLayerShape CudaLayerShape::from_config(const MoeConfig& c, int64_t seq_length, int64_t micro_batch_size) {
+    CudaLayerShape s;
+    s.router = RouterShape::from_config(c, seq_length, micro_batch_size);
+    s.loss = LossShape::from_config(c);
+    s.ffn = c.expert_ffn();
+    s.gated_linear_unit = c.gated_linear_unit;
+    s.fc1_rows = c.fc1_rows();
+    MOEKIT_REQUIRE(activation_from_name(c.activation_func.c_str(), &s.act), "--activation-func=", c.activation_func,
+                   ": --device cuda supports gelu, silu, relu, squared_relu");
+    s.has_shared = c.shared_ffn() > 0;
+    if (s.has_shared) {
+        s.shared = SharedExpertShape{s.router.num_tokens, c.hidden_size, c.shared_ffn(), c.gated_linear_unit,
+                                     c.moe_shared_expert_gate, s.act};
+    }
+    s.max_rows = s.router.max_rows();
+    s.router_fp64 = c.moe_router_dtype && *c.moe_router_dtype == "fp64";
+    return s;
+}
+
+std::string CudaLayerShape::to_string() const {
+    return str("CudaLayerShape{", router.to_string(), " F=", ffn, gated_linear_unit ? " glu" : "", " act=",
+               activation_name(act), " shared=", has_shared ? shared.ffn : 0, " max_rows=", max_rows,
+               router_fp64 ? " fp64" : " fp32", "}");
+}
+
+std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int64_t seq_length,
+                                                   int64_t micro_batch_size) {
+    MoeConfig c = config;
+    c.normalize();
+    for (const std::string& type : c.moe_router_load_balancing_type)
+        MOEKIT_REQUIRE(type != "sinkhorn", "--moe-router-load-balancing-type=sinkhorn: not supported yet on --device cuda");
+    MOEKIT_REQUIRE(!c.moe_input_jitter_eps, "--moe-input-jitter-eps: not supported yet on --device cuda");
+    MOEKIT_REQUIRE(!c.add_bias_linear, "--add-bias-linear: not supported on --device cuda");
+    const CudaLayerShape shape = CudaLayerShape::from_config(c, seq_length, micro_batch_size);
+    shape.router.validate();
+    if (shape.router_fp64) return std::make_unique<LayerImpl<double>>(shape);
+    return std::make_unique<LayerImpl<float>>(shape);
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,118 @@
+// CudaMoeLayer: one MoE layer on one GPU, bf16 weights/activations, fp32 accumulation, router in
+// R = float (or double with --moe-router-dtype fp64). Every buffer is sized at construction from
+// static bounds (T*k rows, or E*capacity with padding); forward(stream)/backward(stream) only
+// enqueue work (no allocation, no host wait), so a whole step can be captured in one CUDA graph.
+// Stages: router -> losses -> plan + permute -> shared expert -> fc1 -> act*p -> fc2 -> combine.
+// Twin: cpu::MoeLayer (src/cpu/moe_layer.cpp). Tests: tests/gpu/test_cuda_layer.cu, test_cuda_graph.cu.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cuda/expert_gemm.h"
+#include "cuda/losses.cuh"
+#include "cuda/router.cuh"
+#include "cuda/shared_expert.cuh"
+#include "moekit/config.h"
+#include "moekit/layer.h"
+
+namespace moekit::cuda {
+
+struct CudaLayerShape {
+    RouterShape router;
+    LossShape loss;
+    int64_t ffn = 0, fc1_rows = 0;  // F, F*(2 if GLU)
+    bool gated_linear_unit = false;
+    Activation act = Activation::gelu;
+    bool has_shared = false;
+    SharedExpertShape shared;
+    int64_t max_rows = 0;           // static bound on permuted rows
+    bool router_fp64 = false;       // R = double
+
+    static CudaLayerShape from_config(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
+    std::string to_string() const;
+};
+
+// Device pointers of a layer. "R" arrays are float or double (router_fp64).
+struct LayerBuffers {
+    // ---- inputs the caller fills ----
+    __nv_bfloat16* hidden = nullptr;        // [T, H]
+    uint8_t* padding_mask = nullptr;        // [T] 1 = padding (zeros = none)
+    __nv_bfloat16* grad_output = nullptr;   // [T, H]
+    __nv_bfloat16* router_weight = nullptr; // [E, H]
+    void* expert_bias = nullptr;            // [E] R
+    __nv_bfloat16* fc1 = nullptr;           // [E, F1, H]
+    __nv_bfloat16* fc2 = nullptr;           // [E, H, F]
+    __nv_bfloat16* shared_fc1 = nullptr;    // [Fs1, H]
+    __nv_bfloat16* shared_fc2 = nullptr;    // [H, Fs]
+    __nv_bfloat16* shared_gate = nullptr;   // [H]
+    // ---- outputs ----
+    __nv_bfloat16* output = nullptr;        // [T, H]
+    float* grad_input = nullptr;            // [T, H]
+    float* grad_router_weight = nullptr;    // [E, H]
+    float* grad_fc1 = nullptr;              // [E, F1, H]
+    float* grad_fc2 = nullptr;              // [E, H, F]
+    float* grad_shared_fc1 = nullptr;       // [Fs1, H]
+    float* grad_shared_fc2 = nullptr;       // [H, Fs]
+    float* grad_shared_gate = nullptr;      // [H]
+    // ---- intermediates (stage tests) ----
+    void* logits = nullptr;                 // [T, E] R
+    void* probs = nullptr;                  // [T, E] R
+    uint8_t* routing_map = nullptr;         // [T, E]
+    int32_t* topk_idx = nullptr;            // [T, k]
+    int32_t* counts = nullptr;              // [E]
+    int32_t* offsets = nullptr;             // [E + 1]
+    int32_t* row_token = nullptr;           // [max_rows]
+    void* row_prob = nullptr;               // [max_rows] R
+    int32_t* token_offsets = nullptr;       // [T + 1]
+    int32_t* token_rows = nullptr;          // [max_rows]
+    __nv_bfloat16* rows = nullptr;          // [max_rows, H] permuted input
+    __nv_bfloat16* fc1_out = nullptr;       // [max_rows, F1]
+    __nv_bfloat16* act_out = nullptr;       // [max_rows, F] act * p
+    __nv_bfloat16* expert_out = nullptr;    // [max_rows, H]
+    void* grad_row_probs = nullptr;         // [max_rows] R
+    void* grad_probs = nullptr;             // [T, E] R
+    void* grad_logits = nullptr;            // [T, E] R
+    void* losses = nullptr;                 // [4] R (LossSlot order)
+    double* local_tokens_per_expert = nullptr;   // [E]
+    double* global_tokens_per_expert = nullptr;  // [E]
+    int32_t* ga_steps = nullptr;                 // [1]
+};
+
+enum class LayerStage : int { router, permute, shared_expert, fc1, activation, fc2, combine, count };
+const char* layer_stage_name(LayerStage stage);
+using StageTimesMs = std::array<float, size_t(LayerStage::count)>;
+
+class CudaMoeLayer {
+public:
+    // Allocates everything; throws UsageError for configurations --device cuda does not support.
+    static std::unique_ptr<CudaMoeLayer> create(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
+    virtual ~CudaMoeLayer() = default;
+
+    virtual const CudaLayerShape& shape() const = 0;
+    virtual const LayerBuffers& buffers() const = 0;
+    virtual void set_expert_gemm(const ExpertGemm& gemm) = 0;
+
+    // Enqueue only. training: losses, their gradients and the expert-bias/global-aux trackers.
+    virtual void forward(cudaStream_t stream, bool training) = 0;
+    virtual void backward(cudaStream_t stream) = 0;
+
+    // Per-stage cudaEvent timing of eager steps (off by default; not while capturing).
+    virtual void enable_stage_timing(bool on) = 0;
+    // Waits for the recorded events (outside a step).
+    virtual StageTimesMs forward_times_ms() = 0;
+    virtual StageTimesMs backward_times_ms() = 0;
+
+    // Host reads, each a synchronous copy: call between steps only.
+    virtual LossValues read_losses() const = 0;
+    virtual std::vector<int64_t> read_tokens_per_expert() const = 0;
+    virtual std::vector<double> read_local_tokens_per_expert() const = 0;
+    virtual void reset_local_tokens_per_expert() = 0;
+    virtual void reset_global_aux_loss_tracker() = 0;
+};
+
+}  // namespace moekit::cuda

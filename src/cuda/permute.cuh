@@ -1,0 +1,48 @@
+// CUDA token permutation (Megatron permute/unpermute): routing_map [T, E] -> device RoutingPlan
+// (per-expert counts and offsets, row -> token, token -> rows), gather of token rows into the
+// expert-major layout and the gather-based (deterministic) backward. Row order: expert-major,
+// token ascending inside an expert (src/core/permute_math.h). Twin: src/cpu/permute.cpp.
+// Test: tests/gpu/test_cuda_stages.cu.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moekit::cuda {
+
+// Everything lives on the device; only the bounds are host values.
+template <typename R>
+struct RoutingPlan {
+    int64_t num_tokens = 0, num_experts = 0;
+    int64_t max_rows = 0;             // static bound on offsets[E]
+    int32_t* counts = nullptr;        // [E] rows per expert
+    int32_t* offsets = nullptr;       // [E + 1] exclusive scan of counts
+    int32_t* rank = nullptr;          // [T, E] rank of token t among the tokens routed to e
+    int32_t* row_token = nullptr;     // [max_rows] source token of each row (first offsets[E] valid)
+    R* row_prob = nullptr;            // [max_rows] permuted probs
+    int32_t* token_offsets = nullptr; // [T + 1] token t owns token_rows[token_offsets[t], token_offsets[t+1])
+    int32_t* token_rows = nullptr;    // [max_rows] rows of each token, ascending (= ascending expert)
+    int32_t* token_counts = nullptr;  // [T] rows per token (scratch of the plan build)
+};
+
+// routing_map [T, E], probs [T, E] -> plan.
+template <typename R>
+void build_routing_plan(const uint8_t* routing_map, const R* probs, const RoutingPlan<R>& plan, cudaStream_t stream);
+
+// rows[r, :] = tokens[row_token[r], :] for r < offsets[E]. tokens [T, H], rows [max_rows, H] bf16.
+template <typename R>
+void permute_rows(const RoutingPlan<R>& plan, int64_t hidden, const __nv_bfloat16* tokens, __nv_bfloat16* rows,
+                  cudaStream_t stream);
+
+// grad_tokens[t, :] (= or +=) sum of grad_rows over the rows of t, in ascending row order, fp32.
+template <typename R>
+void permute_rows_backward(const RoutingPlan<R>& plan, int64_t hidden, const __nv_bfloat16* grad_rows,
+                           float* grad_tokens, bool accumulate, cudaStream_t stream);
+
+// Dense grad_probs [T, E] (zero off the map) from per-row grads [max_rows].
+template <typename R>
+void scatter_row_probs_grad(const RoutingPlan<R>& plan, const uint8_t* routing_map, const R* grad_row_probs,
+                            R* grad_probs, cudaStream_t stream);
+
+}  // namespace moekit::cuda

@@ -1,0 +1,81 @@
+// CUDA router (Megatron TopKRouter): gating linear in the router dtype R (float or double, cuBLAS),
+// a warp-per-token pass for scores, group limit, expert bias, top-k (ties: lower expert index
+// first), normalisation and scaling, capacity dropping/padding, and the backward through all of it.
+// Loss statistics and values: src/cuda/losses.cuh. Twin: src/cpu/router.cpp. Test:
+// tests/gpu/test_cuda_stages.cu.
+#pragma once
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/router_math.h"
+#include "moekit/config.h"
+
+namespace moekit::cuda {
+
+enum class DropPolicy : int { probs = 0, position = 1 };
+
+// Host bounds and switches of the router; every per-step count lives on the device.
+struct RouterShape {
+    int64_t num_tokens = 0;        // T = S * B
+    int64_t seq_length = 0;        // S
+    int64_t micro_batch_size = 1;  // B (token t belongs to sequence t % B)
+    int64_t num_experts = 0;       // E
+    int64_t hidden = 0;            // H
+    int64_t topk = 0;              // k
+    ScoreFunction score_function = ScoreFunction::softmax;
+    bool pre_softmax = false;
+    int64_t num_groups = 0;        // 0 = no group limit
+    int64_t group_topk = 0;
+    bool has_expert_bias = false;
+    double scaling_factor = 1.0;
+    double capacity_factor = -1;   // < 0 = dropless; capacity = get_capacity(valid tokens * k, E, cf) on device
+    bool pad_to_capacity = false;
+    DropPolicy drop_policy = DropPolicy::probs;
+
+    static RouterShape from_config(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
+    bool dropless() const { return capacity_factor < 0; }
+    // Rows the permutation can produce: T*k (dropless, drop) or E*min(capacity(T), T) (pad).
+    int64_t max_rows() const;
+    void validate() const;
+    std::string to_string() const;
+};
+
+// Device views of the router's tensors (R = router dtype).
+template <typename R>
+struct RouterTensors {
+    const __nv_bfloat16* hidden = nullptr;  // [T, H] bf16 layer input
+    const __nv_bfloat16* weight = nullptr;  // [E, H] bf16 router.weight
+    const R* expert_bias = nullptr;         // [E] (null without bias)
+    const uint8_t* padding_mask = nullptr;  // [T] 1 = padding
+    R* hidden_r = nullptr;                  // [T, H] input upcast to R (kept for dW)
+    R* weight_r = nullptr;                  // [E, H] weight upcast to R
+    R* logits = nullptr;                    // [T, E]
+    int32_t* topk_idx = nullptr;            // [T, k] selected experts, best first (before dropping); -1 on padding
+    R* probs = nullptr;                     // [T, E] dense, zero off the routing map (after dropping)
+    uint8_t* routing_map = nullptr;         // [T, E] (after dropping / padding)
+};
+
+// logits = x_R · W_Rᵀ (cuBLAS in R), then scores/top-k/normalise/scale into probs and routing_map,
+// then capacity dropping (if shape.capacity >= 0).
+template <typename R>
+void router_forward(const RouterShape& shape, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream);
+
+// grad_logits [T, E] = d(main loss)/d logits from grad_probs [T, E] (dense, zero off the map)
+// through scaling, normalisation and the score function; the loss gradients are added by
+// losses_backward (losses.cuh) afterwards.
+template <typename R>
+void router_backward_probs(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_probs, R* grad_logits,
+                           cudaStream_t stream);
+
+// Gating linear backward: grad_weight [E, H] fp32 = grad_logitsᵀ · x_R (overwritten);
+// grad_input [T, H] fp32 += grad_logits · W_R. scratch: [T, H] R (used when R = double).
+template <typename R>
+void router_backward_linear(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_logits,
+                            float* grad_weight, float* grad_input, R* scratch, cublasHandle_t cublas,
+                            cudaStream_t stream);
+
+}  // namespace moekit::cuda
