@@ -132,6 +132,8 @@ int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>
         const HostTensor& x = require_tensor(in_file, a.input, "input", {}, str("[S, B, ", H, "]"));
         MOEKIT_REQUIRE(x.shape.size() == 3 && x.shape[2] == H, a.input, ": tensor 'input' has shape ", x.shape_string(),
                        ", expected [S, B, ", H, "] (--hidden-size=", H, ")");
+        MOEKIT_REQUIRE(x.shape[0] > 0 && x.shape[1] > 0, a.input, ": tensor 'input' has shape ", x.shape_string(),
+                       ": S and B must be > 0");
         MOEKIT_REQUIRE(cfg.seq_length == 0 || cfg.seq_length == x.shape[0], a.input, ": tensor 'input' has S=",
                        x.shape[0], " but --seq-length=", cfg.seq_length);
         MOEKIT_REQUIRE(!a.micro_batch_size_given || cfg.micro_batch_size == x.shape[1], a.input,

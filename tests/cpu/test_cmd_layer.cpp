@@ -202,6 +202,10 @@ TEST_F(CmdLayer, BadFlagsAndFilesExitWithStatus2) {
     EXPECT_NE(r.output.find("tensor 'input' has shape [4, 1, 6], expected [S, B, 16] (--hidden-size=16)"),
               std::string::npos)
         << r.output;
+    write_safetensors(path("x_empty"), {{"input", HostTensor::from_double({}, {0, 2, 16}, DType::f32)}});
+    r = run("--weights " + path("w") + " --input " + path("x_empty") + " --out " + path("r"));
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.output.find("tensor 'input' has shape [0, 2, 16]: S and B must be > 0"), std::string::npos) << r.output;
     write_safetensors(path("x_typo"), {{"hidden", HostTensor::from_double(std::vector<double>(16, 0.5), {1, 1, 16},
                                                                           DType::f32)}});
     r = run("--weights " + path("w") + " --input " + path("x_typo") + " --out " + path("r"));

@@ -134,6 +134,37 @@ TEST(Safetensors, MalformedFilesGivePreciseErrors) {
     }
 }
 
+// Random corruption (byte flips anywhere, truncation) must give a clean UsageError or a valid file,
+// never a crash or another exception type. Seed fixed; 3000 mutations take a few ms.
+TEST(Safetensors, CorruptedFilesFailCleanly) {
+    const auto good = serialize_safetensors({{"a", make_tensor(DType::f32, {3, 2}, 1)},
+                                             {"b", make_tensor(DType::boolean, {5}, 2)},
+                                             {"c", make_tensor(DType::bf16, {2, 2}, 3)}},
+                                            {{"k", "v"}});
+    uint32_t x = 12345;
+    auto next = [&] { return x = x * 1664525u + 1013904223u; };
+    int rejected = 0;
+    for (int trial = 0; trial < 3000; ++trial) {
+        auto bytes = good;
+        if (trial % 3 == 0) {
+            bytes.resize(next() % bytes.size());
+        } else {
+            for (int flips = 1 + int(next() % 3); flips > 0; --flips) {
+                const size_t at = trial % 3 == 1 ? next() % std::min<size_t>(bytes.size(), 120) : next() % bytes.size();
+                bytes[at] = uint8_t(next() >> 24);
+            }
+        }
+        try {
+            parse_safetensors(bytes, "fuzz");
+        } catch (const UsageError&) {
+            ++rejected;
+        } catch (const std::exception& e) {
+            FAIL() << "trial " << trial << " (seed 12345): " << e.what();
+        }
+    }
+    EXPECT_GT(rejected, 1000);  // the mutations do reach the checks
+}
+
 // ---- weights_to_tensors / weights_from_tensors ----
 
 MoeConfig small_config() {
