@@ -35,10 +35,14 @@ inline bool activation_from_name(const char* name, Activation* out) {
 
 inline const char* activation_name(Activation act) {
     switch (act) {
-        case Activation::gelu: return "gelu";
-        case Activation::silu: return "silu";
-        case Activation::relu: return "relu";
-        case Activation::squared_relu: return "squared_relu";
+        case Activation::gelu:
+            return "gelu";
+        case Activation::silu:
+            return "silu";
+        case Activation::relu:
+            return "relu";
+        case Activation::squared_relu:
+            return "squared_relu";
     }
     return "?";
 }
@@ -96,10 +100,14 @@ MOEKIT_HD T squared_relu_grad(T x) {
 template <typename T>
 MOEKIT_HD T activation_forward(Activation act, T x) {
     switch (act) {
-        case Activation::gelu: return gelu(x);
-        case Activation::silu: return silu(x);
-        case Activation::relu: return relu(x);
-        case Activation::squared_relu: return squared_relu(x);
+        case Activation::gelu:
+            return gelu(x);
+        case Activation::silu:
+            return silu(x);
+        case Activation::relu:
+            return relu(x);
+        case Activation::squared_relu:
+            return squared_relu(x);
     }
     return T(0);
 }
@@ -107,10 +115,14 @@ MOEKIT_HD T activation_forward(Activation act, T x) {
 template <typename T>
 MOEKIT_HD T activation_grad(Activation act, T x) {
     switch (act) {
-        case Activation::gelu: return gelu_grad(x);
-        case Activation::silu: return silu_grad(x);
-        case Activation::relu: return relu_grad(x);
-        case Activation::squared_relu: return squared_relu_grad(x);
+        case Activation::gelu:
+            return gelu_grad(x);
+        case Activation::silu:
+            return silu_grad(x);
+        case Activation::relu:
+            return relu_grad(x);
+        case Activation::squared_relu:
+            return squared_relu_grad(x);
     }
     return T(0);
 }

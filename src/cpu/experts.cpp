@@ -17,8 +17,8 @@ std::string MlpShape::to_string() const {
 namespace {
 Activation parse_activation(const MoeConfig& config) {
     Activation act;
-    MOEKIT_REQUIRE(activation_from_name(config.activation_func.c_str(), &act), "--activation-func=",
-                   config.activation_func, ": must be one of gelu, silu, relu, squared_relu");
+    MOEKIT_REQUIRE(activation_from_name(config.activation_func.c_str(), &act),
+                   "--activation-func=", config.activation_func, ": must be one of gelu, silu, relu, squared_relu");
     return act;
 }
 
@@ -26,8 +26,8 @@ template <typename T>
 void check_mlp_weights(const MlpShape& shape, const Matrix<T>& fc1, const Matrix<T>& fc2) {
     MOEKIT_CHECK(fc1.rows == shape.fc1_rows() && fc1.cols == shape.hidden, "linear_fc1.weight is [", fc1.rows, ", ",
                  fc1.cols, "], expected [", shape.fc1_rows(), ", ", shape.hidden, "] for ", shape.to_string());
-    MOEKIT_CHECK(fc2.rows == shape.hidden && fc2.cols == shape.ffn, "linear_fc2.weight is [", fc2.rows, ", ",
-                 fc2.cols, "], expected [", shape.hidden, ", ", shape.ffn, "] for ", shape.to_string());
+    MOEKIT_CHECK(fc2.rows == shape.hidden && fc2.cols == shape.ffn, "linear_fc2.weight is [", fc2.rows, ", ", fc2.cols,
+                 "], expected [", shape.hidden, ", ", shape.ffn, "] for ", shape.to_string());
 }
 
 // a_p = a * p (p = 1 without probs), the input of fc2.
@@ -184,19 +184,18 @@ Matrix<T> experts_backward(const MlpShape& shape, const std::vector<Matrix<T>>& 
     return grad_x;
 }
 
-#define MOEKIT_INSTANTIATE_EXPERTS(T)                                                                                 \
-    template void mlp_forward<T>(const MlpShape&, const Matrix<T>&, const Matrix<T>&, const T*, int64_t, const T*,    \
-                                 T*, T*, T*);                                                                         \
-    template void mlp_backward<T>(const MlpShape&, const Matrix<T>&, const Matrix<T>&, const T*, int64_t, const T*,   \
-                                  const T*, const T*, const T*, T*, T*, Matrix<T>&, Matrix<T>&);                      \
-    template Matrix<T> experts_forward<T>(const MlpShape&, const std::vector<Matrix<T>>&,                             \
-                                          const std::vector<Matrix<T>>&, const Matrix<T>&,                            \
-                                          const std::vector<int64_t>&, const std::vector<T>&, MlpContext<T>&);        \
-    template Matrix<T> experts_backward<T>(const MlpShape&, const std::vector<Matrix<T>>&,                            \
-                                           const std::vector<Matrix<T>>&, const Matrix<T>&,                           \
-                                           const std::vector<int64_t>&, const std::vector<T>&, const MlpContext<T>&,  \
-                                           const Matrix<T>&, std::vector<T>&, std::vector<Matrix<T>>&,                \
-                                           std::vector<Matrix<T>>&);
+#define MOEKIT_INSTANTIATE_EXPERTS(T)                                                                                  \
+    template void mlp_forward<T>(const MlpShape&, const Matrix<T>&, const Matrix<T>&, const T*, int64_t, const T*, T*, \
+                                 T*, T*);                                                                              \
+    template void mlp_backward<T>(const MlpShape&, const Matrix<T>&, const Matrix<T>&, const T*, int64_t, const T*,    \
+                                  const T*, const T*, const T*, T*, T*, Matrix<T>&, Matrix<T>&);                       \
+    template Matrix<T> experts_forward<T>(const MlpShape&, const std::vector<Matrix<T>>&,                              \
+                                          const std::vector<Matrix<T>>&, const Matrix<T>&,                             \
+                                          const std::vector<int64_t>&, const std::vector<T>&, MlpContext<T>&);         \
+    template Matrix<T> experts_backward<T>(                                                                            \
+        const MlpShape&, const std::vector<Matrix<T>>&, const std::vector<Matrix<T>>&, const Matrix<T>&,               \
+        const std::vector<int64_t>&, const std::vector<T>&, const MlpContext<T>&, const Matrix<T>&, std::vector<T>&,   \
+        std::vector<Matrix<T>>&, std::vector<Matrix<T>>&);
 MOEKIT_INSTANTIATE_EXPERTS(float)
 MOEKIT_INSTANTIATE_EXPERTS(double)
 #undef MOEKIT_INSTANTIATE_EXPERTS

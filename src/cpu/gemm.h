@@ -107,17 +107,16 @@ inline void gemm_nn_rows(int64_t row_begin, int64_t row_end, int64_t n, int64_t 
 
 // C[m, n] += A[m, k] . B[k, n], parallel over rows of C.
 template <typename T>
-void gemm_nn_acc(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
-                 int64_t ldc) {
+void gemm_nn_acc(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc) {
     const int64_t min_rows = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, n * k));
-    parallel_for(m, min_rows, [&](int64_t begin, int64_t end) { gemm_nn_rows(begin, end, n, k, a, lda, b, ldb, c, ldc); });
+    parallel_for(m, min_rows,
+                 [&](int64_t begin, int64_t end) { gemm_nn_rows(begin, end, n, k, a, lda, b, ldb, c, ldc); });
 }
 
 // C[k, n] += A[m, k]^T . B[m, n], parallel over rows of C. The m terms of each element are added
 // in ascending order; m is walked in blocks so the B block stays in cache across the rows of C.
 template <typename T>
-void gemm_tn_acc(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
-                 int64_t ldc) {
+void gemm_tn_acc(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc) {
     constexpr int64_t kBlock = 64;
     const int64_t min_rows = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, n * m));
     parallel_for(k, min_rows, [&](int64_t begin, int64_t end) {

@@ -2,9 +2,10 @@
 // shared expert -> router -> permute -> experts -> unpermute -> + shared output, and the explicit
 // backward through the same stages in reverse. T = float or double.
 // Tests: tests/cpu/test_layer.cpp, test_layer_gradcheck.cpp, test_layer_properties.cpp.
+#include "moekit/layer.h"
+
 #include "cpu/layer_context.h"
 #include "moekit/error.h"
-#include "moekit/layer.h"
 
 namespace moekit::cpu {
 
@@ -15,8 +16,8 @@ void check_weights(const MoeConfig& config, const MlpShape& expert, const MlpSha
     const int64_t num_experts = config.num_experts(), hidden = config.hidden_size;
     MOEKIT_CHECK(w.router_weight.rows == num_experts && w.router_weight.cols == hidden, what, ": router.weight is [",
                  w.router_weight.rows, ", ", w.router_weight.cols, "], expected [", num_experts, ", ", hidden, "]");
-    MOEKIT_CHECK(int64_t(w.fc1.size()) == num_experts && int64_t(w.fc2.size()) == num_experts, what, ": ",
-                 w.fc1.size(), " fc1 and ", w.fc2.size(), " fc2 expert weights, expected ", num_experts);
+    MOEKIT_CHECK(int64_t(w.fc1.size()) == num_experts && int64_t(w.fc2.size()) == num_experts, what, ": ", w.fc1.size(),
+                 " fc1 and ", w.fc2.size(), " fc2 expert weights, expected ", num_experts);
     for (int64_t e = 0; e < num_experts; ++e) {
         MOEKIT_CHECK(w.fc1[size_t(e)].rows == expert.fc1_rows() && w.fc1[size_t(e)].cols == hidden, what,
                      ": experts.local_experts.", e, ".linear_fc1.weight is [", w.fc1[size_t(e)].rows, ", ",
@@ -91,9 +92,8 @@ Matrix<T> MoeLayer<T>::forward(const MoeWeights<T>& w, const LayerInput<T>& in) 
 
     ctx.plan = build_routing_plan(ctx.router.routing_map, ctx.router.probs, num_tokens, config_.num_experts());
     ctx.permuted = permute(in.hidden, ctx.plan);
-    const Matrix<T> expert_out =
-        experts_forward(ctx.expert_shape, w.fc1, w.fc2, ctx.permuted, ctx.plan.offsets, ctx.plan.permuted_probs,
-                        ctx.experts);
+    const Matrix<T> expert_out = experts_forward(ctx.expert_shape, w.fc1, w.fc2, ctx.permuted, ctx.plan.offsets,
+                                                 ctx.plan.permuted_probs, ctx.experts);
     Matrix<T> out = unpermute(expert_out, ctx.plan);
     if (ctx.shared_shape.ffn > 0) add_into(out, shared_out);
     ctx.has_forward = true;
@@ -148,8 +148,8 @@ RoutingSummary MoeLayer<T>::summary() const {
 template <typename T>
 void MoeLayer<T>::update_expert_bias(MoeWeights<T>& w) {
     if (!config_.moe_router_enable_expert_bias) return;
-    MOEKIT_CHECK(w.expert_bias.size() == size_t(config_.num_experts()), "router.expert_bias has ",
-                 w.expert_bias.size(), " entries, expected ", config_.num_experts());
+    MOEKIT_CHECK(w.expert_bias.size() == size_t(config_.num_experts()), "router.expert_bias has ", w.expert_bias.size(),
+                 " entries, expected ", config_.num_experts());
     cpu::update_expert_bias(config_.moe_router_bias_update_rate, w.expert_bias, local_tokens_per_expert);
     ctx_->router_state.local_tokens_per_expert = local_tokens_per_expert;
 }

@@ -12,17 +12,17 @@ namespace moekit::cpu {
 
 template <typename T>
 struct LayerContext {
-    MlpShape expert_shape;             // routed experts: H, F, gating, activation
-    MlpShape shared_shape;             // shared expert (ffn = 0 when absent)
-    RouterState router_state;          // expert-bias counts, global-aux tracker
-    bool has_forward = false;          // backward needs a forward first
+    MlpShape expert_shape;     // routed experts: H, F, gating, activation
+    MlpShape shared_shape;     // shared expert (ffn = 0 when absent)
+    RouterState router_state;  // expert-bias counts, global-aux tracker
+    bool has_forward = false;  // backward needs a forward first
 
-    Matrix<T> hidden;                  // [T, H] layer input
-    RouterContext<T> router;           // probs, routing_map, losses and the router's saved tensors
-    RoutingPlan<T> plan;               // expert-major rows: counts, offsets, row -> token, permuted probs
-    Matrix<T> permuted;                // [N, H] expert input rows
-    MlpContext<T> experts;             // [N, fc1_rows] pre-activation, [N, F] activation
-    SharedExpertContext<T> shared;     // shared expert activations and gate values
+    Matrix<T> hidden;               // [T, H] layer input
+    RouterContext<T> router;        // probs, routing_map, losses and the router's saved tensors
+    RoutingPlan<T> plan;            // expert-major rows: counts, offsets, row -> token, permuted probs
+    Matrix<T> permuted;             // [N, H] expert input rows
+    MlpContext<T> experts;          // [N, fc1_rows] pre-activation, [N, F] activation
+    SharedExpertContext<T> shared;  // shared expert activations and gate values
 };
 
 }  // namespace moekit::cpu

@@ -7,7 +7,7 @@ namespace moekit::cpu {
 
 namespace {
 class CpuLayerRunner final : public LayerRunner {
-public:
+   public:
     explicit CpuLayerRunner(const MoeConfig& config) : layer_(config) {}
 
     Matrix<float> forward(const MoeWeights<float>& w, const LayerInput<float>& in) override {
@@ -21,7 +21,7 @@ public:
     void update_expert_bias(MoeWeights<float>& w) override { layer_.update_expert_bias(w); }
     void reset_global_aux_loss_tracker() override { layer_.reset_global_aux_loss_tracker(); }
 
-private:
+   private:
     MoeLayer<float> layer_;
 };
 }  // namespace

@@ -98,10 +98,10 @@ Matrix<T> permute_probs_backward(const std::vector<T>& grad_permuted_probs, cons
     return grad;
 }
 
-#define MOEKIT_INSTANTIATE_PERMUTE(T)                                                                              \
+#define MOEKIT_INSTANTIATE_PERMUTE(T)                                                                               \
     template RoutingPlan<T> build_routing_plan<T>(const std::vector<uint8_t>&, const Matrix<T>&, int64_t, int64_t); \
-    template Matrix<T> permute<T>(const Matrix<T>&, const RoutingPlan<T>&);                                        \
-    template Matrix<T> unpermute<T>(const Matrix<T>&, const RoutingPlan<T>&);                                      \
+    template Matrix<T> permute<T>(const Matrix<T>&, const RoutingPlan<T>&);                                         \
+    template Matrix<T> unpermute<T>(const Matrix<T>&, const RoutingPlan<T>&);                                       \
     template Matrix<T> permute_probs_backward<T>(const std::vector<T>&, const RoutingPlan<T>&);
 MOEKIT_INSTANTIATE_PERMUTE(float)
 MOEKIT_INSTANTIATE_PERMUTE(double)

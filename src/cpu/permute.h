@@ -22,8 +22,8 @@ struct RoutingPlan {
     std::vector<T> permuted_probs;           // [N] probs.T.masked_select(map.T)
     // Inverse view for a deterministic combine: token t owns rows token_rows[token_offsets[t] ..
     // token_offsets[t + 1]), in ascending row (= ascending expert) order.
-    std::vector<int64_t> token_offsets;      // [T + 1]
-    std::vector<int64_t> token_rows;         // [N]
+    std::vector<int64_t> token_offsets;  // [T + 1]
+    std::vector<int64_t> token_rows;     // [N]
 
     int64_t num_rows() const { return int64_t(row_token.size()); }
 };

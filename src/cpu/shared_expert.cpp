@@ -56,8 +56,8 @@ void shared_expert_backward(const MlpShape& shape, const MoeWeights<T>& w, const
     const Matrix<T>* grad_mlp = &grad_out;
     Matrix<T> gated_grad;
     if (has_gate(w, hidden)) {
-        MOEKIT_CHECK(grads.shared_gate.rows == 1 && grads.shared_gate.cols == hidden, "grad of gate_weight must be [1, ",
-                     hidden, "]");
+        MOEKIT_CHECK(grads.shared_gate.rows == 1 && grads.shared_gate.cols == hidden,
+                     "grad of gate_weight must be [1, ", hidden, "]");
         MOEKIT_CHECK(int64_t(ctx.gate.size()) == num_tokens, "shared expert context has no gate values");
         gated_grad = Matrix<T>(num_tokens, hidden);
         const T* g = w.shared_gate.row(0);
@@ -84,11 +84,12 @@ void shared_expert_backward(const MlpShape& shape, const MoeWeights<T>& w, const
     for (size_t i = 0; i < grad_x.data.size(); ++i) grad_x.data[i] += grad_x_mlp.data[i];
 }
 
-#define MOEKIT_INSTANTIATE_SHARED(T)                                                                                \
-    template Matrix<T> shared_expert_forward<T>(const MlpShape&, const MoeWeights<T>&, const Matrix<T>&,            \
-                                                SharedExpertContext<T>&);                                           \
-    template void shared_expert_backward<T>(const MlpShape&, const MoeWeights<T>&, const Matrix<T>&,                \
-                                            const SharedExpertContext<T>&, const Matrix<T>&, Matrix<T>&, MoeWeights<T>&);
+#define MOEKIT_INSTANTIATE_SHARED(T)                                                                     \
+    template Matrix<T> shared_expert_forward<T>(const MlpShape&, const MoeWeights<T>&, const Matrix<T>&, \
+                                                SharedExpertContext<T>&);                                \
+    template void shared_expert_backward<T>(const MlpShape&, const MoeWeights<T>&, const Matrix<T>&,     \
+                                            const SharedExpertContext<T>&, const Matrix<T>&, Matrix<T>&, \
+                                            MoeWeights<T>&);
 MOEKIT_INSTANTIATE_SHARED(float)
 MOEKIT_INSTANTIATE_SHARED(double)
 #undef MOEKIT_INSTANTIATE_SHARED

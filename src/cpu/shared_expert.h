@@ -13,9 +13,9 @@ namespace moekit::cpu {
 
 template <typename T>
 struct SharedExpertContext {
-    MlpContext<T> mlp;   // fc1_out [T, fc1_rows], act_out [T, Fs]
-    Matrix<T> mlp_out;   // [T, H] MLP output before the gate (only kept with a gate)
-    std::vector<T> gate; // [T] sigmoid(x . g) (empty without a gate)
+    MlpContext<T> mlp;    // fc1_out [T, fc1_rows], act_out [T, Fs]
+    Matrix<T> mlp_out;    // [T, H] MLP output before the gate (only kept with a gate)
+    std::vector<T> gate;  // [T] sigmoid(x . g) (empty without a gate)
 };
 
 // Returns the shared expert output [T, H]; uses w.shared_fc1, w.shared_fc2 and, when not empty,

@@ -2,11 +2,12 @@
 // counter-based normal stream per tensor (src/core/rng.h, so float and double draws agree up to
 // rounding, and a tensor's values do not depend on which other tensors exist), parameter_count.
 // Tests: tests/cpu/test_layer.cpp (C12 counts, init statistics, determinism).
+#include "moekit/weights.h"
+
 #include <cmath>
 
 #include "core/rng.h"
 #include "moekit/error.h"
-#include "moekit/weights.h"
 
 namespace moekit {
 

@@ -15,8 +15,7 @@ namespace {
 
 using test::random_matrix;
 
-constexpr Activation kActivations[] = {Activation::gelu, Activation::silu, Activation::relu,
-                                       Activation::squared_relu};
+constexpr Activation kActivations[] = {Activation::gelu, Activation::silu, Activation::relu, Activation::squared_relu};
 
 TEST(Activation, ValuesByHand) {
     EXPECT_NEAR(gelu(1.0), 0.8413447460685429, 1e-15);  // Phi(1)
@@ -94,10 +93,8 @@ ExpertData<T> make_data(const ExpertCase& c, uint64_t seed) {
 // and get exactly zero weight grads; counts [0, 4] and a single expert work.
 TEST(Experts, GroupedMatchesPerExpertReference) {
     const std::vector<ExpertCase> cases = {
-        {{12, 48, true, Activation::silu}, {3, 0, 5, 2}},
-        {{12, 48, true, Activation::silu}, {0, 4}},
-        {{16, 24, false, Activation::gelu}, {7}},
-        {{8, 20, false, Activation::squared_relu}, {2, 6, 0}},
+        {{12, 48, true, Activation::silu}, {3, 0, 5, 2}}, {{12, 48, true, Activation::silu}, {0, 4}},
+        {{16, 24, false, Activation::gelu}, {7}},         {{8, 20, false, Activation::squared_relu}, {2, 6, 0}},
         {{8, 20, true, Activation::gelu}, {0, 0, 9}},
     };
     uint64_t seed = 100;
@@ -110,7 +107,8 @@ TEST(Experts, GroupedMatchesPerExpertReference) {
         ASSERT_EQ(y.rows, d.x.rows);
         for (size_t e = 0; e < c.counts.size(); ++e) {
             for (int64_t r = d.offsets[e]; r < d.offsets[e + 1]; ++r) {
-                const std::vector<double> ref = naive_mlp_row(c.shape, d.fc1[e], d.fc2[e], d.x.row(r), d.probs[size_t(r)]);
+                const std::vector<double> ref =
+                    naive_mlp_row(c.shape, d.fc1[e], d.fc2[e], d.x.row(r), d.probs[size_t(r)]);
                 for (int64_t o = 0; o < c.shape.hidden; ++o)  // fp32 sums of <= 96 terms of size ~1
                     EXPECT_NEAR(y(r, o), ref[size_t(o)], 1e-5 * (1 + std::abs(ref[size_t(o)]))) << "row " << r;
             }
@@ -133,9 +131,8 @@ TEST(Experts, GroupedMatchesPerExpertReference) {
                         act_out.data.data(), y_e.data.data());
             Matrix<float> gx(rows, c.shape.hidden);
             std::vector<float> gp(static_cast<size_t>(rows));
-            mlp_backward(c.shape, d.fc1[e], d.fc2[e], d.x.row(begin), rows, d.probs.data() + begin,
-                         fc1_out.data.data(), act_out.data.data(), grad_out.row(begin), gx.data.data(), gp.data(),
-                         g1_loop[e], g2_loop[e]);
+            mlp_backward(c.shape, d.fc1[e], d.fc2[e], d.x.row(begin), rows, d.probs.data() + begin, fc1_out.data.data(),
+                         act_out.data.data(), grad_out.row(begin), gx.data.data(), gp.data(), g1_loop[e], g2_loop[e]);
             for (int64_t r = 0; r < rows; ++r) {
                 for (int64_t o = 0; o < c.shape.hidden; ++o) {
                     EXPECT_EQ(y_e(r, o), y(begin + r, o));

@@ -138,7 +138,8 @@ TEST(Layer, PaddingTokensGetOnlySharedOutput) {
         const Matrix<double> out = layer.forward(w, in);
         LayerInput<double> valid;
         for (int64_t t = 0; t < 10; ++t)
-            if (!in.padding_mask[size_t(t)]) valid.hidden.data.insert(valid.hidden.data.end(), in.hidden.row(t), in.hidden.row(t) + 12);
+            if (!in.padding_mask[size_t(t)])
+                valid.hidden.data.insert(valid.hidden.data.end(), in.hidden.row(t), in.hidden.row(t) + 12);
         valid.hidden.rows = 6, valid.hidden.cols = 12, valid.seq_length = 6;
         MoeLayer<double> valid_layer(c);
         const Matrix<double> valid_out = valid_layer.forward(w, valid);

@@ -25,11 +25,11 @@ struct RandomCase {
     std::string to_string() const {
         const MoeConfig& c = config;
         return str("T=", num_tokens, " H=", c.hidden_size, " E=", c.num_experts(), " k=", c.moe_router_topk,
-                   " F=", c.expert_ffn(), " score=", c.moe_router_score_function,
-                   " pre=", c.moe_router_pre_softmax, " act=", c.activation_func, " glu=", c.gated_linear_unit,
+                   " F=", c.expert_ffn(), " score=", c.moe_router_score_function, " pre=", c.moe_router_pre_softmax,
+                   " act=", c.activation_func, " glu=", c.gated_linear_unit,
                    " cf=", c.moe_expert_capacity_factor.value_or(-1), " pad=", c.moe_pad_expert_input_to_capacity,
-                   " policy=", c.moe_token_drop_policy, " shared=", c.shared_ffn(),
-                   " gate=", c.moe_shared_expert_gate, " padding=", !padding_mask.empty());
+                   " policy=", c.moe_token_drop_policy, " shared=", c.shared_ffn(), " gate=", c.moe_shared_expert_gate,
+                   " padding=", !padding_mask.empty());
     }
 };
 
@@ -50,10 +50,17 @@ RandomCase random_case(uint64_t seed) {
     c.activation_func = acts[rng.below(4)];
     c.gated_linear_unit = rng.below(2) == 1;
     switch (rng.below(4)) {  // dropless, drop (probs/position), drop-and-pad
-        case 0: break;
-        case 1: c.moe_expert_capacity_factor = 0.3 + rng.uniform(), c.moe_token_drop_policy = "probs"; break;
-        case 2: c.moe_expert_capacity_factor = 0.3 + rng.uniform(), c.moe_token_drop_policy = "position"; break;
-        case 3: c.moe_expert_capacity_factor = 0.3 + rng.uniform(), c.moe_pad_expert_input_to_capacity = true; break;
+        case 0:
+            break;
+        case 1:
+            c.moe_expert_capacity_factor = 0.3 + rng.uniform(), c.moe_token_drop_policy = "probs";
+            break;
+        case 2:
+            c.moe_expert_capacity_factor = 0.3 + rng.uniform(), c.moe_token_drop_policy = "position";
+            break;
+        case 3:
+            c.moe_expert_capacity_factor = 0.3 + rng.uniform(), c.moe_pad_expert_input_to_capacity = true;
+            break;
     }
     if (rng.below(3) == 0) {
         c.moe_shared_expert_intermediate_size = 1 + rng.below(6);
@@ -98,21 +105,27 @@ TEST(LayerProperties, RandomConfigurations) {
                 if (pad) {
                     if (probs(t, e) != 0) EXPECT_TRUE(on) << "prob off the map at (" << t << ", " << e << ")";
                 } else {
-                    EXPECT_EQ(on, probs(t, e) != 0) << "probs must be non-zero exactly on the map (" << t << ", " << e << ")";
+                    EXPECT_EQ(on, probs(t, e) != 0)
+                        << "probs must be non-zero exactly on the map (" << t << ", " << e << ")";
                 }
             }
             total += row;
-            if (padded) EXPECT_EQ(row, 0) << "padded token " << t << " was routed";
-            else if (!capacity) EXPECT_EQ(row, k) << "token " << t;
-            else if (!pad) EXPECT_LE(row, k) << "token " << t;
+            if (padded)
+                EXPECT_EQ(row, 0) << "padded token " << t << " was routed";
+            else if (!capacity)
+                EXPECT_EQ(row, k) << "token " << t;
+            else if (!pad)
+                EXPECT_LE(row, k) << "token " << t;
         }
         const RoutingSummary s = layer.summary();
         EXPECT_EQ(s.tokens_per_expert, col_sum);
         if (capacity) {
             const int64_t cap = get_capacity(valid * k, E, *c.moe_expert_capacity_factor);
             for (int64_t e = 0; e < E; ++e) {
-                if (pad) EXPECT_EQ(col_sum[size_t(e)], std::min(cap, valid)) << "expert " << e;
-                else EXPECT_LE(col_sum[size_t(e)], cap) << "expert " << e;
+                if (pad)
+                    EXPECT_EQ(col_sum[size_t(e)], std::min(cap, valid)) << "expert " << e;
+                else
+                    EXPECT_LE(col_sum[size_t(e)], cap) << "expert " << e;
             }
             dropped_cases += !pad && total < valid * k;
             padded_cases += pad;
@@ -130,8 +143,8 @@ TEST(LayerProperties, RandomConfigurations) {
                 if (!map[size_t(t * E + e)]) continue;
                 Matrix<double> fc1_out(1, shape.fc1_rows()), act_out(1, shape.ffn), y(1, H);
                 const double p = probs(t, e);
-                mlp_forward(shape, w.fc1[size_t(e)], w.fc2[size_t(e)], in.hidden.row(t), 1, &p,
-                            fc1_out.data.data(), act_out.data.data(), y.data.data());
+                mlp_forward(shape, w.fc1[size_t(e)], w.fc2[size_t(e)], in.hidden.row(t), 1, &p, fc1_out.data.data(),
+                            act_out.data.data(), y.data.data());
                 for (int64_t h = 0; h < H; ++h) reference(t, h) += y(0, h);
             }
         EXPECT_LE(test::max_abs_diff(out, reference), 1e-12);
