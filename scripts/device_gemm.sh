@@ -43,7 +43,7 @@ timeout 300 compute-sanitizer --tool racecheck $TEST --gtest_filter='*Tiny*:*Off
 
 log "bench"
 for p in $PRESETS; do
-    timeout 200 $BENCH --preset "$p" --iters 10 --mlp --json "$OUT/bench_$p.json" 2>&1 | tee -a "$OUT/bench.txt"
+    MOEKIT_GEMM_KERNEL=${MLP_KERNEL:-tma} timeout 200 $BENCH --preset "$p" --iters 10 --mlp --json "$OUT/bench_$p.json" 2>&1 | tee -a "$OUT/bench.txt"
 done
-[ -n "$TOOL" ] && timeout 120 $TOOL bench --preset dsv3-ep8 --skew zipf:1.2 --iters 10 2>&1 | tee -a "$OUT/bench.txt"
+[ -n "$TOOL" ] && MOEKIT_GEMM_KERNEL=${MLP_KERNEL:-tma} timeout 120 $TOOL bench --preset dsv3-ep8 --skew zipf:1.2 --iters 10 2>&1 | tee -a "$OUT/bench.txt"
 cat "$OUT/summary.txt"

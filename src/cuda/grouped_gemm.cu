@@ -26,6 +26,7 @@ GroupedGemmKernel resolve_kernel() {
         if (const char* env = std::getenv("MOEKIT_GEMM_KERNEL")) {
             if (std::strcmp(env, "mma") == 0) return GroupedGemmKernel::kMmaSync;
             if (std::strcmp(env, "wgmma") == 0) chosen = GroupedGemmKernel::kWgmma;
+            if (std::strcmp(env, "tma") == 0) chosen = GroupedGemmKernel::kTma;
         }
     }
     int dev = 0, major = 0, minor = 0;
@@ -33,8 +34,8 @@ GroupedGemmKernel resolve_kernel() {
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     bool hopper = major == 9 && minor == 0;  // the wgmma kernel is built for sm_90a only
-    if (chosen == GroupedGemmKernel::kWgmma)
-        MOEKIT_CHECK(hopper, "the wgmma grouped GEMM needs an sm_90 device, this one is sm_", major, minor);
+    if (chosen == GroupedGemmKernel::kWgmma || chosen == GroupedGemmKernel::kTma)
+        MOEKIT_CHECK(hopper, "the wgmma grouped GEMMs need an sm_90 device, this one is sm_", major, minor);
     if (chosen == GroupedGemmKernel::kAuto) chosen = hopper ? GroupedGemmKernel::kWgmma : GroupedGemmKernel::kMmaSync;
     return chosen;
 }
@@ -49,6 +50,70 @@ void ensure_smem(int bytes) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// cuTensorMapEncodeTiled from the driver, found at run time (no link against libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+    static EncodeTiled fn = [] {
+        void* ptr = nullptr;
+        cudaDriverEntryPointQueryResult q{};
+        MOEKIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q));
+        MOEKIT_CHECK(ptr && q == cudaDriverEntryPointSuccess, "cuTensorMapEncodeTiled not found in the driver");
+        return reinterpret_cast<EncodeTiled>(ptr);
+    }();
+    return fn;
+}
+
+// Row-major bf16 tensor of `rank` dims (dims[0] contiguous), 128-byte swizzle; box dims[0] must be 64.
+CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uint32_t* box) {
+    CUtensorMap map;
+    cuuint64_t gdim[3], gstride[2];
+    cuuint32_t bdim[3], estride[3] = {1, 1, 1};
+    int64_t stride = 2;
+    for (int i = 0; i < rank; ++i) {
+        gdim[i] = cuuint64_t(dims[i]);
+        bdim[i] = box[i];
+        if (i > 0) gstride[i - 1] = cuuint64_t(stride);
+        stride *= dims[i];
+    }
+    CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(ptr), gdim,
+                                gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", int(r), " (rank ", rank, ", dims ",
+                 dims[0], "x", dims[1], ")");
+    return map;
+}
+
+template <gemm_detail::Op kOp>
+void launch_tma(const gemm_detail::Params& p, int64_t grid, cudaStream_t stream) {
+    using gemm_detail::Op;
+    CUtensorMap a, b;
+    const int64_t rows = p.max_rows, G = p.G, n = p.n, k = p.k;
+    if constexpr (kOp == Op::kTN) {
+        int64_t da[2] = {k, rows}, db[2] = {n, rows};
+        uint32_t box[2] = {64, 64};
+        a = tensor_map(p.A, 2, da, box);
+        b = tensor_map(p.B, 2, db, box);
+    } else {
+        int64_t da[2] = {k, rows};
+        uint32_t boxa[2] = {64, 128};
+        a = tensor_map(p.A, 2, da, boxa);
+        if constexpr (kOp == Op::kNT) {
+            int64_t db[3] = {k, n, G};
+            uint32_t boxb[3] = {64, 256, 1};
+            b = tensor_map(p.B, 3, db, boxb);
+        } else {
+            int64_t db[3] = {n, k, G};
+            uint32_t boxb[3] = {64, 64, 1};
+            b = tensor_map(p.B, 3, db, boxb);
+        }
+    }
+    constexpr int kSmem = 4 * (128 + 256) * gemm_detail::kBK * 2 + 1024 + 128;
+    ensure_smem<gemm_detail::tma_kernel<kOp>>(kSmem);
+    gemm_detail::tma_kernel<kOp><<<unsigned(grid), 384, kSmem, stream>>>(p, a, b);
+}
 
 template <gemm_detail::Op kOp>
 void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
@@ -79,14 +144,17 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     p.k = int(s.k);
     p.accumulate = accumulate ? 1 : 0;
 
-    bool wgmma = resolve_kernel() == GroupedGemmKernel::kWgmma;
+    const GroupedGemmKernel kernel = resolve_kernel();
+    bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
     const int BM = 128, BN = wgmma ? 256 : 128;
     p.tiles_n = int(ceil_div(s.n, BN));
     // NT/NN: every group may end with a partial tile, hence the +G over the dense bound.
     p.tiles_m = int(kOp == Op::kTN ? ceil_div(s.k, BM) : ceil_div(s.max_rows, BM) + s.num_groups);
     int64_t grid = int64_t(p.tiles_m) * p.tiles_n * (kOp == Op::kTN ? s.num_groups : 1);
     MOEKIT_CHECK(grid < (int64_t(1) << 31), name, ": too many tiles for ", s.to_string());
-    if (wgmma) {
+    if (kernel == GroupedGemmKernel::kTma) {
+        launch_tma<kOp>(p, grid, stream);
+    } else if (wgmma) {
         constexpr int kSmem = smem_bytes<kOp, 128, 256, 4>();
         ensure_smem<wgmma_kernel<kOp>>(kSmem);
         wgmma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);

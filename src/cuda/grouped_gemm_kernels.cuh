@@ -11,8 +11,9 @@
 
 namespace moekit::cuda {
 // Which compute core grouped_gemm_* use. Default: wgmma on sm_90 devices, mma.sync elsewhere; the environment
-// variable MOEKIT_GEMM_KERNEL=mma|wgmma overrides it, and tests/benchmarks set it explicitly.
-enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma };
+// variable MOEKIT_GEMM_KERNEL=mma|wgmma|tma overrides it, and tests/benchmarks set it explicitly.
+// kWgmma: cp.async loads by all threads; kTma: warp-specialised TMA producer + 2 wgmma consumer warpgroups.
+enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma, kTma };
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
 GroupedGemmKernel grouped_gemm_kernel();  // the one that will run on the current device (never kAuto)
 }  // namespace moekit::cuda
@@ -224,3 +225,4 @@ __device__ __forceinline__ void store_pair(const Params& p, const TileJob& job, 
 }  // namespace moekit::cuda::gemm_detail
 
 #include "cuda/grouped_gemm_mma.cuh"
+#include "cuda/grouped_gemm_tma.cuh"

@@ -148,9 +148,6 @@ __global__ void __launch_bounds__(256, 1) wgmma_kernel(Params p) {
         cp_async_wait<kAhead - 1>();
         fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async proxy
         __syncthreads();      // tile kt visible to all; every warpgroup has retired its wgmmas of tile kt-2
-        int next = kt + kAhead;
-        if (next < nk) load_stage<kOp, BM, BN, kThreads>(p, job, next, sA(next % kStages), sB(next % kStages), tid);
-        cp_async_commit();
         const uint32_t a_s = sA(kt % kStages), b_s = sB(kt % kStages);
         wgmma_fence();
 #pragma unroll
@@ -161,6 +158,11 @@ __global__ void __launch_bounds__(256, 1) wgmma_kernel(Params p) {
             wgmma_m64n256k16<kTransA, kTransB>(d, da, db, 1);
         }
         wgmma_commit();
+        // Copies for tile kt+2 go out while the tensor cores work; their stage last held tile kt-2, retired by
+        // every warpgroup before the barrier above.
+        int next = kt + kAhead;
+        if (next < nk) load_stage<kOp, BM, BN, kThreads>(p, job, next, sA(next % kStages), sB(next % kStages), tid);
+        cp_async_commit();
         wgmma_wait<1>();
     }
     wgmma_wait<0>();

@@ -1,5 +1,6 @@
 // Grouped GEMMs (src/cuda/grouped_gemm.h) and their synchronous cuBLAS baseline (grouped_gemm_sync.h) against a CPU
-// float64 reference on bf16-rounded random inputs: nt / nn / tn, both compute cores (mma.sync, wgmma on sm_90),
+// float64 reference on bf16-rounded random inputs: nt / nn / tn, every compute core (mma.sync; on sm_90 also wgmma
+// with cp.async loads and the warp-specialised TMA + wgmma kernel),
 // counts with zeros, one group taking all rows, sizes off the tile grid; rows past offsets[G] stay untouched.
 #include <gtest/gtest.h>
 
@@ -96,8 +97,10 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend { kMma, kWgmma, kSync };
-const char* name(Backend b) { return b == Backend::kMma ? "mma.sync" : b == Backend::kWgmma ? "wgmma" : "sync-cublas"; }
+enum class Backend { kMma, kWgmma, kTma, kSync };
+const char* name(Backend b) {
+    return b == Backend::kMma ? "mma.sync" : b == Backend::kWgmma ? "wgmma" : b == Backend::kTma ? "tma" : "sync-cublas";
+}
 
 std::vector<Backend> backends() {
     std::vector<Backend> out{Backend::kMma, Backend::kSync};
@@ -105,13 +108,17 @@ std::vector<Backend> backends() {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    if (major == 9 && minor == 0) out.push_back(Backend::kWgmma);
+    if (major == 9 && minor == 0) {
+        out.push_back(Backend::kWgmma);
+        out.push_back(Backend::kTma);
+    }
     return out;
 }
 
 void select(Backend b) {
     if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
+    if (b == Backend::kTma) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
 }
 
 enum class Op { kNT, kNN };
