@@ -6,6 +6,7 @@
 
 #include "core/activation_math.h"
 #include "cpu/experts.h"
+#include "cpu/parallel.h"
 #include "cpu/shared_expert.h"
 #include "layer_test_util.h"
 #include "moekit/error.h"
@@ -151,6 +152,39 @@ TEST(Experts, GroupedMatchesPerExpertReference) {
             }
         }
     }
+}
+
+// Determinism by construction: the GEMMs split output rows between threads and every element sums
+// its terms in a fixed order, so a threaded run equals a serial one bitwise.
+TEST(Experts, ThreadedEqualsSerial) {
+    const ExpertCase c{{64, 96, true, Activation::silu}, {300, 0, 257}};
+    const ExpertData<float> d = make_data<float>(c, 401);
+    const Matrix<float> grad_out = random_matrix<float>(d.x.rows, c.shape.hidden, 401, 3);
+    auto run = [&](bool serial, std::vector<Matrix<float>>& g1, std::vector<Matrix<float>>& g2,
+                   std::vector<float>& grad_probs, Matrix<float>& grad_x) {
+        in_parallel_region() = serial;  // parallel_for runs inline inside a "parallel region"
+        MlpContext<float> ctx;
+        const Matrix<float> y = experts_forward(c.shape, d.fc1, d.fc2, d.x, d.offsets, d.probs, ctx);
+        for (size_t e = 0; e < c.counts.size(); ++e) {
+            g1.emplace_back(c.shape.fc1_rows(), c.shape.hidden);
+            g2.emplace_back(c.shape.hidden, c.shape.ffn);
+        }
+        grad_x = experts_backward(c.shape, d.fc1, d.fc2, d.x, d.offsets, d.probs, ctx, grad_out, grad_probs, g1, g2);
+        in_parallel_region() = false;
+        return y;
+    };
+    std::vector<Matrix<float>> g1a, g2a, g1b, g2b;
+    std::vector<float> gpa, gpb;
+    Matrix<float> gxa, gxb;
+    const Matrix<float> ya = run(false, g1a, g2a, gpa, gxa), yb = run(true, g1b, g2b, gpb, gxb);
+    EXPECT_EQ(ya.data, yb.data);
+    EXPECT_EQ(gxa.data, gxb.data);
+    EXPECT_EQ(gpa, gpb);
+    for (size_t e = 0; e < c.counts.size(); ++e) {
+        EXPECT_EQ(g1a[e].data, g1b[e].data);
+        EXPECT_EQ(g2a[e].data, g2b[e].data);
+    }
+    EXPECT_GT(test::max_abs(ya), 0.0);
 }
 
 // Finite differences in float64 of L = sum(y * R) w.r.t. x, probs, fc1 and fc2, for every activation,

@@ -246,6 +246,27 @@ TEST(Layer, DeterministicAndRunnerMatchesLayer) {
     EXPECT_EQ(runner->summary().tokens_per_expert, a.summary().tokens_per_expert);
 }
 
+// Edge sizes: one token, and no tokens at all (every stage must cope with empty tensors).
+TEST(Layer, OneAndZeroTokens) {
+    MoeConfig c = small_config();
+    c.moe_shared_expert_intermediate_size = 4;
+    const MoeWeights<double> w = init_weights<double>(c, 91);
+    for (int64_t num_tokens : {1, 0}) {
+        SCOPED_TRACE(testing::Message() << "tokens " << num_tokens);
+        MoeLayer<double> layer(c);
+        const Matrix<double> out = layer.forward(w, make_input<double>(num_tokens, 12, 91));
+        EXPECT_EQ(out.rows, num_tokens);
+        EXPECT_EQ(out.cols, 12);
+        int64_t rows = 0;
+        for (int64_t n : layer.summary().tokens_per_expert) rows += n;
+        EXPECT_EQ(rows, 2 * num_tokens);
+        MoeWeights<double> grads = zeros_like(w);
+        const Matrix<double> grad_in = layer.backward(w, Matrix<double>(num_tokens, 12, 1.0), grads);
+        EXPECT_EQ(grad_in.rows, num_tokens);
+        if (num_tokens == 0) EXPECT_EQ(test::max_abs(grads.fc1[0]) + test::max_abs(grads.router_weight), 0.0);
+    }
+}
+
 TEST(Layer, BackwardAccumulatesIntoGrads) {
     MoeConfig c = small_config();
     const MoeWeights<double> w = init_weights<double>(c, 61);
