@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Device run for the CUDA MoE layer (cuda-layer): build the layer's GPU tests, run them (ctest
+# summary), compute-sanitizer memcheck/racecheck on small shapes, and a `moekit layer --device cuda`
+# smoke run; logs under $OUT. usage (device machine, repo root, .third_party carried):
+#   scripts/device_layer.sh [quick]      (quick: tests only, no sanitizer)
+set -o pipefail
+OUT=${OUT:-/tmp/moekit-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH
+B=build-dev
+TESTS="test_cuda_stages test_cuda_layer test_cuda_graph"
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+git log -1 --format='commit %h %ci' 2>/dev/null | tee -a "$OUT/summary.txt"
+
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1
+if ! timeout 400 cmake --build $B --target $TESTS >>"$OUT/build.log" 2>&1; then
+    log "build failed"
+    grep -E "error|Error" "$OUT/build.log" | head -40 | tee -a "$OUT/summary.txt"
+    exit 1
+fi
+log "ctest (gpu, CUDA layer)"
+(cd $B && timeout 300 ctest -L gpu -R 'Cuda(Layer|Graph|Stages)' --output-on-failure 2>&1) | tee "$OUT/ctest.log" \
+    | grep -E 'tests passed|tests failed|Failed|\*\*\*|Test +#.*(Failed|Exception)|rel_err|Expected|Which is|Value of|output|grad' \
+    | head -80 | tee -a "$OUT/summary.txt"
+for t in $TESTS; do timeout 120 $B/$t >"$OUT/$t.log" 2>&1; done
+grep -hE '^\[  (PASSED|FAILED) ' $OUT/test_cuda_*.log | tee -a "$OUT/summary.txt"
+[ "$1" = quick ] && exit 0
+
+log "memcheck"
+timeout 200 compute-sanitizer --tool memcheck $B/test_cuda_stages 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+timeout 200 compute-sanitizer --tool memcheck $B/test_cuda_graph 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+timeout 240 compute-sanitizer --tool memcheck $B/test_cuda_layer \
+    --gtest_filter='*softmax_post*:*shared_gate*:*capacity_pad*:*padding_mask_all*:*single_expert*' 2>&1 \
+    | tail -3 | tee -a "$OUT/summary.txt"
+log "racecheck"
+timeout 240 compute-sanitizer --tool racecheck $B/test_cuda_stages 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+timeout 200 compute-sanitizer --tool racecheck $B/test_cuda_layer --gtest_filter='*softmax_post*:*shared_gate*' 2>&1 \
+    | tail -3 | tee -a "$OUT/summary.txt"
+log "moekit layer --device cuda"
+if timeout 200 cmake --build $B --target moekit >>"$OUT/build.log" 2>&1; then
+    timeout 60 $B/moekit layer --init random --device cuda --hidden-size 64 --num-experts 8 --moe-ffn-hidden-size 32 \
+        --seq-length 16 --micro-batch-size 2 --swiglu --out $OUT/layer_cuda.safetensors 2>&1 | tail -8 | tee -a "$OUT/summary.txt"
+else
+    log "moekit tool did not build (another target's file?)"
+fi

@@ -1,0 +1,181 @@
+// The whole CUDA layer (make_cuda_layer_runner) against the CPU oracle cpu::MoeLayer<float>, forward
+// and backward, on the same bf16-rounded random weights and inputs: output, input gradient and every
+// weight gradient within bf16 tolerance, tokens per expert exact, loss values within fp32 tolerance.
+// Cases: routing variants, capacity modes, shared expert, padding mask, zero-token experts, E=1.
+#include <functional>
+
+#include "cuda/moe_layer.h"
+#include "gpu/cuda_layer_test_util.h"
+#include "moekit/error.h"
+
+namespace moekit::test {
+namespace {
+
+struct Case {
+    std::string name;
+    std::function<void(MoeConfig&)> edit;
+    bool padding = false;
+};
+
+std::vector<Case> cases() {
+    return {
+        {"softmax_post_swiglu", [](MoeConfig&) {}},
+        {"softmax_pre_k1_gelu",
+         [](MoeConfig& c) {
+             c.moe_router_topk = 1, c.moe_router_pre_softmax = true, c.gated_linear_unit = false;
+             c.activation_func = "gelu";
+         }},
+        {"sigmoid_bias_groups_scaled_seqaux",
+         [](MoeConfig& c) {
+             c.moe_router_score_function = "sigmoid", c.moe_router_enable_expert_bias = true;
+             c.moe_router_num_groups = 4, c.moe_router_group_topk = 2, c.moe_router_topk = 4;
+             c.moe_router_topk_scaling_factor = 2.5;
+             c.moe_router_load_balancing_type = {"seq_aux_loss"}, c.moe_aux_loss_coeff = {0.02};
+         }},
+        {"sqrtsoftplus_relu_global_aux_fp64",
+         [](MoeConfig& c) {
+             c.moe_router_score_function = "sqrtsoftplus", c.gated_linear_unit = false, c.activation_func = "relu";
+             c.moe_router_load_balancing_type = {"global_aux_loss"}, c.moe_router_dtype = "fp64";
+         }},
+        {"geglu_shared_gate",
+         [](MoeConfig& c) {
+             c.activation_func = "gelu", c.moe_shared_expert_intermediate_size = 48, c.moe_shared_expert_gate = true;
+         }},
+        {"shared_no_gate_squared_relu",
+         [](MoeConfig& c) {
+             c.gated_linear_unit = false, c.activation_func = "squared_relu";
+             c.moe_shared_expert_intermediate_size = 32;
+         }},
+        {"single_expert",
+         [](MoeConfig& c) {
+             c.num_moe_experts = 1, c.moe_router_topk = 1, c.moe_router_pre_softmax = true;
+         }},
+        {"all_tokens_to_expert0",  // sigmoid k=1 with a dominating bias: 7 zero-token experts
+         [](MoeConfig& c) {
+             c.moe_router_score_function = "sigmoid", c.moe_router_topk = 1, c.moe_router_enable_expert_bias = true;
+         }},
+        {"capacity_drop_probs", [](MoeConfig& c) { c.moe_expert_capacity_factor = 0.5; }},
+        {"capacity_drop_position",
+         [](MoeConfig& c) { c.moe_expert_capacity_factor = 0.75, c.moe_token_drop_policy = "position"; }},
+        {"capacity_pad",
+         [](MoeConfig& c) { c.moe_expert_capacity_factor = 1.0, c.moe_pad_expert_input_to_capacity = true; }},
+        {"capacity_pad_cf2_position",
+         [](MoeConfig& c) {
+             c.moe_expert_capacity_factor = 2.0, c.moe_pad_expert_input_to_capacity = true;
+             c.moe_token_drop_policy = "position";
+         }},
+        {"padding_mask_all_losses",
+         [](MoeConfig& c) {
+             c.moe_router_load_balancing_type = {"aux_loss", "seq_aux_loss", "global_aux_loss"};
+             c.moe_aux_loss_coeff = {0.01, 0.02, 0.03};
+         },
+         true},
+        {"padding_mask_capacity",
+         [](MoeConfig& c) { c.moe_expert_capacity_factor = 1.0, c.moe_pad_expert_input_to_capacity = true; }, true},
+    };
+}
+
+class CudaLayerVsCpu : public ::testing::TestWithParam<Case> {};
+
+std::vector<float> flat(const std::vector<Matrix<float>>& ms) {
+    std::vector<float> v;
+    for (const auto& m : ms) v.insert(v.end(), m.data.begin(), m.data.end());
+    return v;
+}
+
+TEST_P(CudaLayerVsCpu, ForwardBackwardMatchOracle) {
+    SKIP_WITHOUT_GPU();
+    const Case& tc = GetParam();
+    const uint64_t seed = 20261121;
+    MoeConfig c = small_config();
+    tc.edit(c);
+    MoeWeights<float> w = bf16_weights(c, seed);
+    if (tc.name == "all_tokens_to_expert0") w.expert_bias[0] = 100.0;
+    LayerInput<float> in = bf16_input(c, seed);
+    if (tc.padding) {
+        in.padding_mask.assign(size_t(in.hidden.rows), 0);
+        for (int64_t t = 0; t < in.hidden.rows; ++t) in.padding_mask[size_t(t)] = (t % 5 == 3 || t >= 28);
+    }
+    Matrix<float> grad_out = random_matrix<float>(in.hidden.rows, in.hidden.cols, seed, 2, 1.0);
+    round_bf16(grad_out);
+    SCOPED_TRACE(tc.name + " seed=" + std::to_string(seed));
+
+    cpu::MoeLayer<float> oracle(c);
+    auto gpu = cuda::make_cuda_layer_runner(c);
+    const Matrix<float> out_ref = oracle.forward(w, in);
+    const Matrix<float> out = gpu->forward(w, in);
+    ASSERT_GT(norm(out_ref.data), 0.0);
+    // bf16 output of a bf16 MLP (fc1, act*p, fc2 rounded to bf16 on the GPU, float on the CPU).
+    EXPECT_LT(rel_err(out.data, out_ref.data), 1e-2) << "output";
+
+    const RoutingSummary s_ref = oracle.summary(), s = gpu->summary();
+    EXPECT_EQ(s.tokens_per_expert, s_ref.tokens_per_expert) << "tokens per expert";
+    // Loss values: fp32 sums in a different order.
+    EXPECT_NEAR(s.losses.aux_loss, s_ref.losses.aux_loss, 1e-5 * std::abs(s_ref.losses.aux_loss) + 1e-9);
+    EXPECT_NEAR(s.losses.seq_aux_loss, s_ref.losses.seq_aux_loss, 1e-5 * std::abs(s_ref.losses.seq_aux_loss) + 1e-9);
+    EXPECT_NEAR(s.losses.global_aux_loss, s_ref.losses.global_aux_loss,
+                1e-5 * std::abs(s_ref.losses.global_aux_loss) + 1e-9);
+    EXPECT_NEAR(s.losses.z_loss, s_ref.losses.z_loss, 1e-5 * std::abs(s_ref.losses.z_loss) + 1e-9);
+
+    MoeWeights<float> g_ref = zeros_like(w), g = zeros_like(w);
+    const Matrix<float> dx_ref = oracle.backward(w, grad_out, g_ref);
+    const Matrix<float> dx = gpu->backward(w, grad_out, g);
+    ASSERT_GT(norm(dx_ref.data), 0.0);
+    // Gradients pass through two more bf16 roundings (d act, d fc1 out) than the output.
+    constexpr double kGradTol = 2e-2;
+    EXPECT_LT(rel_err(dx.data, dx_ref.data), kGradTol) << "grad input";
+    EXPECT_LT(rel_err(g.router_weight.data, g_ref.router_weight.data), kGradTol) << "grad router weight";
+    if (norm(flat(g_ref.fc1)) > 0) {
+        EXPECT_LT(rel_err(flat(g.fc1), flat(g_ref.fc1)), kGradTol) << "grad fc1";
+        EXPECT_LT(rel_err(flat(g.fc2), flat(g_ref.fc2)), kGradTol) << "grad fc2";
+    }
+    if (!w.shared_fc1.empty()) {
+        EXPECT_LT(rel_err(g.shared_fc1.data, g_ref.shared_fc1.data), kGradTol) << "grad shared fc1";
+        EXPECT_LT(rel_err(g.shared_fc2.data, g_ref.shared_fc2.data), kGradTol) << "grad shared fc2";
+    }
+    if (!w.shared_gate.empty())
+        EXPECT_LT(rel_err(g.shared_gate.data, g_ref.shared_gate.data), kGradTol) << "grad shared gate";
+
+    // Expert-bias accumulator and update agree with the oracle.
+    if (c.moe_router_enable_expert_bias) {
+        MoeWeights<float> w_ref = w, w_gpu = w;
+        oracle.update_expert_bias(w_ref);
+        gpu->update_expert_bias(w_gpu);
+        EXPECT_EQ(w_gpu.expert_bias, w_ref.expert_bias);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaLayerVsCpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Two forward+backward calls with the same inputs are bitwise equal (deterministic kernels only).
+TEST(CudaLayer, RepeatedStepsAreBitwiseEqual) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.deterministic_mode = true;
+    c.moe_shared_expert_intermediate_size = 32;
+    const MoeWeights<float> w = bf16_weights(c, 7);
+    const LayerInput<float> in = bf16_input(c, 7);
+    const Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, 7, 2, 1.0);
+    auto gpu = cuda::make_cuda_layer_runner(c);
+    MoeWeights<float> g1 = zeros_like(w), g2 = zeros_like(w);
+    const Matrix<float> o1 = gpu->forward(w, in);
+    const Matrix<float> d1 = gpu->backward(w, go, g1);
+    const Matrix<float> o2 = gpu->forward(w, in);
+    const Matrix<float> d2 = gpu->backward(w, go, g2);
+    EXPECT_EQ(o1.data, o2.data);
+    EXPECT_EQ(d1.data, d2.data);
+    EXPECT_EQ(g1.router_weight.data, g2.router_weight.data);
+    EXPECT_EQ(flat(g1.fc1), flat(g2.fc1));
+}
+
+TEST(CudaLayer, UnsupportedOptionsAreClearErrors) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_router_load_balancing_type = {"sinkhorn"};
+    c.moe_aux_loss_coeff = {0.0};
+    EXPECT_THROW(cuda::CudaMoeLayer::create(c, 16, 2), ::moekit::UsageError);
+}
+
+}  // namespace
+}  // namespace moekit::test

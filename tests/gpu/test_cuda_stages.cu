@@ -1,0 +1,171 @@
+// CUDA layer stage by stage against the CPU stage functions on the same inputs: router logits/probs
+// (fp32 tolerance), routing map and top-k (exact), the routing plan and permuted rows (exact), the
+// activation and combine (one bf16 rounding), loss values, the dense probs gradient (exact) and the
+// router backward (fp32 tolerance). The GPU stage's own inputs are fed to the CPU stage, so each
+// comparison isolates one stage.
+#include "cpu/experts.h"
+#include "cpu/permute.h"
+#include "cpu/router.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/moe_layer.h"
+#include "gpu/cuda_layer_test_util.h"
+
+namespace moekit::test {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+std::vector<bf16> bf16_of(const std::vector<float>& v) {
+    std::vector<bf16> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = __nv_bfloat16_raw{float_to_bf16_bits(v[i])};
+    return out;
+}
+std::vector<float> float_of(const std::vector<bf16>& v) {
+    std::vector<float> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_bits_to_float(__nv_bfloat16_raw(v[i]).x);
+    return out;
+}
+std::vector<float> download_r(const void* p, int64_t n, bool fp64) {
+    if (!fp64) return cuda::download(static_cast<const float*>(p), n);
+    const std::vector<double> d = cuda::download(static_cast<const double*>(p), n);
+    return std::vector<float>(d.begin(), d.end());
+}
+std::vector<int64_t> as_i64(const std::vector<int32_t>& v) {
+    return std::vector<int64_t>(v.begin(), v.end());
+}
+
+void check_stages(MoeConfig c, bool padding) {
+    const uint64_t seed = 4242;
+    SCOPED_TRACE("seed=" + std::to_string(seed));
+    c.normalize();
+    c.validate();
+    const int64_t S = c.seq_length, B = c.micro_batch_size, T = S * B, H = c.hidden_size, E = c.num_experts();
+    const int64_t k = c.moe_router_topk;
+    const MoeWeights<float> w = bf16_weights(c, seed);
+    LayerInput<float> in = bf16_input(c, seed);
+    in.padding_mask.assign(size_t(T), 0);
+    if (padding)
+        for (int64_t t = 0; t < T; ++t) in.padding_mask[size_t(t)] = t % 4 == 1;
+
+    auto layer = cuda::CudaMoeLayer::create(c, S, B);
+    const cuda::LayerBuffers& b = layer->buffers();
+    const bool fp64 = layer->shape().router_fp64;
+    cuda::upload(b.hidden, bf16_of(in.hidden.data));
+    cuda::upload(b.padding_mask, in.padding_mask);
+    cuda::upload(b.router_weight, bf16_of(w.router_weight.data));
+    std::vector<float> fc1, fc2;
+    for (int64_t e = 0; e < E; ++e) {
+        fc1.insert(fc1.end(), w.fc1[size_t(e)].data.begin(), w.fc1[size_t(e)].data.end());
+        fc2.insert(fc2.end(), w.fc2[size_t(e)].data.begin(), w.fc2[size_t(e)].data.end());
+    }
+    cuda::upload(b.fc1, bf16_of(fc1));
+    cuda::upload(b.fc2, bf16_of(fc2));
+    if (c.moe_router_enable_expert_bias) {
+        if (fp64) cuda::upload(static_cast<double*>(b.expert_bias), w.expert_bias);
+        else cuda::upload(static_cast<float*>(b.expert_bias), std::vector<float>(w.expert_bias.begin(), w.expert_bias.end()));
+    }
+    const Matrix<float> grad_out = random_matrix<float>(T, H, seed, 2, 1.0);
+    cuda::upload(b.grad_output, bf16_of(grad_out.data));
+    layer->forward(nullptr, true);
+    layer->backward(nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+
+    // ---- router ----
+    cpu::RouterState state;
+    cpu::RouterContext<float> rc;
+    cpu::router_forward(c, w.router_weight, w.expert_bias, in, state, rc);
+    EXPECT_LT(rel_err(download_r(b.logits, T * E, fp64), rc.logits.data), 1e-5) << "logits";
+    EXPECT_LT(rel_err(download_r(b.probs, T * E, fp64), rc.probs.data), 1e-5) << "probs";
+    const std::vector<uint8_t> map = cuda::download(b.routing_map, T * E);
+    ASSERT_EQ(map, rc.routing_map) << "routing map";
+    EXPECT_EQ(as_i64(cuda::download(b.topk_idx, T * k)), rc.topk_idx) << "top-k indices";
+    const LossValues lv = layer->read_losses();
+    EXPECT_NEAR(lv.aux_loss, rc.losses.aux_loss, 1e-5 * std::abs(rc.losses.aux_loss) + 1e-9);
+    EXPECT_NEAR(lv.seq_aux_loss, rc.losses.seq_aux_loss, 1e-5 * std::abs(rc.losses.seq_aux_loss) + 1e-9);
+    EXPECT_NEAR(lv.z_loss, rc.losses.z_loss, 1e-5 * std::abs(rc.losses.z_loss) + 1e-9);
+
+    // ---- plan and permute (exact) ----
+    const cpu::RoutingPlan<float> plan = cpu::build_routing_plan(rc.routing_map, rc.probs, T, E);
+    const int64_t N = plan.num_rows();
+    EXPECT_EQ(as_i64(cuda::download(b.counts, E)), plan.tokens_per_expert);
+    EXPECT_EQ(as_i64(cuda::download(b.offsets, E + 1)), plan.offsets);
+    EXPECT_EQ(as_i64(cuda::download(b.row_token, N)), plan.row_token);
+    EXPECT_EQ(as_i64(cuda::download(b.token_offsets, T + 1)), plan.token_offsets);
+    EXPECT_EQ(as_i64(cuda::download(b.token_rows, N)), plan.token_rows);
+    EXPECT_LT(rel_err(download_r(b.row_prob, N, fp64), plan.permuted_probs), 1e-5) << "permuted probs";
+    const Matrix<float> rows_ref = cpu::permute(in.hidden, plan);
+    EXPECT_EQ(float_of(cuda::download(b.rows, N * H)), rows_ref.data) << "permuted rows";
+
+    // ---- activation x probs on the GPU's fc1 output: one bf16 rounding apart ----
+    const cpu::MlpShape ms = cpu::expert_mlp_shape(c);
+    const std::vector<float> h1 = float_of(cuda::download(b.fc1_out, N * ms.fc1_rows()));
+    const std::vector<float> gpu_p = download_r(b.row_prob, N, fp64);
+    std::vector<float> act_ref(size_t(N * ms.ffn));
+    for (int64_t r = 0; r < N; ++r)
+        for (int64_t f = 0; f < ms.ffn; ++f) {
+            const float g = h1[size_t(r * ms.fc1_rows() + f)];
+            const float a = ms.gated ? glu_forward(ms.activation, g, h1[size_t(r * ms.fc1_rows() + ms.ffn + f)])
+                                     : activation_forward(ms.activation, g);
+            act_ref[size_t(r * ms.ffn + f)] = a * gpu_p[size_t(r)];
+        }
+    EXPECT_LT(rel_err(float_of(cuda::download(b.act_out, N * ms.ffn)), act_ref), 4e-3) << "activation";
+
+    // ---- combine of the GPU's expert rows ----
+    Matrix<float> y(N, H);
+    y.data = float_of(cuda::download(b.expert_out, N * H));
+    const Matrix<float> out_ref = cpu::unpermute(y, plan);
+    EXPECT_LT(rel_err(float_of(cuda::download(b.output, T * H)), out_ref.data), 4e-3) << "combine";
+
+    // ---- backward: dense probs gradient (exact) and router backward (fp32) ----
+    const std::vector<float> grow = download_r(b.grad_row_probs, N, fp64);
+    const Matrix<float> gp_ref = cpu::permute_probs_backward(grow, plan);
+    const std::vector<float> gp = download_r(b.grad_probs, T * E, fp64);
+    EXPECT_EQ(gp, gp_ref.data) << "dense probs gradient";
+    ASSERT_GT(norm(gp), 0.0);
+    Matrix<float> gh, gw;
+    cpu::router_backward(c, w.router_weight, rc, gp_ref, gh, gw);
+    EXPECT_LT(rel_err(cuda::download(b.grad_router_weight, E * H), gw.data), 1e-4) << "router weight grad";
+}
+
+TEST(CudaStages, SoftmaxPostAuxZ) {
+    SKIP_WITHOUT_GPU();
+    check_stages(small_config(), false);
+}
+
+TEST(CudaStages, SigmoidBiasGroupsSeqAuxFp64) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_router_score_function = "sigmoid", c.moe_router_enable_expert_bias = true;
+    c.moe_router_num_groups = 4, c.moe_router_group_topk = 2, c.moe_router_topk = 4;
+    c.moe_router_topk_scaling_factor = 2.5, c.moe_router_dtype = "fp64";
+    c.moe_router_load_balancing_type = {"seq_aux_loss"}, c.moe_aux_loss_coeff = {0.02};
+    check_stages(c, false);
+}
+
+TEST(CudaStages, PreSoftmaxK1Gelu) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_router_topk = 1, c.moe_router_pre_softmax = true, c.gated_linear_unit = false, c.activation_func = "gelu";
+    check_stages(c, false);
+}
+
+TEST(CudaStages, CapacityDropAndPadWithPaddingMask) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_expert_capacity_factor = 0.5;
+    check_stages(c, true);
+    c.moe_pad_expert_input_to_capacity = true, c.moe_token_drop_policy = "position";
+    check_stages(c, true);
+}
+
+TEST(CudaStages, SqrtSoftplusAllExpertsOneToken) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.seq_length = 1, c.micro_batch_size = 1;  // T = 1: E - k experts get zero tokens
+    c.moe_router_score_function = "sqrtsoftplus";
+    check_stages(c, false);
+}
+
+}  // namespace
+}  // namespace moekit::test
