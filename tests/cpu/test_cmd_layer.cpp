@@ -217,6 +217,17 @@ TEST_F(CmdLayer, BadFlagsAndFilesExitWithStatus2) {
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.output.find("cannot open"), std::string::npos) << r.output;
 
+    // --config with the shape, an explicit flag overriding it; the resolved config lands in the metadata.
+    std::FILE* cfg = std::fopen(path("c.json").c_str(), "w");
+    std::fputs(R"({"hidden_size": 16, "num-experts": 4, "moe_ffn_hidden_size": 8, "moe_router_topk": 3})", cfg);
+    std::fclose(cfg);
+    r = run("--init random --seq-length 2 --config " + path("c.json") + " --moe-router-topk 1 --moe-router-pre-softmax "
+            "--out " + path("rc"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto meta = read_safetensors(path("rc")).metadata;
+    EXPECT_NE(meta.at("config").find("\"moe_router_topk\":1"), std::string::npos) << meta.at("config");
+    EXPECT_NE(meta.at("config").find("\"num_moe_experts\":4"), std::string::npos) << meta.at("config");
+
     r = run("--help");
     EXPECT_EQ(r.status, 0);
     EXPECT_NE(r.output.find("--moe-router-topk int"), std::string::npos);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "core/flags.h"
 #include "moekit/config.h"
@@ -120,6 +121,12 @@ TEST(Config, RouterRules) {
     c = valid_config();
     c.moe_input_jitter_eps = 1.5;
     EXPECT_ERROR(c, "--moe-input-jitter-eps=1.5 must be in (0, 1)");
+    c = valid_config();
+    c.moe_input_jitter_eps = 0.0;
+    EXPECT_ERROR(c, "--moe-input-jitter-eps=0 must be in (0, 1)");
+    c = valid_config();
+    c.moe_loss_backward_scale = std::numeric_limits<double>::infinity();
+    EXPECT_ERROR(c, "--moe-loss-backward-scale=inf must be finite");
     c = valid_config();
     c.moe_z_loss_coeff = -0.1;
     EXPECT_ERROR(c, "--moe-z-loss-coeff=-0.1 must be a finite number >= 0");
