@@ -66,7 +66,8 @@ std::string infer_shapes(MoeConfig& c, const FlagParser& p, const std::map<std::
         c.moe_ffn_hidden_size = (*fc2)[1], note("--moe-ffn-hidden-size", (*fc2)[1]);
     if (const auto* shared = shape_of("shared_experts.linear_fc2.weight");
         shared && !p.was_set("--moe-shared-expert-intermediate-size"))
-        c.moe_shared_expert_intermediate_size = (*shared)[1], note("--moe-shared-expert-intermediate-size", (*shared)[1]);
+        c.moe_shared_expert_intermediate_size = (*shared)[1],
+        note("--moe-shared-expert-intermediate-size", (*shared)[1]);
     if (shape_of("shared_experts.gate_weight") && !p.was_set("--moe-shared-expert-gate") && !c.moe_shared_expert_gate)
         c.moe_shared_expert_gate = true, inferred += " --moe-shared-expert-gate";
     return inferred;
@@ -76,8 +77,8 @@ std::string infer_shapes(MoeConfig& c, const FlagParser& p, const std::map<std::
 const HostTensor& require_tensor(const SafetensorsFile& f, const std::string& path, const std::string& name,
                                  const std::vector<int64_t>& shape, const std::string& shape_text) {
     auto it = f.tensors.find(name);
-    MOEKIT_REQUIRE(it != f.tensors.end(), path, ": missing tensor '", name, "' (expected ", shape_text, "; the file has ",
-                   names_of(f.tensors), ")");
+    MOEKIT_REQUIRE(it != f.tensors.end(), path, ": missing tensor '", name, "' (expected ", shape_text,
+                   "; the file has ", names_of(f.tensors), ")");
     MOEKIT_REQUIRE(is_float(it->second.dtype), path, ": tensor '", name, "' has dtype ", dtype_name(it->second.dtype),
                    ", not a floating type (F32, F64, BF16, F16)");
     MOEKIT_REQUIRE(shape.empty() || it->second.shape == shape, path, ": tensor '", name, "' has shape ",
@@ -134,8 +135,8 @@ int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>
                        ", expected [S, B, ", H, "] (--hidden-size=", H, ")");
         MOEKIT_REQUIRE(x.shape[0] > 0 && x.shape[1] > 0, a.input, ": tensor 'input' has shape ", x.shape_string(),
                        ": S and B must be > 0");
-        MOEKIT_REQUIRE(cfg.seq_length == 0 || cfg.seq_length == x.shape[0], a.input, ": tensor 'input' has S=",
-                       x.shape[0], " but --seq-length=", cfg.seq_length);
+        MOEKIT_REQUIRE(cfg.seq_length == 0 || cfg.seq_length == x.shape[0], a.input,
+                       ": tensor 'input' has S=", x.shape[0], " but --seq-length=", cfg.seq_length);
         MOEKIT_REQUIRE(!a.micro_batch_size_given || cfg.micro_batch_size == x.shape[1], a.input,
                        ": tensor 'input' has B=", x.shape[1], " but --micro-batch-size=", cfg.micro_batch_size);
         S = x.shape[0], B = x.shape[1];
@@ -143,8 +144,9 @@ int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>
         meta["input"] = a.input;
         if (auto it = in_file.tensors.find("padding_mask"); it != in_file.tensors.end()) {
             const HostTensor& m = it->second;
-            MOEKIT_REQUIRE(m.dtype == DType::boolean || m.dtype == DType::u8, a.input, ": tensor 'padding_mask' has dtype ",
-                           dtype_name(m.dtype), ", expected BOOL or U8 (True = padding)");
+            MOEKIT_REQUIRE(m.dtype == DType::boolean || m.dtype == DType::u8, a.input,
+                           ": tensor 'padding_mask' has dtype ", dtype_name(m.dtype),
+                           ", expected BOOL or U8 (True = padding)");
             MOEKIT_REQUIRE(m.shape == std::vector<int64_t>({B, S}), a.input, ": tensor 'padding_mask' has shape ",
                            m.shape_string(), ", expected [", B, ", ", S, "] (Megatron's [B, S] layout)");
             padding.assign(size_t(S * B), 0);
@@ -237,9 +239,9 @@ int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>
     out["grad_output"] = tensor_of(grad_out, sbh, kDtype);
     if (a.input.empty()) out["input"] = tensor_of(hidden, sbh, kDtype);
     for (auto& [name, t] : weights_to_tensors(grads, kDtype, "grad.")) out[name] = std::move(t);
-    out["tokens_per_expert"] = HostTensor::from_double(
-        std::vector<double>(summary.tokens_per_expert.begin(), summary.tokens_per_expert.end()),
-        {int64_t(summary.tokens_per_expert.size())}, DType::i64);
+    out["tokens_per_expert"] =
+        HostTensor::from_double(std::vector<double>(summary.tokens_per_expert.begin(), summary.tokens_per_expert.end()),
+                                {int64_t(summary.tokens_per_expert.size())}, DType::i64);
     const LossValues& l = summary.losses;
     for (const auto& [name, v] : std::map<std::string, double>{{"aux_loss", l.aux_loss},
                                                                {"seq_aux_loss", l.seq_aux_loss},
@@ -275,12 +277,14 @@ int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>
 int layer_main(const std::vector<std::string>& argv) {
     MoeConfig cfg;
     LayerArgs a;
-    FlagParser p("moekit layer (--weights W.safetensors | --init random) [--input X.safetensors] "
-                 "[--grad-output G.safetensors] --out R.safetensors [MoE flags]");
+    FlagParser p(
+        "moekit layer (--weights W.safetensors | --init random) [--input X.safetensors] "
+        "[--grad-output G.safetensors] --out R.safetensors [MoE flags]");
     add_moe_flags(p, cfg);
     p.section("layer tool");
     p.add("--weights", &a.weights, "weights with Megatron's state-dict names (safetensors)");
-    p.add("--weights-prefix", &a.weights_prefix, "name prefix in --weights, e.g. decoder.layers.0.mlp. (auto-detected)");
+    p.add("--weights-prefix", &a.weights_prefix,
+          "name prefix in --weights, e.g. decoder.layers.0.mlp. (auto-detected)");
     p.add("--init", &a.init, "random: Megatron's init from --seed instead of --weights");
     p.add("--save-weights", &a.save_weights, "write the weights used (compute dtype) to this file");
     p.add("--input", &a.input, "input [S, B, H], optional padding_mask [B, S] and grad_output [S, B, H]");

@@ -2,11 +2,12 @@
 // (megatron-moe.md §5.7) that applies to what moekit implements, plus moekit's own range checks.
 // All violations are collected and reported at once, each naming the flag, the value and the rule.
 // Flags and --config parsing: src/core/flags.cpp. Tests: tests/cpu/test_config.cpp.
+#include "moekit/config.h"
+
 #include <algorithm>
 #include <cmath>
 #include <set>
 
-#include "moekit/config.h"
 #include "moekit/error.h"
 
 namespace moekit {
@@ -83,8 +84,9 @@ std::vector<std::string> MoeConfig::validation_errors() const {
     if (!(init_method_std > 0) || !std::isfinite(init_method_std))
         fail("--init-method-std=", num(init_method_std), " must be a finite number > 0");
     if (add_bias_linear)
-        fail("--add-bias-linear: not supported yet by moekit (MoE linears have no bias; Megatron MoE configs use "
-             "--disable-bias-linear)");
+        fail(
+            "--add-bias-linear: not supported yet by moekit (MoE linears have no bias; Megatron MoE configs use "
+            "--disable-bias-linear)");
 
     // ---- load balancing (rules 6, 19) ----
     const auto& types = moe_router_load_balancing_type;
@@ -106,8 +108,9 @@ std::vector<std::string> MoeConfig::validation_errors() const {
                 fail("--moe-router-load-balancing-type=", types_s, ": '", alone,
                      "' cannot be combined with other types (a list is a list of aux-loss types)");
     if (coeffs.size() != types.size())
-        fail("--moe-aux-loss-coeff=", coeffs_s, " has ", coeffs.size(), " value(s) but --moe-router-load-balancing-type=",
-             types_s, " has ", types.size(), ": give one coefficient per type");
+        fail("--moe-aux-loss-coeff=", coeffs_s, " has ", coeffs.size(),
+             " value(s) but --moe-router-load-balancing-type=", types_s, " has ", types.size(),
+             ": give one coefficient per type");
     for (double c : coeffs)
         if (!(c >= 0) || !std::isfinite(c)) fail("--moe-aux-loss-coeff=", num(c), " must be a finite number >= 0");
     if (sinkhorn)
@@ -121,15 +124,17 @@ std::vector<std::string> MoeConfig::validation_errors() const {
 
     // ---- router (rules 10, 13, 14) ----
     const int64_t k = moe_router_topk;
-    if (k < 1) fail("--moe-router-topk=", k, " must be >= 1");
+    if (k < 1)
+        fail("--moe-router-topk=", k, " must be >= 1");
     else if (num_experts_ > 0 && k > num_experts_)
         fail("--moe-router-topk=", k, " must not exceed --num-experts=", num_experts_);
     const std::string& score = moe_router_score_function;
     if (!one_of(score, {"softmax", "sigmoid", "sqrtsoftplus"}))
         fail("--moe-router-score-function=", score, " must be one of softmax, sigmoid, sqrtsoftplus");
     if (k == 1 && score == "softmax" && !moe_router_pre_softmax && !sinkhorn)
-        fail("--moe-router-topk=1 with --moe-router-score-function=softmax requires --moe-router-pre-softmax "
-             "(a softmax over one selected logit is constant 1, so the router would get no gradient)");
+        fail(
+            "--moe-router-topk=1 with --moe-router-score-function=softmax requires --moe-router-pre-softmax "
+            "(a softmax over one selected logit is constant 1, so the router would get no gradient)");
     if (moe_router_enable_expert_bias && score == "softmax")
         fail("--moe-router-enable-expert-bias requires --moe-router-score-function=sigmoid or sqrtsoftplus (got ",
              score, ")");
@@ -145,10 +150,10 @@ std::vector<std::string> MoeConfig::validation_errors() const {
 
     const auto& groups = moe_router_num_groups;
     const auto& group_topk = moe_router_group_topk;
-    if (group_topk && !groups)
-        fail("--moe-router-group-topk=", *group_topk, " requires --moe-router-num-groups");
+    if (group_topk && !groups) fail("--moe-router-group-topk=", *group_topk, " requires --moe-router-num-groups");
     if (groups && !group_topk)
-        fail("--moe-router-num-groups=", *groups, " requires --moe-router-group-topk (group-limited routing needs both)");
+        fail("--moe-router-num-groups=", *groups,
+             " requires --moe-router-group-topk (group-limited routing needs both)");
     if (groups && *groups <= 0) fail("--moe-router-num-groups=", *groups, " must be > 0");
     if (group_topk && *group_topk <= 0) fail("--moe-router-group-topk=", *group_topk, " must be > 0");
     if (groups && group_topk && *groups > 0 && *group_topk > 0) {
@@ -163,12 +168,12 @@ std::vector<std::string> MoeConfig::validation_errors() const {
         if (num_experts_ > 0 && num_experts_ % g == 0 && gk <= g) {
             const int64_t per_group = num_experts_ / g;
             if (k >= gk && k / gk > per_group)
-                fail("--moe-router-topk=", k, " / --moe-router-group-topk=", gk, " = ", k / gk,
-                     " exceeds the ", per_group, " experts per group (--num-experts=", num_experts_,
-                     " / --moe-router-num-groups=", g, ")");
+                fail("--moe-router-topk=", k, " / --moe-router-group-topk=", gk, " = ", k / gk, " exceeds the ",
+                     per_group, " experts per group (--num-experts=", num_experts_, " / --moe-router-num-groups=", g,
+                     ")");
             if (k > gk * per_group)
-                fail("--moe-router-topk=", k, " exceeds the ", gk * per_group, " experts of the --moe-router-group-topk=",
-                     gk, " selected groups");
+                fail("--moe-router-topk=", k, " exceeds the ", gk * per_group,
+                     " experts of the --moe-router-group-topk=", gk, " selected groups");
         }
     }
 
@@ -184,8 +189,10 @@ std::vector<std::string> MoeConfig::validation_errors() const {
         if (*cf > 0)
             for (const auto& t : types)
                 if (!one_of(t, {"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}))
-                    fail("--moe-expert-capacity-factor=", num(*cf), " requires --moe-router-load-balancing-type in "
-                         "{aux_loss, seq_aux_loss, global_aux_loss, none} (got ", t, ")");
+                    fail("--moe-expert-capacity-factor=", num(*cf),
+                         " requires --moe-router-load-balancing-type in "
+                         "{aux_loss, seq_aux_loss, global_aux_loss, none} (got ",
+                         t, ")");
     }
     const bool has_cf = moe_expert_capacity_factor && *moe_expert_capacity_factor > 0;
     if (moe_pad_expert_input_to_capacity && !has_cf)
@@ -204,8 +211,9 @@ std::vector<std::string> MoeConfig::validation_errors() const {
         if (moe_token_dispatcher_type != "alltoall")
             fail("--moe-shared-expert-overlap requires --moe-token-dispatcher-type=alltoall or flex (got ",
                  moe_token_dispatcher_type, ")");
-        fail("--moe-shared-expert-overlap: not supported yet by moekit (the shared expert runs without overlap; "
-             "the numbers are the same without the flag)");
+        fail(
+            "--moe-shared-expert-overlap: not supported yet by moekit (the shared expert runs without overlap; "
+            "the numbers are the same without the flag)");
     }
     return errors;
 }

@@ -132,11 +132,11 @@ FlagParser::Flag& FlagParser::insert(Flag flag) {
     return flags_.back();
 }
 
-#define MOEKIT_FLAG_BEGIN(KIND, TYPE)  \
-    Flag f;                            \
-    f.name = name;                     \
-    f.kind = Kind::KIND;               \
-    f.type = TYPE;                     \
+#define MOEKIT_FLAG_BEGIN(KIND, TYPE) \
+    Flag f;                           \
+    f.name = name;                    \
+    f.kind = Kind::KIND;              \
+    f.type = TYPE;                    \
     f.help = help;
 
 FlagParser::Flag& FlagParser::add(const std::string& name, bool* target, const std::string& help) {
@@ -184,8 +184,10 @@ FlagParser::Flag& FlagParser::add(const std::string& name, std::optional<int64_t
     f.optional = true;
     f.default_value = *target ? std::to_string(**target) : "None";
     f.set = [target, name](const std::vector<std::string>& v) {
-        if (is_none(v.at(0))) target->reset();
-        else *target = parse_int(v.at(0), name);
+        if (is_none(v.at(0)))
+            target->reset();
+        else
+            *target = parse_int(v.at(0), name);
     };
     f.get = [target] { return *target ? nlohmann::json(**target) : nlohmann::json(nullptr); };
     return insert(std::move(f));
@@ -196,8 +198,10 @@ FlagParser::Flag& FlagParser::add(const std::string& name, std::optional<double>
     f.optional = true;
     f.default_value = *target ? fmt_real(**target) : "None";
     f.set = [target, name](const std::vector<std::string>& v) {
-        if (is_none(v.at(0))) target->reset();
-        else *target = parse_real(v.at(0), name);
+        if (is_none(v.at(0)))
+            target->reset();
+        else
+            *target = parse_real(v.at(0), name);
     };
     f.get = [target] { return *target ? nlohmann::json(**target) : nlohmann::json(nullptr); };
     return insert(std::move(f));
@@ -209,15 +213,16 @@ FlagParser::Flag& FlagParser::add(const std::string& name, std::optional<std::st
     f.optional = true;
     f.default_value = *target ? **target : "None";
     f.set = [target](const std::vector<std::string>& v) {
-        if (is_none(v.at(0))) target->reset();
-        else *target = v.at(0);
+        if (is_none(v.at(0)))
+            target->reset();
+        else
+            *target = v.at(0);
     };
     f.get = [target] { return *target ? nlohmann::json(**target) : nlohmann::json(nullptr); };
     return insert(std::move(f));
 }
 
-FlagParser::Flag& FlagParser::add(const std::string& name, std::vector<std::string>* target,
-                                  const std::string& help) {
+FlagParser::Flag& FlagParser::add(const std::string& name, std::vector<std::string>* target, const std::string& help) {
     MOEKIT_FLAG_BEGIN(text_list, "str...")
     std::string d;
     for (const auto& s : *target) d += (d.empty() ? "" : " ") + s;
@@ -319,9 +324,10 @@ void FlagParser::apply_json(const nlohmann::json& object, const std::string& sou
         MOEKIT_REQUIRE(!value.is_null() || flag->optional || flag->kind == Kind::action, source, ": ", key,
                        ": null is not allowed (expected ", flag->type, ")");
         try {
-            apply(*flag, value.is_null() && flag->kind == Kind::action ? std::vector<std::string>{"false"}
-                                                                         : json_tokens(value),
-                  source);
+            apply(
+                *flag,
+                value.is_null() && flag->kind == Kind::action ? std::vector<std::string>{"false"} : json_tokens(value),
+                source);
         } catch (const UsageError& e) {
             throw UsageError(str(source, ": ", e.what()));
         }
@@ -416,13 +422,16 @@ std::string FlagParser::help() const {
         if (f.section != section) os << "\n" << (section = f.section) << ":\n";
         std::string head = "  " + f.name + (f.kind == Kind::boolean || f.kind == Kind::action ? "" : " " + f.type);
         os << head;
-        if (head.size() < 46) os << std::string(46 - head.size(), ' ');
-        else os << "\n" << std::string(46, ' ');
+        if (head.size() < 46)
+            os << std::string(46 - head.size(), ' ');
+        else
+            os << "\n" << std::string(46, ' ');
         os << f.help;
         if (f.kind != Kind::action) os << " [default: " << f.default_value << "]";
         os << "\n";
     }
-    os << "\n  --config FILE.json                          flags from a JSON object (keys: flag names without dashes or "
+    os << "\n  --config FILE.json                          flags from a JSON object (keys: flag names without dashes "
+          "or "
           "field names); explicit flags override it\n"
           "  --help                                      this list\n";
     if (!unsupported.empty()) {

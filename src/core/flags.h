@@ -10,23 +10,22 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "moekit/config.h"
 
 namespace moekit {
 
 class FlagParser {
-public:
+   public:
     enum class Kind { boolean, integer, unsigned_integer, real, text, text_list, real_list, action, unsupported };
 
     struct Flag {
-        std::string name;     // "--moe-router-topk"
-        std::string field;    // "moe_router_topk": the JSON key (the flag without dashes is accepted too)
+        std::string name;   // "--moe-router-topk"
+        std::string field;  // "moe_router_topk": the JSON key (the flag without dashes is accepted too)
         Kind kind = Kind::text;
         bool optional = false;  // "none"/null resets it
         std::string type;       // "int", "float", "str", "bool", "int|None", "str...", for --help and errors
@@ -35,7 +34,10 @@ public:
         std::string section;
         std::function<void(const std::vector<std::string>&)> set;  // parse + store (throws UsageError)
         std::function<nlohmann::json()> get;                       // current value (empty for actions)
-        Flag& with_field(std::string f) { field = std::move(f); return *this; }
+        Flag& with_field(std::string f) {
+            field = std::move(f);
+            return *this;
+        }
     };
 
     explicit FlagParser(std::string usage = "moekit [flags]");
@@ -70,10 +72,10 @@ public:
     std::string help() const;
     nlohmann::json values() const;  // field -> value, for every flag bound to a variable
     const std::deque<Flag>& flags() const { return flags_; }
-    const Flag* find(const std::string& name) const;   // by "--name"
+    const Flag* find(const std::string& name) const;     // by "--name"
     std::string nearest(const std::string& name) const;  // closest known flag, "" if none is close
 
-private:
+   private:
     Flag& insert(Flag flag);
     void apply(Flag& flag, const std::vector<std::string>& values, const std::string& where);
     Flag* lookup(const std::string& name);

@@ -38,8 +38,9 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--gated-linear-unit", &c.gated_linear_unit, "[moekit] gated experts (fc1 = [gate; up], 2F rows)");
     p.add("--activation-func", &c.activation_func, "[moekit] gelu | silu | relu | squared_relu");
     p.add("--init-method-std", &c.init_method_std, "std of the normal init (fc2: std/sqrt(2*num_layers))");
-    p.add_action("--disable-bias-linear", [&c] { c.add_bias_linear = false; },
-                 "linears without bias (moekit's default already)");
+    p.add_action(
+        "--disable-bias-linear", [&c] { c.add_bias_linear = false; },
+        "linears without bias (moekit's default already)");
     p.add("--moe-grouped-gemm", &c.moe_grouped_gemm, "accepted; moekit always runs grouped GEMMs");
 
     p.section("router");
@@ -84,20 +85,48 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add_unsupported("--moe-token-dropping", "a dead flag upstream; use --moe-expert-capacity-factor");
     p.add_unsupported("--moe-shared-expert-overlap", "the shared expert runs without overlap; same numbers without it");
     for (const char* name : {
-             "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8", "--moe-permute-fusion",
-             "--moe-router-fusion", "--moe-layer-recompute", "--moe-use-grouped-tensor", "--moe-latent-size",
-             "--moe-enable-routing-replay", "--moe-router-force-load-balancing", "--moe-router-force-biased",
-             "--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-expert-rank-capacity-factor",
-             "--moe-paged-stash", "--moe-apply-probs-on-input", "--expert-tensor-parallel-size",
-             "--moe-router-topk-limited-devices", "--moe-mlp-glu-interleave-size", "--glu-linear-offset",
-             "--activation-func-clamp-value", "--moe-per-layer-logging", "--moe-layer-freq",
-             "--moe-router-quantile-balancing-ema", "--moe-permute-fusion-into-hybridep",
-             "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
-             "--moe-shared-expert-glu-interleave-size", "--use-grouped-gemm-for-shared-expert",
-             "--moe-single-grouped-weight", "--moe-single-grouped-bias", "--use-transformer-engine-op-fuser",
-             "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--moe-pad-experts-for-cuda-graph-inference",
-             "--moe-ncclep-zero-copy", "--moe-dispatch-fwd-dtype", "--moe-combine-bwd-dtype", "--quick-geglu",
-             "--calculate-per-token-loss", "--moe-upcycling-granularity", "--moe-use-upcycling",
+             "--moe-router-padding-for-quantization",
+             "--moe-router-padding-for-fp8",
+             "--moe-permute-fusion",
+             "--moe-router-fusion",
+             "--moe-layer-recompute",
+             "--moe-use-grouped-tensor",
+             "--moe-latent-size",
+             "--moe-enable-routing-replay",
+             "--moe-router-force-load-balancing",
+             "--moe-router-force-biased",
+             "--moe-flex-dispatcher-backend",
+             "--moe-enable-deepep",
+             "--moe-expert-rank-capacity-factor",
+             "--moe-paged-stash",
+             "--moe-apply-probs-on-input",
+             "--expert-tensor-parallel-size",
+             "--moe-router-topk-limited-devices",
+             "--moe-mlp-glu-interleave-size",
+             "--glu-linear-offset",
+             "--activation-func-clamp-value",
+             "--moe-per-layer-logging",
+             "--moe-layer-freq",
+             "--moe-router-quantile-balancing-ema",
+             "--moe-permute-fusion-into-hybridep",
+             "--moe-flex-dispatcher-num-sms",
+             "--moe-deepep-num-sms",
+             "--moe-hybridep-num-sms",
+             "--moe-shared-expert-glu-interleave-size",
+             "--use-grouped-gemm-for-shared-expert",
+             "--moe-single-grouped-weight",
+             "--moe-single-grouped-bias",
+             "--use-transformer-engine-op-fuser",
+             "--overlap-moe-expert-parallel-comm",
+             "--delay-wgrad-compute",
+             "--moe-pad-experts-for-cuda-graph-inference",
+             "--moe-ncclep-zero-copy",
+             "--moe-dispatch-fwd-dtype",
+             "--moe-combine-bwd-dtype",
+             "--quick-geglu",
+             "--calculate-per-token-loss",
+             "--moe-upcycling-granularity",
+             "--moe-use-upcycling",
          })
         p.add_unsupported(name);
 }
@@ -117,8 +146,7 @@ nlohmann::json to_json(const MoeConfig& config) {
 void print_config(const MoeConfig& config, std::FILE* out) {
     std::fprintf(out, "config:\n");
     const nlohmann::json j = to_json(config);  // named: items() does not extend a temporary's life
-    for (const auto& [key, value] : j.items())
-        std::fprintf(out, "  %-40s %s\n", key.c_str(), value.dump().c_str());
+    for (const auto& [key, value] : j.items()) std::fprintf(out, "  %-40s %s\n", key.c_str(), value.dump().c_str());
 }
 
 MoeConfig parse_moe_config(const std::vector<std::string>& args) {

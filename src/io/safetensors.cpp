@@ -8,9 +8,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "moekit/error.h"
 
@@ -22,8 +21,8 @@ namespace {
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 bool is_spec_dtype(const std::string& name) {
-    for (const char* d : {"I8", "I16", "U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3",
-                          "F6_E3M2", "C64"})
+    for (const char* d :
+         {"I8", "I16", "U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"})
         if (name == d) return true;
     return false;
 }
@@ -38,11 +37,13 @@ struct Span {
 SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::string& source) {
     auto fail = [&](auto&&... parts) { return UsageError(str(source, ": ", parts...)); };
     if (bytes.size() < 8)
-        throw fail("too short for a safetensors file (", bytes.size(), " bytes; it starts with an 8-byte header length)");
+        throw fail("too short for a safetensors file (", bytes.size(),
+                   " bytes; it starts with an 8-byte header length)");
     uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[size_t(i)];
     if (header_len > bytes.size() - 8 || header_len > kMaxHeaderBytes)
-        throw fail("header length ", header_len, " exceeds the file (", bytes.size(), " bytes): truncated or not a "
+        throw fail("header length ", header_len, " exceeds the file (", bytes.size(),
+                   " bytes): truncated or not a "
                    "safetensors file");
     const char* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
 
@@ -127,9 +128,11 @@ SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::
     const std::string* previous = nullptr;
     for (const auto& s : spans) {
         if (s.begin < covered)
-            throw fail("tensors '", *previous, "' and '", *s.name, "' overlap in the data buffer (at byte ", s.begin, ")");
+            throw fail("tensors '", *previous, "' and '", *s.name, "' overlap in the data buffer (at byte ", s.begin,
+                       ")");
         if (s.begin > covered)
-            throw fail("bytes [", covered, ", ", s.begin, ") of the data buffer belong to no tensor (holes are invalid)");
+            throw fail("bytes [", covered, ", ", s.begin,
+                       ") of the data buffer belong to no tensor (holes are invalid)");
         covered = s.end;
         previous = s.name;
     }
@@ -155,9 +158,8 @@ std::vector<uint8_t> serialize_safetensors(const std::map<std::string, HostTenso
         MOEKIT_CHECK(name != "__metadata__" && !name.empty(), "invalid tensor name '", name, "'");
         MOEKIT_CHECK(t.bytes.size() == size_t(t.numel()) * dtype_size(t.dtype), "tensor '", name, "' ",
                      t.shape_string(), " ", dtype_name(t.dtype), " has ", t.bytes.size(), " bytes");
-        header[name] = {{"dtype", dtype_name(t.dtype)},
-                        {"shape", t.shape},
-                        {"data_offsets", {offset, offset + t.bytes.size()}}};
+        header[name] = {
+            {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
         offset += t.bytes.size();
     }
     std::string text = header.dump();

@@ -35,8 +35,7 @@ std::string detect_prefix(const std::map<std::string, HostTensor>& tensors) {
     if (candidates.size() > 1) {
         std::string list;
         for (const auto& c : candidates) list += (list.empty() ? "" : ", ") + c;
-        throw UsageError(str("several MoE layers in one file (prefixes ", list,
-                             "): choose one with --weights-prefix"));
+        throw UsageError(str("several MoE layers in one file (prefixes ", list, "): choose one with --weights-prefix"));
     }
     return candidates.empty() ? "" : candidates[0];
 }
@@ -68,7 +67,8 @@ std::map<std::string, HostTensor> weights_to_tensors(const MoeWeights<T>& w, DTy
         out[prefix + "shared_experts.linear_fc1.weight"] = HostTensor::from_matrix(w.shared_fc1, dtype);
         out[prefix + "shared_experts.linear_fc2.weight"] = HostTensor::from_matrix(w.shared_fc2, dtype);
     }
-    if (!w.shared_gate.empty()) out[prefix + "shared_experts.gate_weight"] = HostTensor::from_matrix(w.shared_gate, dtype);
+    if (!w.shared_gate.empty())
+        out[prefix + "shared_experts.gate_weight"] = HostTensor::from_matrix(w.shared_gate, dtype);
     return out;
 }
 
@@ -85,19 +85,23 @@ MoeWeights<T> weights_from_tensors(const MoeConfig& config, const std::map<std::
                    const std::string& alias = "") -> const HostTensor& {
         auto it = tensors.find(prefix + name);
         if (it == tensors.end() && !alias.empty()) it = tensors.find(prefix + alias);
-        MOEKIT_REQUIRE(it != tensors.end(), "missing tensor '", prefix + name, "' (expected ", shape_str(expected), ")");
+        MOEKIT_REQUIRE(it != tensors.end(), "missing tensor '", prefix + name, "' (expected ", shape_str(expected),
+                       ")");
         const HostTensor& t = it->second;
         used.insert(it->first);
         MOEKIT_REQUIRE(is_float(t.dtype), "tensor '", it->first, "' has dtype ", dtype_name(t.dtype),
                        ", not a floating type (F32, F64, BF16, F16)");
         if (t.shape != expected) {
             std::string hint;
-            if (expected.size() == 2 && t.shape.size() == 2 && t.shape[1] == expected[1] && name.find("fc1") != name.npos) {
-                if (t.shape[0] == 2 * expected[0]) hint = "; the file looks gated: pass --swiglu or --geglu";
-                else if (2 * t.shape[0] == expected[0]) hint = "; the file looks non-gated: drop --swiglu / --geglu";
+            if (expected.size() == 2 && t.shape.size() == 2 && t.shape[1] == expected[1] &&
+                name.find("fc1") != name.npos) {
+                if (t.shape[0] == 2 * expected[0])
+                    hint = "; the file looks gated: pass --swiglu or --geglu";
+                else if (2 * t.shape[0] == expected[0])
+                    hint = "; the file looks non-gated: drop --swiglu / --geglu";
             }
-            throw UsageError(str("tensor '", it->first, "' has shape ", t.shape_string(), ", expected ",
-                                 shape_str(expected), hint));
+            throw UsageError(
+                str("tensor '", it->first, "' has shape ", t.shape_string(), ", expected ", shape_str(expected), hint));
         }
         return t;
     };
@@ -121,17 +125,23 @@ MoeWeights<T> weights_from_tensors(const MoeConfig& config, const std::map<std::
         const std::string local = name.substr(prefix.size());
         if (local.size() >= 12 && local.compare(local.size() - 12, 12, "_extra_state") == 0) continue;  // TE fp8 state
         std::string hint = "not a parameter of the configured layer";
-        if (local == "router.expert_bias") hint = "expert bias is off: pass --moe-router-enable-expert-bias";
-        else if (local.rfind("experts.", 0) == 0) hint = str("only ", E, " experts are configured (--num-experts)");
-        else if (local.rfind("shared_experts.gate", 0) == 0) hint = "pass --moe-shared-expert-gate";
-        else if (local.rfind("shared_experts.", 0) == 0) hint = "pass --moe-shared-expert-intermediate-size";
-        else if (local == "router.bias") hint = "router bias (--add-bias-linear) is not supported yet by moekit";
+        if (local == "router.expert_bias")
+            hint = "expert bias is off: pass --moe-router-enable-expert-bias";
+        else if (local.rfind("experts.", 0) == 0)
+            hint = str("only ", E, " experts are configured (--num-experts)");
+        else if (local.rfind("shared_experts.gate", 0) == 0)
+            hint = "pass --moe-shared-expert-gate";
+        else if (local.rfind("shared_experts.", 0) == 0)
+            hint = "pass --moe-shared-expert-intermediate-size";
+        else if (local == "router.bias")
+            hint = "router bias (--add-bias-linear) is not supported yet by moekit";
         throw UsageError(str("unexpected tensor '", name, "' ", t.shape_string(), ": ", hint));
     }
     return w;
 }
 
-template std::map<std::string, HostTensor> weights_to_tensors<float>(const MoeWeights<float>&, DType, const std::string&);
+template std::map<std::string, HostTensor> weights_to_tensors<float>(const MoeWeights<float>&, DType,
+                                                                     const std::string&);
 template std::map<std::string, HostTensor> weights_to_tensors<double>(const MoeWeights<double>&, DType,
                                                                       const std::string&);
 template MoeWeights<float> weights_from_tensors<float>(const MoeConfig&, const std::map<std::string, HostTensor>&,

@@ -36,7 +36,7 @@ Result run(const std::string& args) {
 }
 
 class CmdLayer : public ::testing::Test {
-protected:
+   protected:
     std::filesystem::path dir;
     void SetUp() override {
         dir = std::filesystem::temp_directory_path() /
@@ -126,10 +126,10 @@ TEST_F(CmdLayer, MatchesCallingTheLayerDirectly) {
     HostTensor mask;
     mask.dtype = DType::boolean, mask.shape = {B, S}, mask.bytes = mask_bs;
     write_safetensors(path("w"), weights_to_tensors(w, DType::f32, "decoder.layers.0.mlp."));
-    write_safetensors(path("x"), {{"input", HostTensor::from_double({x.data.begin(), x.data.end()}, {S, B, H}, DType::f32)},
-                                  {"padding_mask", mask},
-                                  {"grad_output", HostTensor::from_double({g.data.begin(), g.data.end()}, {S, B, H},
-                                                                          DType::f32)}});
+    write_safetensors(
+        path("x"), {{"input", HostTensor::from_double({x.data.begin(), x.data.end()}, {S, B, H}, DType::f32)},
+                    {"padding_mask", mask},
+                    {"grad_output", HostTensor::from_double({g.data.begin(), g.data.end()}, {S, B, H}, DType::f32)}});
     Result r = run("--weights " + path("w") + " --input " + path("x") + " --out " + path("r") +
                    " --moe-router-topk 3 --moe-router-score-function sigmoid --moe-router-enable-expert-bias"
                    " --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.1 --seed 9");
@@ -195,8 +195,8 @@ TEST_F(CmdLayer, BadFlagsAndFilesExitWithStatus2) {
     EXPECT_NE(r.output.find("tensor 'router.weight' has shape [4, 16], expected [8, 16]"), std::string::npos)
         << r.output;
 
-    write_safetensors(path("x_bad"), {{"input", HostTensor::from_double(std::vector<double>(24, 0.5), {4, 1, 6},
-                                                                        DType::f32)}});
+    write_safetensors(path("x_bad"),
+                      {{"input", HostTensor::from_double(std::vector<double>(24, 0.5), {4, 1, 6}, DType::f32)}});
     r = run("--weights " + path("w") + " --input " + path("x_bad") + " --out " + path("r"));
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.output.find("tensor 'input' has shape [4, 1, 6], expected [S, B, 16] (--hidden-size=16)"),
@@ -206,8 +206,8 @@ TEST_F(CmdLayer, BadFlagsAndFilesExitWithStatus2) {
     r = run("--weights " + path("w") + " --input " + path("x_empty") + " --out " + path("r"));
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.output.find("tensor 'input' has shape [0, 2, 16]: S and B must be > 0"), std::string::npos) << r.output;
-    write_safetensors(path("x_typo"), {{"hidden", HostTensor::from_double(std::vector<double>(16, 0.5), {1, 1, 16},
-                                                                          DType::f32)}});
+    write_safetensors(path("x_typo"),
+                      {{"hidden", HostTensor::from_double(std::vector<double>(16, 0.5), {1, 1, 16}, DType::f32)}});
     r = run("--weights " + path("w") + " --input " + path("x_typo") + " --out " + path("r"));
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.output.find("unexpected tensor 'hidden' (this file may hold input, padding_mask, grad_output)"),
@@ -221,8 +221,10 @@ TEST_F(CmdLayer, BadFlagsAndFilesExitWithStatus2) {
     std::FILE* cfg = std::fopen(path("c.json").c_str(), "w");
     std::fputs(R"({"hidden_size": 16, "num-experts": 4, "moe_ffn_hidden_size": 8, "moe_router_topk": 3})", cfg);
     std::fclose(cfg);
-    r = run("--init random --seq-length 2 --config " + path("c.json") + " --moe-router-topk 1 --moe-router-pre-softmax "
-            "--out " + path("rc"));
+    r = run("--init random --seq-length 2 --config " + path("c.json") +
+            " --moe-router-topk 1 --moe-router-pre-softmax "
+            "--out " +
+            path("rc"));
     ASSERT_EQ(r.status, 0) << r.output;
     const auto meta = read_safetensors(path("rc")).metadata;
     EXPECT_NE(meta.at("config").find("\"moe_router_topk\":1"), std::string::npos) << meta.at("config");

@@ -162,8 +162,9 @@ TEST(Config, GroupLimitedRules) {
 TEST(Config, LoadBalancingRules) {
     MoeConfig c = valid_config();
     c.moe_router_load_balancing_type = {"aux_loss", "seq_aux_loss"};
-    EXPECT_ERROR(c, "--moe-aux-loss-coeff=0 has 1 value(s) but --moe-router-load-balancing-type=aux_loss "
-                    "seq_aux_loss has 2");
+    EXPECT_ERROR(c,
+                 "--moe-aux-loss-coeff=0 has 1 value(s) but --moe-router-load-balancing-type=aux_loss "
+                 "seq_aux_loss has 2");
     c.moe_aux_loss_coeff = {0.01, 0.001};
     EXPECT_EQ(errors_of(c), "");
     EXPECT_DOUBLE_EQ(c.aux_loss_coeff("seq_aux_loss"), 0.001);
@@ -274,11 +275,11 @@ std::vector<std::string> with_shape(std::vector<std::string> args) {
 }
 
 TEST(Flags, ParsesEveryKindOfValue) {
-    MoeConfig c = parse_moe_config(with_shape({"--moe-router-topk=4", "--moe-router-score-function", "sigmoid",
-                                               "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type",
-                                               "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2,1e-3",
-                                               "--moe-expert-capacity-factor", "-1", "--moe-z-loss-coeff=0.001",
-                                               "--swiglu", "--seed", "7", "--moe-router-dtype", "fp64"}));
+    MoeConfig c = parse_moe_config(
+        with_shape({"--moe-router-topk=4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2,1e-3",
+                    "--moe-expert-capacity-factor", "-1", "--moe-z-loss-coeff=0.001", "--swiglu", "--seed", "7",
+                    "--moe-router-dtype", "fp64"}));
     EXPECT_EQ(c.hidden_size, 16);
     EXPECT_EQ(c.num_moe_experts, 8);
     EXPECT_EQ(c.moe_router_topk, 4);
@@ -307,12 +308,14 @@ TEST(Flags, BooleanForms) {
     EXPECT_EQ(g.activation_func, "gelu");
     EXPECT_FALSE(g.add_bias_linear);
     EXPECT_EQ(parse_moe_config(with_shape({"--squared-relu"})).activation_func, "squared_relu");
-    EXPECT_EQ(usage_error(with_shape({"--swiglu", "--squared-relu"})), "--squared-relu cannot be combined with --swiglu");
+    EXPECT_EQ(usage_error(with_shape({"--swiglu", "--squared-relu"})),
+              "--squared-relu cannot be combined with --swiglu");
 }
 
 TEST(Flags, BadValuesNameFlagAndType) {
     EXPECT_EQ(usage_error(with_shape({"--moe-router-topk", "two"})), "--moe-router-topk=two: expected an integer");
-    EXPECT_EQ(usage_error(with_shape({"--moe-aux-loss-coeff", "0.1x"})), "--moe-aux-loss-coeff=0.1x: expected a number");
+    EXPECT_EQ(usage_error(with_shape({"--moe-aux-loss-coeff", "0.1x"})),
+              "--moe-aux-loss-coeff=0.1x: expected a number");
     EXPECT_EQ(usage_error(with_shape({"--moe-router-topk"})), "--moe-router-topk: expects a value (int)");
     EXPECT_EQ(usage_error(with_shape({"--moe-expert-capacity-factor", "--swiglu"})),
               "--moe-expert-capacity-factor: expects a value (float|None)");
@@ -324,7 +327,8 @@ TEST(Flags, BadValuesNameFlagAndType) {
 TEST(Flags, UnknownFlagSuggestsNearest) {
     EXPECT_EQ(usage_error(with_shape({"--moe-router-top-k", "2"})),
               "unknown flag --moe-router-top-k (did you mean --moe-router-topk?)");
-    EXPECT_EQ(usage_error(with_shape({"--num-expert", "2"})), "unknown flag --num-expert (did you mean --num-experts?)");
+    EXPECT_EQ(usage_error(with_shape({"--num-expert", "2"})),
+              "unknown flag --num-expert (did you mean --num-experts?)");
     EXPECT_EQ(usage_error(with_shape({"--completely-unrelated-thing"})), "unknown flag --completely-unrelated-thing");
 }
 
@@ -339,11 +343,12 @@ TEST(Flags, UnsupportedMegatronFlagsAreRefused) {
 }
 
 TEST(Flags, ValidationRunsAfterParsing) {
-    EXPECT_EQ(usage_error(with_shape({"--moe-router-topk", "10"})), "--moe-router-topk=10 must not exceed --num-experts=8");
+    EXPECT_EQ(usage_error(with_shape({"--moe-router-topk", "10"})),
+              "--moe-router-topk=10 must not exceed --num-experts=8");
 }
 
 class TempDir : public ::testing::Test {
-protected:
+   protected:
     std::filesystem::path dir;
     void SetUp() override {
         dir = std::filesystem::temp_directory_path() /
@@ -365,8 +370,8 @@ TEST_F(ConfigFile, JsonWithCommandLineOverride) {
         "moe_router_topk": 4, "moe-router-load-balancing-type": ["aux_loss", "z"], "moe_aux_loss_coeff": [0.1, 0.2],
         "moe_expert_capacity_factor": null, "swiglu": true, "moe_permute_fusion": false})");
     // The list is fixed by the command line; the explicit --moe-router-topk wins whatever the order.
-    MoeConfig c = parse_moe_config({"--moe-router-topk", "3", "--config", path, "--moe-router-load-balancing-type",
-                                    "aux_loss", "seq_aux_loss"});
+    MoeConfig c = parse_moe_config(
+        {"--moe-router-topk", "3", "--config", path, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"});
     EXPECT_EQ(c.hidden_size, 16);
     EXPECT_EQ(c.num_moe_experts, 8);
     EXPECT_EQ(c.moe_router_topk, 3);
@@ -389,11 +394,11 @@ TEST_F(ConfigFile, BadFilesNameFileAndKey) {
 }
 
 TEST_F(ConfigFile, ToJsonRoundTripsEveryField) {
-    MoeConfig c = parse_moe_config(with_shape({"--moe-router-score-function", "sigmoid", "--moe-router-topk", "3",
-                                               "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "1.25",
-                                               "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate",
-                                               "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3",
-                                               "--seed", "18446744073709551615", "--geglu"}));
+    MoeConfig c = parse_moe_config(
+        with_shape({"--moe-router-score-function", "sigmoid", "--moe-router-topk", "3",
+                    "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "1.25",
+                    "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate", "--moe-router-dtype",
+                    "fp32", "--moe-z-loss-coeff", "1e-3", "--seed", "18446744073709551615", "--geglu"}));
     const nlohmann::json j = to_json(c);
     EXPECT_EQ(j.at("num_moe_experts"), 8);
     EXPECT_EQ(j.at("moe_expert_capacity_factor"), 1.25);
@@ -430,7 +435,7 @@ TEST(Flags, HelpListsEveryFlagWithDefault) {
     EXPECT_NE(h.find("[default: aux_loss]"), std::string::npos);
     EXPECT_NE(h.find("[default: None]"), std::string::npos);
     EXPECT_NE(h.find("[default: 0.001]"), std::string::npos);  // bias update rate
-    EXPECT_FALSE(p.parse({"--out", "x", "--help"}));  // --help prints and says "stop"
+    EXPECT_FALSE(p.parse({"--out", "x", "--help"}));           // --help prints and says "stop"
     EXPECT_TRUE(p.parse({"--out", "x"}));
     EXPECT_EQ(out_path, "x");
     EXPECT_TRUE(p.was_set("--out"));

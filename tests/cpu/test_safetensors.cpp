@@ -71,12 +71,14 @@ TEST(Safetensors, RoundTripEveryDtypeAndMetadata) {
 }
 
 TEST(Safetensors, HeaderLayoutFollowsTheSpec) {
-    const auto bytes = serialize_safetensors({{"b", make_tensor(DType::f32, {2}, 1)}, {"a", make_tensor(DType::u8, {3}, 2)}});
+    const auto bytes =
+        serialize_safetensors({{"b", make_tensor(DType::f32, {2}, 1)}, {"a", make_tensor(DType::u8, {3}, 2)}});
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[size_t(i)];
     EXPECT_EQ(n % 8, 0u);  // data 8-byte aligned
     const std::string header(bytes.begin() + 8, bytes.begin() + 8 + long(n));
-    EXPECT_NE(header.find("\"a\":{\"data_offsets\":[0,3],\"dtype\":\"U8\",\"shape\":[3]}"), std::string::npos) << header;
+    EXPECT_NE(header.find("\"a\":{\"data_offsets\":[0,3],\"dtype\":\"U8\",\"shape\":[3]}"), std::string::npos)
+        << header;
     EXPECT_NE(header.find("\"b\":{\"data_offsets\":[3,11],\"dtype\":\"F32\",\"shape\":[2]}"), std::string::npos)
         << header;
     EXPECT_EQ(bytes.size(), 8 + n + 11);
@@ -98,7 +100,8 @@ TEST(Safetensors, MalformedFilesGivePreciseErrors) {
               std::string::npos);
     EXPECT_EQ(message_of(raw_file("[1, 2]", 0)), "f.safetensors: the header is not a JSON object");
     EXPECT_EQ(message_of(raw_file(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
-                                      "x":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16)),
+                                      "x":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                                  16)),
               "f.safetensors: tensor name 'x' appears twice in the header");
     EXPECT_EQ(message_of(raw_file(R"({"x":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", 8)),
               "f.safetensors: tensor 'x': unknown dtype 'F33'");
@@ -115,7 +118,8 @@ TEST(Safetensors, MalformedFilesGivePreciseErrors) {
     EXPECT_EQ(message_of(raw_file(R"({"x":{"dtype":"F32","shape":[2]}})", 8)),
               "f.safetensors: tensor 'x': missing \"data_offsets\"");
     EXPECT_EQ(message_of(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
-                                      "b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12)),
+                                      "b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                                  12)),
               "f.safetensors: tensors 'a' and 'b' overlap in the data buffer (at byte 4)");
     EXPECT_EQ(message_of(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12)),
               "f.safetensors: bytes [0, 4) of the data buffer belong to no tensor (holes are invalid)");
@@ -265,16 +269,18 @@ TEST(WeightsIo, ErrorsNameTensorAndExpectation) {
 
     MoeConfig plain = c;
     plain.gated_linear_unit = false;
-    EXPECT_EQ(load_error(plain, good), "tensor 'experts.local_experts.0.linear_fc1.weight' has shape [10, 4], expected "
-                                       "[5, 4]; the file looks gated: pass --swiglu or --geglu");
+    EXPECT_EQ(load_error(plain, good),
+              "tensor 'experts.local_experts.0.linear_fc1.weight' has shape [10, 4], expected "
+              "[5, 4]; the file looks gated: pass --swiglu or --geglu");
     MoeConfig fewer = c;
     fewer.num_moe_experts = 2;
     fewer.moe_router_enable_expert_bias = false;
     t = good;
     t.erase("router.expert_bias");
     t["router.weight"] = make_tensor(DType::f32, {2, 4}, 1);
-    EXPECT_EQ(load_error(fewer, t), "unexpected tensor 'experts.local_experts.2.linear_fc1.weight' [10, 4]: only 2 "
-                                    "experts are configured (--num-experts)");
+    EXPECT_EQ(load_error(fewer, t),
+              "unexpected tensor 'experts.local_experts.2.linear_fc1.weight' [10, 4]: only 2 "
+              "experts are configured (--num-experts)");
     MoeConfig no_bias = c;
     no_bias.moe_router_enable_expert_bias = false;
     EXPECT_EQ(load_error(no_bias, good),
@@ -283,8 +289,9 @@ TEST(WeightsIo, ErrorsNameTensorAndExpectation) {
     auto two_layers = weights_to_tensors(small_weights(c), DType::f32, "decoder.layers.0.mlp.");
     for (auto& [name, tensor] : weights_to_tensors(small_weights(c), DType::f32, "decoder.layers.1.mlp."))
         two_layers[name] = tensor;
-    EXPECT_EQ(load_error(c, two_layers), "several MoE layers in one file (prefixes decoder.layers.0.mlp., "
-                                         "decoder.layers.1.mlp.): choose one with --weights-prefix");
+    EXPECT_EQ(load_error(c, two_layers),
+              "several MoE layers in one file (prefixes decoder.layers.0.mlp., "
+              "decoder.layers.1.mlp.): choose one with --weights-prefix");
     EXPECT_EQ(weights_from_tensors<float>(c, two_layers, "decoder.layers.1.mlp.").fc1.size(), 3u);
 }
 
