@@ -13,7 +13,7 @@ log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 git log -1 --format='commit %h %ci' 2>/dev/null | tee -a "$OUT/summary.txt"
 
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
 if ! timeout 400 cmake --build $B --target $TESTS >>"$OUT/build.log" 2>&1; then
     log "build failed"
     grep -E "error|Error" "$OUT/build.log" | head -40 | tee -a "$OUT/summary.txt"
