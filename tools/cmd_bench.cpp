@@ -17,13 +17,14 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
-    "                    [--device cuda]\n"
-    "Times the expert MLP forward+backward (fc1, SwiGLU x probs, fc2) with the sync-free grouped GEMMs (one CUDA\n"
-    "graph, no host sync) and with the synchronous cuBLAS baseline, against the floor: dense cuBLAS GEMMs of the\n"
-    "expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; forward+backward = 3 x forward).\n";
+    "                    [--device cuda] [--scope layer|mlp]\n"
+    "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
+    "--scope mlp: the expert MLP alone on top-k routing counts) with the sync-free grouped GEMMs (the step captured in\n"
+    "one CUDA graph: no host sync) and with the synchronous cuBLAS baseline (host syncs counted), against the floor:\n"
+    "dense cuBLAS GEMMs of the expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; fwd+bwd = 3 x fwd).\n";
 
 int run_bench(const std::vector<std::string>& args) {
-    std::string preset, skew, json_path, device = "cuda";
+    std::string preset, skew, json_path, device = "cuda", scope = "layer";
     int iters = 20;
     for (size_t i = 0; i < args.size(); ++i) {
         const std::string& a = args[i];
@@ -39,6 +40,7 @@ int run_bench(const std::vector<std::string>& args) {
         else if (a == "--skew") skew = value();
         else if (a == "--json") json_path = value();
         else if (a == "--device") device = value();
+        else if (a == "--scope") scope = value();
         else if (a == "--iters") {
             std::string v = value();
             try {
@@ -51,8 +53,12 @@ int run_bench(const std::vector<std::string>& args) {
             throw moekit::UsageError(moekit::str("unknown flag ", a, "\n", kUsage));
         }
     }
+#ifndef MOEKIT_WITH_CUDA
+    throw moekit::UsageError("moekit bench needs a CUDA build and a GPU (this build has no CUDA backend)");
+#endif
     MOEKIT_REQUIRE(!preset.empty(), "--preset is required\n", kUsage);
     MOEKIT_REQUIRE(device == "cuda", "--device=", device, ": moekit bench runs on cuda only");
+    MOEKIT_REQUIRE(scope == "layer" || scope == "mlp", "--scope=", scope, " must be layer or mlp");
 #ifdef MOEKIT_WITH_CUDA
     namespace b = moekit::cuda::bench;
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
@@ -60,8 +66,8 @@ int run_bench(const std::vector<std::string>& args) {
     o.iters = iters;
     if (!skew.empty()) o.zipf_s = b::parse_skew(skew);
     const b::Preset& p = b::find_preset(preset);
-    nlohmann::json r = b::bench_expert_mlp(p, o);
-    std::printf("%s", b::format_mlp_table(r).c_str());
+    nlohmann::json r = scope == "layer" ? b::bench_layer(p, o) : b::bench_expert_mlp(p, o);
+    std::printf("%s", (scope == "layer" ? b::format_layer_table(r) : b::format_mlp_table(r)).c_str());
     if (!json_path.empty()) {
         std::ofstream f(json_path);
         MOEKIT_REQUIRE(f.good(), "--json=", json_path, ": cannot open for writing");
@@ -72,7 +78,7 @@ int run_bench(const std::vector<std::string>& args) {
     (void)skew;
     (void)json_path;
     (void)iters;
-    throw moekit::UsageError("moekit bench needs a CUDA build and a GPU (this build has no CUDA backend)");
+    return 2;  // not reached: thrown above
 #endif
 }
 

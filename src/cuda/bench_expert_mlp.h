@@ -37,8 +37,13 @@ nlohmann::json bench_gemms(const Preset& p, const Options& o);
 // syncs) and the sync baseline, with the floor = 3 x (dense fc1 + dense fc2) forward.
 nlohmann::json bench_expert_mlp(const Preset& p, const Options& o);
 
-// Human-readable tables of the two results above.
+// The whole CUDA layer (bench_layer.cu): router on random inputs (zipf skew through a per-expert logit bias),
+// per-stage times, one-graph step for the sync-free path, the sync baseline, and the same floor.
+nlohmann::json bench_layer(const Preset& p, const Options& o);
+
+// Human-readable tables of the results above.
 std::string format_gemm_table(const nlohmann::json& r);
 std::string format_mlp_table(const nlohmann::json& r);
+std::string format_layer_table(const nlohmann::json& r);
 
 }  // namespace moekit::cuda::bench

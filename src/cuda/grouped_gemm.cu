@@ -1,6 +1,6 @@
 // Host side of the sync-free grouped GEMMs (grouped_gemm.h): argument checks, launch geometry from static bounds
-// only (the real per-group row counts are read by the kernels from device offsets), kernel choice (wgmma on Hopper,
-// mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests: tests/gpu/test_grouped_gemm.cu.
+// only (the real per-group row counts are read by the kernels from device offsets), kernel choice (TMA + wgmma on
+// Hopper, mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests: tests/gpu/test_grouped_gemm.cu.
 #include "cuda/grouped_gemm.h"
 
 #include <atomic>
@@ -36,7 +36,7 @@ GroupedGemmKernel resolve_kernel() {
     bool hopper = major == 9 && minor == 0;  // the wgmma kernel is built for sm_90a only
     if (chosen == GroupedGemmKernel::kWgmma || chosen == GroupedGemmKernel::kTma)
         MOEKIT_CHECK(hopper, "the wgmma grouped GEMMs need an sm_90 device, this one is sm_", major, minor);
-    if (chosen == GroupedGemmKernel::kAuto) chosen = hopper ? GroupedGemmKernel::kWgmma : GroupedGemmKernel::kMmaSync;
+    if (chosen == GroupedGemmKernel::kAuto) chosen = hopper ? GroupedGemmKernel::kTma : GroupedGemmKernel::kMmaSync;
     return chosen;
 }
 

@@ -10,7 +10,7 @@
 #include "cuda/grouped_gemm_wgmma.cuh"
 
 namespace moekit::cuda {
-// Which compute core grouped_gemm_* use. Default: wgmma on sm_90 devices, mma.sync elsewhere; the environment
+// Which compute core grouped_gemm_* use. Default: kTma on sm_90 devices, mma.sync elsewhere; the environment
 // variable MOEKIT_GEMM_KERNEL=mma|wgmma|tma overrides it, and tests/benchmarks set it explicitly.
 // kWgmma: cp.async loads by all threads; kTma: warp-specialised TMA producer + 2 wgmma consumer warpgroups.
 enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma, kTma };

@@ -40,6 +40,7 @@ __device__ __forceinline__ uint32_t mnmajor_off(int krow, int mn) {
 
 template <Op kOp>
 __global__ void __launch_bounds__(256, 1) mma_kernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int BM = 128, BN = 128, kStages = 4, kThreads = 256;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2;
     extern __shared__ uint8_t smem_raw[];
@@ -106,6 +107,7 @@ __global__ void __launch_bounds__(256, 1) mma_kernel(Params p) {
             store_pair<kOp>(p, job, row, col, acc[mi][ni][0], acc[mi][ni][1]);
             store_pair<kOp>(p, job, row + 8, col, acc[mi][ni][2], acc[mi][ni][3]);
         }
+#endif
 }
 
 // wgmma matrix descriptor: start address, leading/stride byte offsets, 128-byte swizzle (layout type 1).
@@ -122,6 +124,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 template <Op kOp>
 __global__ void __launch_bounds__(256, 1) wgmma_kernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int BM = 128, BN = 256, kStages = 4, kThreads = 256, kAhead = kStages - 2;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2;
     extern __shared__ uint8_t smem_raw[];
@@ -175,6 +178,7 @@ __global__ void __launch_bounds__(256, 1) wgmma_kernel(Params p) {
         store_pair<kOp>(p, job, row, col, d[4 * i], d[4 * i + 1]);
         store_pair<kOp>(p, job, row + 8, col, d[4 * i + 2], d[4 * i + 3]);
     }
+#endif
 }
 
 }  // namespace moekit::cuda::gemm_detail

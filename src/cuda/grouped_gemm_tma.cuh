@@ -51,6 +51,7 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 template <Op kOp>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int BM = 128, BN = 256, kStages = 4;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
@@ -76,7 +77,9 @@ __global__ void __launch_bounds__(384, 1)
     const int wg = tid / 128;
 
     if (wg == 0) {  // producer warpgroup: one thread issues every copy
+#ifndef MOEKIT_GEMM_NO_SETMAXNREG  // (sanitizer builds: instrumented code may not fit in 40 registers)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+#endif
         if (tid == 0) {
             for (int kt = 0; kt < nk; ++kt) {
                 const int s = kt % kStages;
@@ -101,7 +104,9 @@ __global__ void __launch_bounds__(384, 1)
         return;
     }
 
+#ifndef MOEKIT_GEMM_NO_SETMAXNREG
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+#endif
     const int cw = wg - 1;  // consumer warpgroup 0/1: output rows 64*cw ..
     const int ctid = tid - 128;
     constexpr int kTransA = kOp == Op::kTN ? 1 : 0;
@@ -149,6 +154,7 @@ __global__ void __launch_bounds__(384, 1)
         store_pair<kOp>(p, job, row, col, d[4 * i], d[4 * i + 1]);
         store_pair<kOp>(p, job, row + 8, col, d[4 * i + 2], d[4 * i + 3]);
     }
+#endif
 }
 
 }  // namespace moekit::cuda::gemm_detail

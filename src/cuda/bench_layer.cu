@@ -1,0 +1,210 @@
+// `moekit bench` on the whole CUDA MoE layer (CudaMoeLayer: router, permute, fc1, SwiGLU x probs, fc2, combine,
+// forward and backward) for a preset: per-stage times, the step captured in one CUDA graph (sync-free path),
+// the same layer with the synchronous cuBLAS expert GEMMs, and the floor (dense cuBLAS expert-shaped GEMMs).
+// Routing comes from the layer's own router on random inputs; --skew adds a zipf bias through one input feature.
+#include <cmath>
+#include <cstdio>
+
+#include "cuda/bench_expert_mlp.h"
+#include "cuda/bench_util.cuh"
+#include "cuda/expert_gemm.h"
+#include "cuda/grouped_gemm_sync.h"
+#include "cuda/moe_layer.h"
+#include "moekit/error.h"
+
+namespace moekit::cuda::bench {
+namespace {
+
+__global__ void set_column_kernel(bf16* p, int64_t rows, int64_t cols, int64_t col, float value) {
+    for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x)
+        p[r * cols + col] = __float2bfloat16(value);
+}
+
+MoeConfig preset_config(const Preset& p) {
+    MoeConfig c;
+    c.hidden_size = p.hidden;
+    c.num_moe_experts = p.experts;
+    c.moe_ffn_hidden_size = p.ffn;
+    c.seq_length = p.tokens;
+    c.micro_batch_size = 1;
+    c.gated_linear_unit = true;
+    c.activation_func = "silu";
+    c.moe_router_topk = p.topk;
+    c.moe_router_load_balancing_type = {"aux_loss"};
+    c.moe_aux_loss_coeff = {0.01};
+    c.moe_router_dtype = "fp32";
+    c.validate();
+    return c;
+}
+
+double median_of(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+nlohmann::json bench_layer(const Preset& p, const Options& o) {
+    const MoeConfig config = preset_config(p);
+    auto layer = CudaMoeLayer::create(config, p.tokens, 1);
+    const LayerBuffers& b = layer->buffers();
+    const int64_t T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, rows = layer->shape().max_rows;
+    // Inputs O(1), weights at init scale 0.02 (uniform with that std), never zeros.
+    const float w = 0.02f * std::sqrt(3.f);
+    fill_uniform(b.hidden, T * H, 1.f, o.seed + 11);
+    fill_uniform(b.grad_output, T * H, 1.f, o.seed + 12);
+    fill_uniform(b.router_weight, E * H, w, o.seed + 13);
+    fill_uniform(b.fc1, E * 2 * F * H, w, o.seed + 14);
+    fill_uniform(b.fc2, E * H * F, w, o.seed + 15);
+    if (o.zipf_s > 0) {
+        // Feature 0 of every token is 1 and router row e gets -S*log(e+1) there (scaled to the logit noise):
+        // a per-expert logit bias that makes expert e's popularity fall like a zipf law.
+        set_column_kernel<<<256, 256>>>(b.hidden, T, H, 0, 1.f);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        const float noise = std::sqrt(float(H) / 3.f) * 0.02f;
+        std::vector<bf16> bias(E);
+        for (int64_t e = 0; e < E; ++e) bias[e] = __float2bfloat16(float(-o.zipf_s * std::log(double(e + 1)) * noise));
+        MOEKIT_CUDA_CHECK(cudaMemcpy2D(b.router_weight, H * sizeof(bf16), bias.data(), sizeof(bf16), sizeof(bf16), E,
+                                       cudaMemcpyHostToDevice));
+    }
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaStream_t s;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+    cudaDeviceProp prop{};
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    nlohmann::json out{{"preset", p.name}, {"H", H}, {"F", F}, {"E", E}, {"topk", p.topk}, {"T", T}, {"rows", rows},
+                       {"zipf_s", o.zipf_s}, {"iters", o.iters}, {"device", prop.name},
+                       {"scope", "whole MoE layer (router, permute, fc1, SwiGLU x probs, fc2, combine; fwd + bwd)"}};
+    const double flops = 3.0 * 2.0 * double(T * p.topk) * double(H) * double(3 * F);
+
+    auto run_backend = [&](ExpertGemmKind kind, bool graph) {
+        layer->set_expert_gemm(expert_gemm(kind));
+        nlohmann::json r;
+        std::vector<std::vector<double>> fwd(size_t(LayerStage::count)), bwd(size_t(LayerStage::count));
+        std::vector<double> total;
+        cudaEvent_t e0, e1;
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
+        const int64_t syncs0 = sync_baseline::host_sync_count();
+        // Eager steps without stage timing give the total; stage timing adds events but no sync inside a step.
+        for (int it = 0; it < o.warmup + o.iters; ++it) {
+            MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
+            layer->forward(s, true);
+            layer->backward(s);
+            MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
+            MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+            float ms = 0;
+            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (it >= o.warmup) total.push_back(ms);
+        }
+        r["host_syncs_per_step"] = double(sync_baseline::host_sync_count() - syncs0) / (o.warmup + o.iters);
+        r["eager_fwd_bwd_ms"] = median_of(total);
+        layer->enable_stage_timing(true);
+        for (int it = 0; it < o.iters; ++it) {
+            layer->forward(s, true);
+            layer->backward(s);
+            auto f = layer->forward_times_ms();
+            auto g = layer->backward_times_ms();
+            for (size_t i = 0; i < f.size(); ++i) {
+                fwd[i].push_back(f[i]);
+                bwd[i].push_back(g[i]);
+            }
+        }
+        layer->enable_stage_timing(false);
+        double fsum = 0, bsum = 0;
+        for (size_t i = 0; i < fwd.size(); ++i) {
+            const char* name = layer_stage_name(LayerStage(i));
+            r["fwd_stages_ms"][name] = median_of(fwd[i]);
+            r["bwd_stages_ms"][name] = median_of(bwd[i]);
+            fsum += median_of(fwd[i]);
+            bsum += median_of(bwd[i]);
+        }
+        r["fwd_ms"] = fsum;
+        r["bwd_ms"] = bsum;
+        r["fwd_bwd_ms"] = r["eager_fwd_bwd_ms"];
+        if (graph) {
+            // Global capture mode: any host synchronisation inside forward/backward would fail the capture.
+            cudaGraph_t g = nullptr;
+            cudaGraphExec_t ge = nullptr;
+            MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+            layer->forward(s, true);
+            layer->backward(s);
+            MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+            r["graph_fwd_bwd_ms"] = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(ge, s)); }, s, o.warmup, o.iters);
+            r["captured_in_one_graph"] = true;
+            r["fwd_bwd_ms"] = r["graph_fwd_bwd_ms"];
+            cudaGraphExecDestroy(ge);
+            cudaGraphDestroy(g);
+        }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        return r;
+    };
+    out["grouped"] = run_backend(ExpertGemmKind::grouped, true);
+    out["grouped"]["kernel"] = grouped_gemm_kernel() == GroupedGemmKernel::kTma     ? "tma+wgmma"
+                               : grouped_gemm_kernel() == GroupedGemmKernel::kWgmma ? "cp.async+wgmma"
+                                                                                    : "mma.sync";
+    out["sync"] = run_backend(ExpertGemmKind::sync_baseline, false);
+    auto counts = layer->read_tokens_per_expert();
+    out["max_count"] = *std::max_element(counts.begin(), counts.end());
+    out["min_count"] = *std::min_element(counts.begin(), counts.end());
+    out["counts"] = counts;
+
+    // Floor: dense fc1 [rows,H]x[H,2F] + fc2 [rows,F]x[F,H] on the layer's own buffers (scratch after timing).
+    using gemm_detail::Op;
+    const int64_t R = T * p.topk;
+    double fc1 = time_ms([&] { dense_gemm(Op::kNT, R, 2 * F, H, b.rows, b.fc1, b.fc1_out, s); }, s, o.warmup, o.iters);
+    double fc2 = time_ms([&] { dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s); }, s, o.warmup, o.iters);
+    out["floor"] = {{"fc1_ms", fc1}, {"fc2_ms", fc2}, {"fwd_ms", fc1 + fc2}, {"fwd_bwd_ms", 3 * (fc1 + fc2)}};
+    const double floor_ms = 3 * (fc1 + fc2);
+    const double g = out["grouped"]["fwd_bwd_ms"].get<double>(), sb = out["sync"]["fwd_bwd_ms"].get<double>();
+    out["ratios"] = {{"grouped_vs_floor", g / floor_ms}, {"sync_vs_floor", sb / floor_ms}, {"grouped_vs_sync", g / sb}};
+    out["tflops"] = {{"grouped", flops / g / 1e9}, {"sync", flops / sb / 1e9}, {"floor", flops / floor_ms / 1e9}};
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+    return out;
+}
+
+std::string format_layer_table(const nlohmann::json& r) {
+    std::string out = str("moekit bench --preset ", r["preset"].get<std::string>(), "  (H ", r["H"].get<int64_t>(),
+                          ", F ", r["F"].get<int64_t>(), ", E ", r["E"].get<int64_t>(), ", k ", r["topk"].get<int64_t>(),
+                          ", T ", r["T"].get<int64_t>(), ", zipf ", r["zipf_s"].get<double>(), ", tokens/expert ",
+                          r["min_count"].get<int64_t>(), "..", r["max_count"].get<int64_t>(), ") on ",
+                          r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-16s %10s %10s   %10s %10s\n", "stage (ms)", "fwd", "bwd", "sync fwd",
+                  "sync bwd");
+    out += line;
+    for (auto& [name, v] : r["grouped"]["fwd_stages_ms"].items()) {
+        std::snprintf(line, sizeof line, "  %-16s %10.3f %10.3f   %10.3f %10.3f\n", name.c_str(), v.get<double>(),
+                      r["grouped"]["bwd_stages_ms"][name].get<double>(), r["sync"]["fwd_stages_ms"][name].get<double>(),
+                      r["sync"]["bwd_stages_ms"][name].get<double>());
+        out += line;
+    }
+    auto& g = r["grouped"];
+    auto& sb = r["sync"];
+    out += str("  forward / backward (stage sums): sync-free ", g["fwd_ms"].get<double>(), " / ", g["bwd_ms"].get<double>(),
+               " ms; sync ", sb["fwd_ms"].get<double>(), " / ", sb["bwd_ms"].get<double>(), " ms\n");
+    std::snprintf(line, sizeof line,
+                  "  fwd+bwd: sync-free %.3f ms (one graph; eager %.3f), sync-cuBLAS %.3f ms, floor %.3f ms\n",
+                  g["fwd_bwd_ms"].get<double>(), g["eager_fwd_bwd_ms"].get<double>(), sb["fwd_bwd_ms"].get<double>(),
+                  r["floor"]["fwd_bwd_ms"].get<double>());
+    out += line;
+    std::snprintf(line, sizeof line,
+                  "  TFLOP/s (expert GEMMs): sync-free %.0f, sync %.0f, floor %.0f | host syncs/step: %.0f vs %.0f\n",
+                  r["tflops"]["grouped"].get<double>(), r["tflops"]["sync"].get<double>(),
+                  r["tflops"]["floor"].get<double>(), g["host_syncs_per_step"].get<double>(),
+                  sb["host_syncs_per_step"].get<double>());
+    out += line;
+    std::snprintf(line, sizeof line, "  x floor: sync-free %.2fx, sync %.2fx; sync-free / sync %.2f; kernel %s\n",
+                  r["ratios"]["grouped_vs_floor"].get<double>(), r["ratios"]["sync_vs_floor"].get<double>(),
+                  r["ratios"]["grouped_vs_sync"].get<double>(), g["kernel"].get<std::string>().c_str());
+    out += line;
+    return out;
+}
+
+}  // namespace moekit::cuda::bench
