@@ -25,6 +25,10 @@ log "ctest (gpu, CUDA layer)"
     | head -80 | tee -a "$OUT/summary.txt"
 for t in $TESTS; do timeout 120 $B/$t >"$OUT/$t.log" 2>&1; done
 grep -hE '^\[  (PASSED|FAILED) ' $OUT/test_cuda_*.log | tee -a "$OUT/summary.txt"
+grep -h 'rel err' $OUT/test_cuda_layer.log | tee -a "$OUT/summary.txt"
+log "preset timings"
+timeout 200 $B/test_cuda_graph --gtest_also_run_disabled_tests --gtest_filter='*PresetTiming*' 2>&1 \
+    | grep -vE '^\[ *(RUN|OK|==|--)' | tee -a "$OUT/summary.txt"
 [ "$1" = quick ] && exit 0
 
 log "memcheck"

@@ -51,7 +51,7 @@ public:
             grad_shared_fc1_.resize(Fs1 * H), grad_shared_fc2_.resize(H * Fs), grad_shared_gate_.resize(H);
             s_fc1_out_.resize(T * Fs1), s_act_.resize(T * Fs), s_out_.resize(T * H), s_gate_.resize(T);
             s_grad_out_.resize(T * H), s_grad_act_.resize(T * Fs), s_grad_fc1_out_.resize(T * Fs1);
-            s_grad_x_.resize(T * H), s_grad_logit_.resize(T);
+            s_grad_x_.resize(T * H), s_grad_logit_.resize(T), s_gate_partial_.resize(ceil_div(T, kGateChunk) * H);
         }
         MOEKIT_CUBLAS_CHECK(cublasCreate(&cublas_));
         workspace_.resize(int64_t(kCublasWorkspaceBytes));
@@ -197,7 +197,7 @@ private:
         t.gate = shape_.shared.has_gate ? shared_gate_.get() : nullptr;
         t.fc1_out = s_fc1_out_.get(), t.act_out = s_act_.get(), t.out = s_out_.get(), t.gate_value = s_gate_.get();
         t.grad_out_gated = s_grad_out_.get(), t.grad_act = s_grad_act_.get(), t.grad_fc1_out = s_grad_fc1_out_.get();
-        t.grad_x = s_grad_x_.get(), t.grad_gate_logit = s_grad_logit_.get();
+        t.grad_x = s_grad_x_.get(), t.grad_gate_logit = s_grad_logit_.get(), t.grad_gate_partial = s_gate_partial_.get();
         t.grad_fc1 = grad_shared_fc1_.get(), t.grad_fc2 = grad_shared_fc2_.get(), t.grad_gate = grad_shared_gate_.get();
         return t;
     }
@@ -256,7 +256,7 @@ private:
     DeviceBuffer<bf16> rows_, fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
     DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
     DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;
-    DeviceBuffer<float> grad_shared_fc1_, grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_;
+    DeviceBuffer<float> grad_shared_fc1_, grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_;
 };
 
 }  // namespace

@@ -43,12 +43,24 @@ __global__ void gate_backward_kernel(int64_t T, int64_t H, const __nv_bfloat16* 
     if (lane == 0) grad_logit[t] = s * (1.0f - s) * dot;
 }
 
-__global__ void gate_weight_grad_kernel(int64_t T, int64_t H, const float* __restrict__ grad_logit,
-                                        const __nv_bfloat16* __restrict__ x, float* __restrict__ grad_gate) {
+// Gate weight gradient in two fixed-order passes: partial[c, h] = sum over chunk c of the tokens,
+// then grad_gate[h] = sum over c (no atomics, so bitwise reproducible).
+__global__ void gate_weight_partial_kernel(int64_t T, int64_t H, const float* __restrict__ grad_logit,
+                                           const __nv_bfloat16* __restrict__ x, float* __restrict__ partial) {
+    const int64_t h = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, c = blockIdx.y;
+    if (h >= H) return;
+    float acc = 0.0f;
+    for (int64_t t = c * kGateChunk; t < min(T, (c + 1) * kGateChunk); ++t)
+        acc += grad_logit[t] * __bfloat162float(x[t * H + h]);
+    partial[c * H + h] = acc;
+}
+
+__global__ void gate_weight_reduce_kernel(int64_t chunks, int64_t H, const float* __restrict__ partial,
+                                          float* __restrict__ grad_gate) {
     const int64_t h = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (h >= H) return;
     float acc = 0.0f;
-    for (int64_t t = 0; t < T; ++t) acc += grad_logit[t] * __bfloat162float(x[t * H + h]);
+    for (int64_t c = 0; c < chunks; ++c) acc += partial[c * H + h];
     grad_gate[h] = acc;
 }
 
@@ -86,7 +98,12 @@ void shared_expert_backward(const SharedExpertShape& s, const SharedExpertTensor
         gate_backward_kernel<<<int(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * kWarp, 0, stream>>>(
             T, H, grad_out, t.out, t.gate_value, t.grad_out_gated, t.grad_gate_logit);
         MOEKIT_CUDA_LAUNCH_CHECK();
-        gate_weight_grad_kernel<<<int(ceil_div(H, 256)), 256, 0, stream>>>(T, H, t.grad_gate_logit, t.x, t.grad_gate);
+        const int64_t chunks = ceil_div(T, kGateChunk);
+        gate_weight_partial_kernel<<<dim3(unsigned(ceil_div(H, 256)), unsigned(chunks)), 256, 0, stream>>>(
+            T, H, t.grad_gate_logit, t.x, t.grad_gate_partial);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        gate_weight_reduce_kernel<<<int(ceil_div(H, 256)), 256, 0, stream>>>(chunks, H, t.grad_gate_partial,
+                                                                             t.grad_gate);
         MOEKIT_CUDA_LAUNCH_CHECK();
         gy = t.grad_out_gated;
     }

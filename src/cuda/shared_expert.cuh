@@ -13,6 +13,8 @@
 
 namespace moekit::cuda {
 
+constexpr int64_t kGateChunk = 128;  // tokens per partial sum of the gate weight gradient
+
 struct SharedExpertShape {
     int64_t num_tokens = 0, hidden = 0, ffn = 0;  // T, H, Fs
     bool gated_linear_unit = false, has_gate = false;
@@ -36,6 +38,7 @@ struct SharedExpertTensors {
     __nv_bfloat16* grad_fc1_out = nullptr;    // [T, Fs1]
     __nv_bfloat16* grad_x = nullptr;          // [T, H]
     float* grad_gate_logit = nullptr;         // [T]
+    float* grad_gate_partial = nullptr;       // [ceil(T / kGateChunk), H] per-chunk sums of the gate grad
     float* grad_fc1 = nullptr;                // [Fs1, H]
     float* grad_fc2 = nullptr;                // [H, Fs]
     float* grad_gate = nullptr;               // [H]

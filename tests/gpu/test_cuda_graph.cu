@@ -2,6 +2,9 @@
 // is captured in ONE CUDA graph with cudaStreamCaptureModeGlobal (any host sync, allocation or
 // synchronous copy fails the capture), replayed on fresh inputs copied into the captured buffers, and
 // its results equal eager execution bitwise. The grouped path makes no host sync at all.
+#include <cstdio>
+#include <functional>
+
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/grouped_gemm_sync.h"
@@ -139,6 +142,89 @@ TEST(CudaGraph, CapacityPadIsCapturableToo) {
     MoeConfig c = small_config();
     c.moe_expert_capacity_factor = 1.0, c.moe_pad_expert_input_to_capacity = true;
     run_graph_case(c);
+}
+
+
+// Stage timings of the issue-3 presets (not a correctness test: run with
+// --gtest_also_run_disabled_tests). Weights and inputs are random bf16 filled on the device.
+__global__ void fill_random_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float scale) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+        p[i] = __float2bfloat16(scale * float(2.0 * uniform01(seed, 0, uint64_t(i)) - 1.0));
+}
+
+void fill(__nv_bfloat16* p, int64_t n, uint64_t seed, float scale) {
+    if (n > 0) fill_random_bf16<<<4096, 256>>>(p, n, seed, scale);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+struct Preset {
+    const char* name;
+    int64_t H, F, E, k, T;
+};
+
+float time_ms(cudaStream_t stream, const std::function<void()>& step, int iters) {
+    cudaEvent_t a, b;
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&a));
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&b));
+    MOEKIT_CUDA_CHECK(cudaEventRecord(a, stream));
+    for (int i = 0; i < iters; ++i) step();
+    MOEKIT_CUDA_CHECK(cudaEventRecord(b, stream));
+    MOEKIT_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    cudaEventDestroy(a), cudaEventDestroy(b);
+    return ms / float(iters);
+}
+
+TEST(CudaGraph, DISABLED_PresetTiming) {
+    SKIP_WITHOUT_GPU();
+    for (const Preset& p : {Preset{"mixtral", 4096, 14336, 8, 2, 8192}, Preset{"dsv3-ep8", 7168, 2048, 32, 8, 4096},
+                            Preset{"qwen3-30b", 2048, 768, 128, 8, 16384}}) {
+        MoeConfig c = small_config();
+        c.hidden_size = p.H, c.moe_ffn_hidden_size = p.F, c.num_moe_experts = p.E, c.moe_router_topk = p.k;
+        c.seq_length = p.T, c.micro_batch_size = 1;
+        auto layer = cuda::CudaMoeLayer::create(c, p.T, 1);
+        const cuda::LayerBuffers& b = layer->buffers();
+        fill(b.hidden, p.T * p.H, 1, 1.0f);
+        fill(b.grad_output, p.T * p.H, 2, 1.0f);
+        fill(b.router_weight, p.E * p.H, 3, 0.02f);
+        fill(b.fc1, p.E * 2 * p.F * p.H, 4, 0.02f);
+        fill(b.fc2, p.E * p.H * p.F, 5, 0.02f);
+        cudaStream_t stream;
+        MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        auto step = [&] {
+            layer->forward(stream, true);
+            layer->backward(stream);
+        };
+        step();
+        layer->enable_stage_timing(true);
+        step();
+        const cuda::StageTimesMs fwd = layer->forward_times_ms(), bwd = layer->backward_times_ms();
+        layer->enable_stage_timing(false);
+        const float eager = time_ms(stream, step, 3);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        step();
+        MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        const float graphed = time_ms(stream, [&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, 5);
+        layer->set_expert_gemm(cuda::expert_gemm(cuda::ExpertGemmKind::sync_baseline));
+        const int64_t syncs0 = cuda::sync_baseline::host_sync_count();
+        const float baseline = time_ms(stream, step, 3);
+        const int64_t syncs = (cuda::sync_baseline::host_sync_count() - syncs0) / 3;
+        const double rows = double(p.T * p.k);
+        const double flops = 3.0 * (2 * rows * p.H * 2 * p.F + 2 * rows * p.F * p.H);
+        std::printf("%-10s fwd+bwd eager %.3f ms, graph %.3f ms (%.0f TFLOP/s expert GEMMs), sync baseline %.3f ms "
+                    "(%lld host syncs/step)\n", p.name, eager, graphed, flops / (graphed * 1e9), baseline,
+                    (long long)syncs);
+        for (int s = 0; s < int(cuda::LayerStage::count); ++s)
+            std::printf("  %-14s fwd %8.3f ms  bwd %8.3f ms\n", cuda::layer_stage_name(cuda::LayerStage(s)),
+                        fwd[size_t(s)], bwd[size_t(s)]);
+        MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+        MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+    }
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // and backward, on the same bf16-rounded random weights and inputs: output, input gradient and every
 // weight gradient within bf16 tolerance, tokens per expert exact, loss values within fp32 tolerance.
 // Cases: routing variants, capacity modes, shared expert, padding mask, zero-token experts, E=1.
+#include <cstdio>
 #include <functional>
 
 #include "cuda/moe_layer.h"
@@ -135,6 +136,11 @@ TEST_P(CudaLayerVsCpu, ForwardBackwardMatchOracle) {
     }
     if (!w.shared_gate.empty())
         EXPECT_LT(rel_err(g.shared_gate.data, g_ref.shared_gate.data), kGradTol) << "grad shared gate";
+
+    std::printf("  %-36s rel err: out %.2e  dx %.2e  dW_router %.2e  dW_fc1 %.2e  dW_fc2 %.2e\n", tc.name.c_str(),
+                rel_err(out.data, out_ref.data), rel_err(dx.data, dx_ref.data),
+                rel_err(g.router_weight.data, g_ref.router_weight.data), rel_err(flat(g.fc1), flat(g_ref.fc1)),
+                rel_err(flat(g.fc2), flat(g_ref.fc2)));
 
     // Expert-bias accumulator and update agree with the oracle.
     if (c.moe_router_enable_expert_bias) {
