@@ -15,6 +15,9 @@ namespace moekit::cuda::bench {
 
 using bf16 = __nv_bfloat16;
 
+// Internal linkage: this header is included by more than one benchmark .cu of the same library.
+namespace {
+
 template <typename T>
 struct DevBuf {
     T* ptr = nullptr;
@@ -33,11 +36,11 @@ __global__ void fill_uniform_f32_kernel(float* p, size_t n, float lo, float hi, 
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
         p[i] = float(lo + (hi - lo) * uniform01(seed, 1, i));
 }
-inline void fill_uniform(bf16* p, size_t n, float scale, uint64_t seed) {
+void fill_uniform(bf16* p, size_t n, float scale, uint64_t seed) {
     fill_uniform_kernel<<<1024, 256>>>(p, n, scale, seed);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
-inline void fill_uniform(float* p, size_t n, float lo, float hi, uint64_t seed) {
+void fill_uniform(float* p, size_t n, float lo, float hi, uint64_t seed) {
     fill_uniform_f32_kernel<<<1024, 256>>>(p, n, lo, hi, seed);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
@@ -82,7 +85,7 @@ __global__ void swiglu_bwd_kernel(const bf16* h, const float* prob, const bf16* 
 
 // Dense cuBLAS GEMMs with the grouped functions' row-major conventions and one group of `rows` rows:
 // NT: C[rows,n] = A[rows,k]·B[n,k]ᵀ; NN: C = A·B[k,n]; TN: C[m,n] fp32 = A[rows,m]ᵀ·B[rows,n].
-inline cublasHandle_t dense_handle() {
+cublasHandle_t dense_handle() {
     static cublasHandle_t h = [] {
         cublasHandle_t c = nullptr;
         MOEKIT_CUBLAS_CHECK(cublasCreate(&c));
@@ -90,7 +93,7 @@ inline cublasHandle_t dense_handle() {
     }();
     return h;
 }
-inline void dense_gemm(gemm_detail::Op op, int64_t rows, int64_t n, int64_t k, const bf16* A, const bf16* B, void* C,
+void dense_gemm(gemm_detail::Op op, int64_t rows, int64_t n, int64_t k, const bf16* A, const bf16* B, void* C,
                        cudaStream_t stream) {
     const float alpha = 1.f, beta = 0.f;
     cublasHandle_t h = dense_handle();
@@ -133,4 +136,5 @@ double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
     return t.empty() ? 0.0 : t[t.size() / 2];
 }
 
+}  // namespace
 }  // namespace moekit::cuda::bench

@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(384, 1)
                 for (int c = ctid; c < bad_rows * blocks * 8; c += 256) {
                     int blk = c / (bad_rows * 8), rest = c % (bad_rows * 8);
                     int r = valid + rest / 8, ch = rest % 8;
-                    *reinterpret_cast<uint4*>(base_ptr + s * kStageBytes + blk * kBlockBytes + r * 128 + ch * 16) =
-                        make_uint4(0, 0, 0, 0);
+                    const uint32_t dst = sA(s) + blk * kBlockBytes + r * 128 + ch * 16;
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0) : "memory");
                 }
                 fence_proxy_async();
                 named_barrier(1, 256);
