@@ -39,8 +39,10 @@ timeout 240 compute-sanitizer --tool memcheck $B/test_cuda_layer \
     | tail -3 | tee -a "$OUT/summary.txt"
 log "racecheck"
 timeout 240 compute-sanitizer --tool racecheck $B/test_cuda_stages 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
-timeout 200 compute-sanitizer --tool racecheck $B/test_cuda_layer --gtest_filter='*softmax_post*:*shared_gate*' 2>&1 \
-    | tail -3 | tee -a "$OUT/summary.txt"
+# racecheck cannot follow the grouped GEMM's TMA/wgmma pipeline (its results go wrong under the tool, also in
+# test_grouped_gemm), so the whole-layer run uses the synchronous cuBLAS baseline for the expert GEMMs.
+MOEKIT_EXPERT_GEMM=sync_baseline timeout 200 compute-sanitizer --tool racecheck $B/test_cuda_layer \
+    --gtest_filter='*softmax_post*:*shared_gate*:*capacity_pad*' 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 log "moekit layer --device cuda"
 if timeout 200 cmake --build $B --target moekit >>"$OUT/build.log" 2>&1; then
     timeout 60 $B/moekit layer --init random --device cuda --hidden-size 64 --num-experts 8 --moe-ffn-hidden-size 32 \

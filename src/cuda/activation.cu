@@ -1,4 +1,5 @@
-// CUDA activation forward/backward (see activation.cuh): one block per row, fp32 maths on the
+// CUDA activation forward/backward (see activation.cuh): one block per row, 16-byte vectors when
+// F % 8 == 0, fp32 maths on the
 // bf16 fc1 output, the scalar formulas of src/core/activation_math.h; d(prob) is a fixed-order
 // block reduction, so it is bitwise reproducible.
 #include <algorithm>
@@ -12,12 +13,25 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float act_value(Activation a, bool gated, const __nv_bfloat16* row, int64_t F, int64_t f) {
-    const float g = __bfloat162float(row[f]);
-    return gated ? glu_forward(a, g, __bfloat162float(row[F + f])) : activation_forward(a, g);
+// kPer columns per thread: 8 (16-byte vectors, F % 8 == 0) or 1.
+template <int kPer>
+struct alignas(kPer == 8 ? 16 : 2) Vec {
+    __nv_bfloat16 v[kPer];
+};
+
+template <int kPer>
+__device__ __forceinline__ void load(const __nv_bfloat16* p, float* out) {
+    const Vec<kPer> v = *reinterpret_cast<const Vec<kPer>*>(p);
+    for (int i = 0; i < kPer; ++i) out[i] = __bfloat162float(v.v[i]);
+}
+template <int kPer>
+__device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
+    Vec<kPer> v;
+    for (int i = 0; i < kPer; ++i) v.v[i] = __float2bfloat16(in[i]);
+    *reinterpret_cast<Vec<kPer>*>(p) = v;
 }
 
-template <typename R>
+template <typename R, int kPer>
 __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
                                           const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
                                           __nv_bfloat16* __restrict__ out) {
@@ -26,12 +40,18 @@ __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __re
     for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
         const __nv_bfloat16* row = fc1 + r * in_cols;
         const R p = probs ? probs[r] : R(1);
-        for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
-            out[r * F + f] = __float2bfloat16(float(R(act_value(s.act, s.gated, row, F, f)) * p));
+        for (int64_t f = threadIdx.x * kPer; f < F; f += blockDim.x * kPer) {
+            float g[kPer], u[kPer], a[kPer];
+            load<kPer>(row + f, g);
+            if (s.gated) load<kPer>(row + F + f, u);
+            for (int i = 0; i < kPer; ++i)
+                a[i] = float(R(s.gated ? glu_forward(s.act, g[i], u[i]) : activation_forward(s.act, g[i])) * p);
+            store<kPer>(out + r * F + f, a);
+        }
     }
 }
 
-template <typename R>
+template <typename R, int kPer>
 __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
                                            const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
                                            const __nv_bfloat16* __restrict__ grad_out,
@@ -44,21 +64,23 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
         __nv_bfloat16* grow = grad_fc1 + r * in_cols;
         const float p = probs ? float(probs[r]) : 1.0f;
         float dp = 0.0f;
-        for (int64_t f = threadIdx.x; f < F; f += blockDim.x) {
-            const float go = __bfloat162float(grad_out[r * F + f]);
-            const float g = __bfloat162float(row[f]);
-            const float da = go * p;
-            if (s.gated) {
-                const float u = __bfloat162float(row[F + f]);
-                float dg, du;
-                glu_backward(s.act, g, u, da, &dg, &du);
-                grow[f] = __float2bfloat16(dg);
-                grow[F + f] = __float2bfloat16(du);
-                dp += glu_forward(s.act, g, u) * go;
-            } else {
-                grow[f] = __float2bfloat16(da * activation_grad(s.act, g));
-                dp += activation_forward(s.act, g) * go;
+        for (int64_t f = threadIdx.x * kPer; f < F; f += blockDim.x * kPer) {
+            float go[kPer], g[kPer], u[kPer], dg[kPer], du[kPer];
+            load<kPer>(grad_out + r * F + f, go);
+            load<kPer>(row + f, g);
+            if (s.gated) load<kPer>(row + F + f, u);
+            for (int i = 0; i < kPer; ++i) {
+                const float da = go[i] * p;
+                if (s.gated) {
+                    glu_backward(s.act, g[i], u[i], da, &dg[i], &du[i]);
+                    dp += glu_forward(s.act, g[i], u[i]) * go[i];
+                } else {
+                    dg[i] = da * activation_grad(s.act, g[i]);
+                    dp += activation_forward(s.act, g[i]) * go[i];
+                }
             }
+            store<kPer>(grow + f, dg);
+            if (s.gated) store<kPer>(grow + F + f, du);
         }
         if (grad_probs) {
             red[threadIdx.x] = dp;
@@ -79,7 +101,11 @@ template <typename R>
 void activation_forward(const ActivationShape& s, const int32_t* num_rows, const __nv_bfloat16* fc1_out,
                         const R* probs, __nv_bfloat16* out, cudaStream_t stream) {
     const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
-    activation_forward_kernel<R><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out);
+    if (s.ffn % 8 == 0) {
+        activation_forward_kernel<R, 8><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out);
+    } else {
+        activation_forward_kernel<R, 1><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out);
+    }
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
@@ -88,8 +114,13 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
                          const R* probs, const __nv_bfloat16* grad_out, __nv_bfloat16* grad_fc1, R* grad_probs,
                          cudaStream_t stream) {
     const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
-    activation_backward_kernel<R><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1,
-                                                                 grad_probs);
+    if (s.ffn % 8 == 0) {
+        activation_backward_kernel<R, 8><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out,
+                                                                        grad_fc1, grad_probs);
+    } else {
+        activation_backward_kernel<R, 1><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out,
+                                                                        grad_fc1, grad_probs);
+    }
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 

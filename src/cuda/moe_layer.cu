@@ -3,6 +3,8 @@
 // forward()/backward().
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "cuda/activation.cuh"
 #include "cuda/combine.cuh"
@@ -21,10 +23,17 @@ namespace {
 using bf16 = __nv_bfloat16;
 constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
 
+// MOEKIT_EXPERT_GEMM=sync_baseline (debugging, e.g. sanitizers that cannot follow the TMA/wgmma
+// kernels) makes new layers start on the synchronous baseline; default: grouped.
+ExpertGemmKind default_gemm_kind() {
+    const char* env = std::getenv("MOEKIT_EXPERT_GEMM");
+    return env && std::string(env) == "sync_baseline" ? ExpertGemmKind::sync_baseline : ExpertGemmKind::grouped;
+}
+
 template <typename R>
 class LayerImpl final : public CudaMoeLayer {
 public:
-    LayerImpl(const CudaLayerShape& shape) : shape_(shape), gemm_(expert_gemm(ExpertGemmKind::grouped)) {
+    LayerImpl(const CudaLayerShape& shape) : shape_(shape), gemm_(expert_gemm(default_gemm_kind())) {
         const RouterShape& r = shape.router;
         const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
