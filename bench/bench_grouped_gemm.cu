@@ -21,12 +21,18 @@ int main(int argc, char** argv) {
                 MOEKIT_REQUIRE(i + 1 < argc, a, " needs a value");
                 return argv[++i];
             };
-            if (a == "--preset") preset = value();
-            else if (a == "--skew") o.zipf_s = parse_skew(value());
-            else if (a == "--iters") o.iters = std::stoi(value());
-            else if (a == "--json") json_path = value();
-            else if (a == "--mlp") mlp = true;
-            else throw moekit::UsageError("unknown flag " + a);
+            if (a == "--preset")
+                preset = value();
+            else if (a == "--skew")
+                o.zipf_s = parse_skew(value());
+            else if (a == "--iters")
+                o.iters = std::stoi(value());
+            else if (a == "--json")
+                json_path = value();
+            else if (a == "--mlp")
+                mlp = true;
+            else
+                throw moekit::UsageError("unknown flag " + a);
         }
         nlohmann::json all = nlohmann::json::array();
         for (auto& p : presets()) {

@@ -19,7 +19,8 @@ constexpr const char* kUsage =
     "usage: moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
     "                    [--device cuda] [--scope layer|mlp]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
-    "--scope mlp: the expert MLP alone on top-k routing counts) with the sync-free grouped GEMMs (the step captured in\n"
+    "--scope mlp: the expert MLP alone on top-k routing counts) with the sync-free grouped GEMMs (the step captured "
+    "in\n"
     "one CUDA graph: no host sync) and with the synchronous cuBLAS baseline (host syncs counted), against the floor:\n"
     "dense cuBLAS GEMMs of the expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; fwd+bwd = 3 x fwd).\n";
 
@@ -36,11 +37,16 @@ int run_bench(const std::vector<std::string>& args) {
             MOEKIT_REQUIRE(i + 1 < args.size(), a, " needs a value\n", kUsage);
             return args[++i];
         };
-        if (a == "--preset") preset = value();
-        else if (a == "--skew") skew = value();
-        else if (a == "--json") json_path = value();
-        else if (a == "--device") device = value();
-        else if (a == "--scope") scope = value();
+        if (a == "--preset")
+            preset = value();
+        else if (a == "--skew")
+            skew = value();
+        else if (a == "--json")
+            json_path = value();
+        else if (a == "--device")
+            device = value();
+        else if (a == "--scope")
+            scope = value();
         else if (a == "--iters") {
             std::string v = value();
             try {

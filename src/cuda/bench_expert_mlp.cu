@@ -1,12 +1,11 @@
 // Expert-GEMM and expert-MLP benchmarks (bench_expert_mlp.h): the sync-free grouped GEMMs (whole MLP step captured
 // in one CUDA graph in global capture mode, so any host sync would fail it) vs the synchronous cuBLAS baseline
 // (host syncs counted) vs the floor (dense cuBLAS GEMMs of the expert GEMMs' shapes, same run).
-#include "cuda/bench_expert_mlp.h"
-
 #include <cmath>
 #include <cstdio>
 #include <numeric>
 
+#include "cuda/bench_expert_mlp.h"
 #include "cuda/bench_util.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_sync.h"
@@ -79,13 +78,26 @@ struct Problem {
     DevBuf<bf16> x, w1, w2, h, act, y;
     DevBuf<float> dw1, dw2, prob;
     Problem(const Preset& pr, const Options& o)
-        : p(pr), rows(pr.tokens * pr.topk), H(pr.hidden), F(pr.ffn), E(pr.experts),
-          counts(routing_counts(pr, o.zipf_s, o.seed)), offsets(pr.experts + 1, 0), d_off(pr.experts + 1),
-          x(rows * H), w1(E * 2 * F * H), w2(E * H * F), h(rows * 2 * F), act(rows * F), y(rows * H),
-          dw1(E * 2 * F * H), dw2(E * H * F), prob(rows) {
+        : p(pr),
+          rows(pr.tokens * pr.topk),
+          H(pr.hidden),
+          F(pr.ffn),
+          E(pr.experts),
+          counts(routing_counts(pr, o.zipf_s, o.seed)),
+          offsets(pr.experts + 1, 0),
+          d_off(pr.experts + 1),
+          x(rows * H),
+          w1(E * 2 * F * H),
+          w2(E * H * F),
+          h(rows * 2 * F),
+          act(rows * F),
+          y(rows * H),
+          dw1(E * 2 * F * H),
+          dw2(E * H * F),
+          prob(rows) {
         std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
-        MOEKIT_CUDA_CHECK(cudaMemcpy(d_off.ptr, offsets.data(), sizeof(int32_t) * offsets.size(),
-                                     cudaMemcpyHostToDevice));
+        MOEKIT_CUDA_CHECK(
+            cudaMemcpy(d_off.ptr, offsets.data(), sizeof(int32_t) * offsets.size(), cudaMemcpyHostToDevice));
         // Activations O(1), weights at init scale: realistic magnitudes, never zeros.
         fill_uniform(x.ptr, rows * H, 1.f, o.seed + 1);
         fill_uniform(w1.ptr, E * 2 * F * H, 0.02f, o.seed + 2);
@@ -149,10 +161,9 @@ nlohmann::json header(const Problem& q, const Options& o) {
     MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     int maxc = *std::max_element(q.counts.begin(), q.counts.end());
     int minc = *std::min_element(q.counts.begin(), q.counts.end());
-    return {{"preset", q.p.name}, {"H", q.H},          {"F", q.F},          {"E", q.E},
-            {"topk", q.p.topk},   {"T", q.p.tokens},    {"rows", q.rows},    {"zipf_s", o.zipf_s},
-            {"iters", o.iters},   {"device", prop.name}, {"max_count", maxc}, {"min_count", minc},
-            {"counts", q.counts}};
+    return {{"preset", q.p.name}, {"H", q.H},          {"F", q.F},           {"E", q.E},         {"topk", q.p.topk},
+            {"T", q.p.tokens},    {"rows", q.rows},    {"zipf_s", o.zipf_s}, {"iters", o.iters}, {"device", prop.name},
+            {"max_count", maxc},  {"min_count", minc}, {"counts", q.counts}};
 }
 
 }  // namespace
@@ -167,8 +178,13 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
     nlohmann::json out = header(q, o);
     out["gemms"] = nlohmann::json::array();
     for (auto& c : gemm_cases(q, dy.ptr, dact.ptr, dh.ptr, dx.ptr)) {
-        nlohmann::json r{{"name", c.name}, {"op", c.op == Op::kNT ? "nt" : c.op == Op::kNN ? "nn" : "tn"},
-                         {"n", c.n},       {"k", c.k},       {"gflop", gemm_flops(q, c) / 1e9}};
+        nlohmann::json r{{"name", c.name},
+                         {"op", c.op == Op::kNT   ? "nt"
+                                : c.op == Op::kNN ? "nn"
+                                                  : "tn"},
+                         {"n", c.n},
+                         {"k", c.k},
+                         {"gflop", gemm_flops(q, c) / 1e9}};
         auto t = [&](auto&& fn) { return time_ms(fn, s, o.warmup, o.iters); };
         if (is_hopper()) {
             set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
@@ -193,8 +209,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
                           r["zipf_s"].get<double>(), ") on ", r["device"].get<std::string>(), "\n");
     char line[256];
-    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s | %7s %7s | %6s\n", "gemm", "op",
-                  "GFLOP", "tma ms", "wgmma ms", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns");
+    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s | %7s %7s | %6s\n", "gemm", "op", "GFLOP",
+                  "tma ms", "wgmma ms", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns");
     out += line;
     for (auto& g : r["gemms"]) {
         double best = g["mma_ms"].get<double>();
@@ -219,8 +235,7 @@ constexpr int kNumStages = 8, kNumFwdStages = 3;
 
 // One forward+backward of the expert MLP with the given GEMM backend; ev (kNumStages + 1 events, or null) marks
 // the stage boundaries.
-void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx, cudaEvent_t* ev,
-              cudaStream_t s) {
+void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx, cudaEvent_t* ev, cudaStream_t s) {
     auto mark = [&](int i) {
         if (ev) MOEKIT_CUDA_CHECK(cudaEventRecord(ev[i], s));
     };
@@ -301,10 +316,10 @@ nlohmann::json bench_expert_mlp(const Preset& pr, const Options& o) {
     out["gemm_tflop_fwd_bwd"] = flops / 1e12;
 
     // Floor: dense cuBLAS fc1 [rows,H]x[H,2F] + fc2 [rows,F]x[F,H]; forward+backward = 3 x forward.
-    double fc1 = time_ms([&] { dense_gemm(Op::kNT, q.rows, 2 * q.F, q.H, q.x.ptr, q.w1.ptr, q.h.ptr, s); }, s,
-                         o.warmup, o.iters);
-    double fc2 = time_ms([&] { dense_gemm(Op::kNT, q.rows, q.H, q.F, q.act.ptr, q.w2.ptr, q.y.ptr, s); }, s,
-                         o.warmup, o.iters);
+    double fc1 = time_ms([&] { dense_gemm(Op::kNT, q.rows, 2 * q.F, q.H, q.x.ptr, q.w1.ptr, q.h.ptr, s); }, s, o.warmup,
+                         o.iters);
+    double fc2 =
+        time_ms([&] { dense_gemm(Op::kNT, q.rows, q.H, q.F, q.act.ptr, q.w2.ptr, q.y.ptr, s); }, s, o.warmup, o.iters);
     out["floor"] = {{"fc1_ms", fc1}, {"fc2_ms", fc2}, {"fwd_ms", fc1 + fc2}, {"fwd_bwd_ms", 3 * (fc1 + fc2)}};
 
     // Sync-free grouped path: eager per-stage times, then the whole step captured in one graph (global capture
@@ -347,9 +362,9 @@ nlohmann::json bench_expert_mlp(const Preset& pr, const Options& o) {
 
 std::string format_mlp_table(const nlohmann::json& r) {
     std::string out = str("moekit bench --preset ", r["preset"].get<std::string>(), "  (H ", r["H"].get<int64_t>(),
-                          ", F ", r["F"].get<int64_t>(), ", E ", r["E"].get<int64_t>(), ", k ", r["topk"].get<int64_t>(),
-                          ", T ", r["T"].get<int64_t>(), ", zipf ", r["zipf_s"].get<double>(), ", counts ",
-                          r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ") on ",
+                          ", F ", r["F"].get<int64_t>(), ", E ", r["E"].get<int64_t>(), ", k ",
+                          r["topk"].get<int64_t>(), ", T ", r["T"].get<int64_t>(), ", zipf ", r["zipf_s"].get<double>(),
+                          ", counts ", r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ") on ",
                           r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
     char line[256];
     std::snprintf(line, sizeof line, "  %-14s %12s %12s\n", "stage (ms)", "sync-free", "sync-cuBLAS");
@@ -374,9 +389,9 @@ std::string format_mlp_table(const nlohmann::json& r) {
     row("x floor", r["ratios"]["grouped_vs_floor"].get<double>(), r["ratios"]["sync_vs_floor"].get<double>(),
         "  %-14s %11.2fx %11.2fx\n");
     out += str("  floor (dense cuBLAS, 3 x fwd): ", r["floor"]["fwd_bwd_ms"].get<double>(), " ms, ",
-               r["tflops"]["floor"].get<double>(), " TFLOP/s; sync-free / sync = ",
-               r["ratios"]["grouped_vs_sync"].get<double>(), "; grouped kernel ", r["grouped"]["kernel"].get<std::string>(),
-               "\n");
+               r["tflops"]["floor"].get<double>(),
+               " TFLOP/s; sync-free / sync = ", r["ratios"]["grouped_vs_sync"].get<double>(), "; grouped kernel ",
+               r["grouped"]["kernel"].get<std::string>(), "\n");
     return out;
 }
 

@@ -2,9 +2,8 @@
 // issue-3 presets: sync-free grouped GEMMs vs the synchronous cuBLAS baseline vs the floor (dense cuBLAS GEMMs of
 // the same shapes). Host-only header (no CUDA types). Used by tools/cmd_bench.cpp and bench/bench_grouped_gemm.cu.
 #pragma once
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -15,7 +14,7 @@ struct Preset {
     int64_t hidden, ffn, experts, topk, tokens;  // H, F, E, k, T (SwiGLU: fc1 has 2F outputs)
 };
 const std::vector<Preset>& presets();
-int gpu_count();  // 0 when the driver or device is missing (never throws)
+int gpu_count();                                     // 0 when the driver or device is missing (never throws)
 const Preset& find_preset(const std::string& name);  // UsageError naming the known presets
 
 struct Options {

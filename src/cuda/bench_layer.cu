@@ -75,8 +75,16 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     int dev = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
     MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    nlohmann::json out{{"preset", p.name}, {"H", H}, {"F", F}, {"E", E}, {"topk", p.topk}, {"T", T}, {"rows", rows},
-                       {"zipf_s", o.zipf_s}, {"iters", o.iters}, {"device", prop.name},
+    nlohmann::json out{{"preset", p.name},
+                       {"H", H},
+                       {"F", F},
+                       {"E", E},
+                       {"topk", p.topk},
+                       {"T", T},
+                       {"rows", rows},
+                       {"zipf_s", o.zipf_s},
+                       {"iters", o.iters},
+                       {"device", prop.name},
                        {"scope", "whole MoE layer (router, permute, fc1, SwiGLU x probs, fc2, combine; fwd + bwd)"}};
     const double flops = 3.0 * 2.0 * double(T * p.topk) * double(H) * double(3 * F);
 
@@ -139,6 +147,13 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
             r["fwd_bwd_ms"] = r["graph_fwd_bwd_ms"];
             cudaGraphExecDestroy(ge);
             cudaGraphDestroy(g);
+            // Eager again after the replays: tells clock/thermal drift apart from a graph-vs-eager difference.
+            r["eager_after_graph_ms"] = time_ms(
+                [&] {
+                    layer->forward(s, true);
+                    layer->backward(s);
+                },
+                s, 0, o.iters);
         }
         cudaEventDestroy(e0);
         cudaEventDestroy(e1);
@@ -158,7 +173,8 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     using gemm_detail::Op;
     const int64_t R = T * p.topk;
     double fc1 = time_ms([&] { dense_gemm(Op::kNT, R, 2 * F, H, b.rows, b.fc1, b.fc1_out, s); }, s, o.warmup, o.iters);
-    double fc2 = time_ms([&] { dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s); }, s, o.warmup, o.iters);
+    double fc2 =
+        time_ms([&] { dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s); }, s, o.warmup, o.iters);
     out["floor"] = {{"fc1_ms", fc1}, {"fc2_ms", fc2}, {"fwd_ms", fc1 + fc2}, {"fwd_bwd_ms", 3 * (fc1 + fc2)}};
     const double floor_ms = 3 * (fc1 + fc2);
     const double g = out["grouped"]["fwd_bwd_ms"].get<double>(), sb = out["sync"]["fwd_bwd_ms"].get<double>();
@@ -171,10 +187,10 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
 
 std::string format_layer_table(const nlohmann::json& r) {
     std::string out = str("moekit bench --preset ", r["preset"].get<std::string>(), "  (H ", r["H"].get<int64_t>(),
-                          ", F ", r["F"].get<int64_t>(), ", E ", r["E"].get<int64_t>(), ", k ", r["topk"].get<int64_t>(),
-                          ", T ", r["T"].get<int64_t>(), ", zipf ", r["zipf_s"].get<double>(), ", tokens/expert ",
-                          r["min_count"].get<int64_t>(), "..", r["max_count"].get<int64_t>(), ") on ",
-                          r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
+                          ", F ", r["F"].get<int64_t>(), ", E ", r["E"].get<int64_t>(), ", k ",
+                          r["topk"].get<int64_t>(), ", T ", r["T"].get<int64_t>(), ", zipf ", r["zipf_s"].get<double>(),
+                          ", tokens/expert ", r["min_count"].get<int64_t>(), "..", r["max_count"].get<int64_t>(),
+                          ") on ", r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
     char line[256];
     std::snprintf(line, sizeof line, "  %-16s %10s %10s   %10s %10s\n", "stage (ms)", "fwd", "bwd", "sync fwd",
                   "sync bwd");
@@ -187,11 +203,14 @@ std::string format_layer_table(const nlohmann::json& r) {
     }
     auto& g = r["grouped"];
     auto& sb = r["sync"];
-    out += str("  forward / backward (stage sums): sync-free ", g["fwd_ms"].get<double>(), " / ", g["bwd_ms"].get<double>(),
-               " ms; sync ", sb["fwd_ms"].get<double>(), " / ", sb["bwd_ms"].get<double>(), " ms\n");
+    out += str("  forward / backward (stage sums): sync-free ", g["fwd_ms"].get<double>(), " / ",
+               g["bwd_ms"].get<double>(), " ms; sync ", sb["fwd_ms"].get<double>(), " / ", sb["bwd_ms"].get<double>(),
+               " ms\n");
     std::snprintf(line, sizeof line,
-                  "  fwd+bwd: sync-free %.3f ms (one graph; eager %.3f), sync-cuBLAS %.3f ms, floor %.3f ms\n",
-                  g["fwd_bwd_ms"].get<double>(), g["eager_fwd_bwd_ms"].get<double>(), sb["fwd_bwd_ms"].get<double>(),
+                  "  fwd+bwd: sync-free %.3f ms (one graph; eager %.3f before, %.3f after), sync-cuBLAS %.3f ms, "
+                  "floor %.3f ms\n",
+                  g["fwd_bwd_ms"].get<double>(), g["eager_fwd_bwd_ms"].get<double>(),
+                  g.value("eager_after_graph_ms", 0.0), sb["fwd_bwd_ms"].get<double>(),
                   r["floor"]["fwd_bwd_ms"].get<double>());
     out += line;
     std::snprintf(line, sizeof line,

@@ -64,8 +64,8 @@ __global__ void swiglu_fwd_kernel(const bf16* h, const float* prob, bf16* act, c
 }
 
 // dh from dact: d(gate) = dact*p*u*silu'(g), d(up) = dact*p*silu(g).
-__global__ void swiglu_bwd_kernel(const bf16* h, const float* prob, const bf16* dact, bf16* dh,
-                                  const int32_t* offsets, int G, int64_t max_rows, int64_t F) {
+__global__ void swiglu_bwd_kernel(const bf16* h, const float* prob, const bf16* dact, bf16* dh, const int32_t* offsets,
+                                  int G, int64_t max_rows, int64_t F) {
     const int64_t rows = offsets[G];
     const int64_t pairs = max_rows * F / 2;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
@@ -94,22 +94,22 @@ cublasHandle_t dense_handle() {
     return h;
 }
 void dense_gemm(gemm_detail::Op op, int64_t rows, int64_t n, int64_t k, const bf16* A, const bf16* B, void* C,
-                       cudaStream_t stream) {
+                cudaStream_t stream) {
     const float alpha = 1.f, beta = 0.f;
     cublasHandle_t h = dense_handle();
     MOEKIT_CUBLAS_CHECK(cublasSetStream(h, stream));
     using gemm_detail::Op;
     if (op == Op::kNT)
-        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, B,
-                                         CUDA_R_16BF, int(k), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_16BF, int(n),
+        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, B, CUDA_R_16BF,
+                                         int(k), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_16BF, int(n),
                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     else if (op == Op::kNN)
-        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, B,
-                                         CUDA_R_16BF, int(n), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_16BF, int(n),
+        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, B, CUDA_R_16BF,
+                                         int(n), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_16BF, int(n),
                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     else  // k is m here
-        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(k), int(rows), &alpha, B,
-                                         CUDA_R_16BF, int(n), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_32F, int(n),
+        MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(k), int(rows), &alpha, B, CUDA_R_16BF,
+                                         int(n), A, CUDA_R_16BF, int(k), &beta, C, CUDA_R_32F, int(n),
                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 

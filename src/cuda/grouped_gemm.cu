@@ -1,13 +1,13 @@
 // Host side of the sync-free grouped GEMMs (grouped_gemm.h): argument checks, launch geometry from static bounds
 // only (the real per-group row counts are read by the kernels from device offsets), kernel choice (TMA + wgmma on
-// Hopper, mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests: tests/gpu/test_grouped_gemm.cu.
-#include "cuda/grouped_gemm.h"
-
+// Hopper, mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests:
+// tests/gpu/test_grouped_gemm.cu.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "cuda/cuda_check.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_kernels.cuh"
 
 namespace moekit::cuda {
@@ -59,7 +59,8 @@ EncodeTiled encode_tiled() {
     static EncodeTiled fn = [] {
         void* ptr = nullptr;
         cudaDriverEntryPointQueryResult q{};
-        MOEKIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q));
+        MOEKIT_CUDA_CHECK(
+            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q));
         MOEKIT_CHECK(ptr && q == cudaDriverEntryPointSuccess, "cuTensorMapEncodeTiled not found in the driver");
         return reinterpret_cast<EncodeTiled>(ptr);
     }();

@@ -24,7 +24,7 @@ namespace moekit::cuda::gemm_detail {
 // TN: C[g] = A_gᵀ·B_g (both row-indexed, reduction over the group's rows: A M-major, B N-major).
 enum class Op { kNT, kNN, kTN };
 
-constexpr int kBK = 64;          // reduction tile: one 128-byte swizzle row of bf16
+constexpr int kBK = 64;            // reduction tile: one 128-byte swizzle row of bf16
 constexpr int kBlockBytes = 8192;  // one [64 k-rows x 64 elements] MN-major block
 
 struct Params {

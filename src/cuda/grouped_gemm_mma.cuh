@@ -23,16 +23,15 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t (&r)[4]) {
                  : "r"(addr));
 }
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Byte offset of element (row, col) in a K-major swizzled tile (row = m or n, col = k in 0..63).
-__device__ __forceinline__ uint32_t kmajor_off(int row, int col) {
-    return row * 128 + ((((col >> 3) ^ row) & 7) << 4);
-}
+__device__ __forceinline__ uint32_t kmajor_off(int row, int col) { return row * 128 + ((((col >> 3) ^ row) & 7) << 4); }
 // Byte offset of element (krow, mn) in an MN-major tile of 64-wide blocks.
 __device__ __forceinline__ uint32_t mnmajor_off(int krow, int mn) {
     return (mn >> 6) * kBlockBytes + krow * 128 + (((((mn & 63) >> 3) ^ krow) & 7) << 4);

@@ -1,12 +1,11 @@
 // Synchronous grouped-GEMM baseline (grouped_gemm_sync.h): offsets D2H + cudaStreamSynchronize (counted), then one
 // cuBLAS bf16 GEMM (fp32 compute) per non-empty group. Row-major operands are passed to column-major cuBLAS as
 // their transposes: row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ.
-#include "cuda/grouped_gemm_sync.h"
-
 #include <atomic>
 #include <vector>
 
 #include "cuda/cuda_check.h"
+#include "cuda/grouped_gemm_sync.h"
 
 namespace moekit::cuda::sync_baseline {
 namespace {
@@ -101,7 +100,7 @@ void grouped_gemm_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __
             if (!accumulate) MOEKIT_CUDA_CHECK(cudaMemsetAsync(Cg, 0, sizeof(float) * m * s.n, stream));
             continue;
         }
-        // C_gᵀ[n, m] = B_gᵀ[n, rows] · A_g[rows, m]  (A_g row-major [rows, m] is column-major [m, rows]: transpose)
+        // C_gᵀ[n, m] = B_gᵀ[n, rows] · A_g[rows, m]  (A_g row-major [rows, m] = column-major [m, rows]: transpose)
         gemm(CUBLAS_OP_N, CUBLAS_OP_T, s.n, m, rows, B + int64_t(off[g]) * s.n, s.n, A + int64_t(off[g]) * m, m, Cg,
              CUDA_R_32F, s.n, accumulate ? 1.f : 0.f, stream);
     }

@@ -76,26 +76,35 @@ __global__ void __launch_bounds__(384, 1)
     auto sB = [&](int s) { return base + s * kStageBytes + kStageA; };
     const int wg = tid / 128;
 
-    if (wg == 0) {  // producer warpgroup: one thread issues every copy
+    if (wg == 0) {                 // producer warpgroup: one thread issues every copy
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG  // (sanitizer builds: instrumented code may not fit in 40 registers)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
 #endif
         if (tid == 0) {
+            // Boxes entirely past n (or m) would only feed output columns that are never stored: skip them, and
+            // expect only the bytes of the boxes issued.
+            const int a_boxes = kOp == Op::kTN ? min(BM / 64, (p.k - job.m0 + 63) / 64) : 1;
+            const int b_boxes = kOp == Op::kNT ? 1 : min(BN / 64, (p.n - job.n0 + 63) / 64);
+            const uint32_t bytes = kOp == Op::kTN   ? uint32_t(a_boxes + b_boxes) * kBlockBytes
+                                   : kOp == Op::kNT ? kStageBytes
+                                                    : kStageA + uint32_t(b_boxes) * kBlockBytes;
             for (int kt = 0; kt < nk; ++kt) {
                 const int s = kt % kStages;
                 if (kt >= kStages) mbar_wait(empty(s), ((kt / kStages) + 1) & 1);
-                mbar_expect_tx(full(s), kStageBytes);
+                mbar_expect_tx(full(s), bytes);
                 const int k0 = kt * kBK;
                 if constexpr (kOp == Op::kTN) {
                     const int r0 = int(job.row0) + k0;
-                    for (int j = 0; j < BM / 64; ++j) tma_2d(sA(s) + j * kBlockBytes, &map_a, job.m0 + 64 * j, r0, full(s));
-                    for (int j = 0; j < BN / 64; ++j) tma_2d(sB(s) + j * kBlockBytes, &map_b, job.n0 + 64 * j, r0, full(s));
+                    for (int j = 0; j < a_boxes; ++j)
+                        tma_2d(sA(s) + j * kBlockBytes, &map_a, job.m0 + 64 * j, r0, full(s));
+                    for (int j = 0; j < b_boxes; ++j)
+                        tma_2d(sB(s) + j * kBlockBytes, &map_b, job.n0 + 64 * j, r0, full(s));
                 } else {
                     tma_2d(sA(s), &map_a, k0, int(job.row0), full(s));
                     if constexpr (kOp == Op::kNT) {
                         tma_3d(sB(s), &map_b, k0, job.n0, job.group, full(s));
                     } else {
-                        for (int j = 0; j < BN / 64; ++j)
+                        for (int j = 0; j < b_boxes; ++j)
                             tma_3d(sB(s) + j * kBlockBytes, &map_b, job.n0 + 64 * j, k0, job.group, full(s));
                     }
                 }

@@ -99,7 +99,10 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend { kMma, kWgmma, kTma, kSync };
 const char* name(Backend b) {
-    return b == Backend::kMma ? "mma.sync" : b == Backend::kWgmma ? "wgmma" : b == Backend::kTma ? "tma" : "sync-cublas";
+    return b == Backend::kMma     ? "mma.sync"
+           : b == Backend::kWgmma ? "wgmma"
+           : b == Backend::kTma   ? "tma"
+                                  : "sync-cublas";
 }
 
 std::vector<Backend> backends() {
@@ -192,8 +195,8 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
     DeviceBuffer<int32_t> dOff(off);
     GroupedGemmShape shape{G, max_rows, n, m};
     for (Backend b : backends()) {
-        SCOPED_TRACE(::testing::Message() << name(b) << " tn G=" << G << " m=" << m << " n=" << n
-                                          << " rows=" << rows << " accumulate=" << accumulate << " seed=" << seed);
+        SCOPED_TRACE(::testing::Message() << name(b) << " tn G=" << G << " m=" << m << " n=" << n << " rows=" << rows
+                                          << " accumulate=" << accumulate << " seed=" << seed);
         select(b);
         DeviceBuffer<float> dC(C0);
         if (b == Backend::kSync)
