@@ -219,6 +219,8 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
 }
 
+}  // namespace
+
 TEST(GroupedGemm, EmptyFirstGroupTiny) {
     SKIP_WITHOUT_GPU();
     check_row_gemm(Op::kNT, {0, 4}, 3, 64, 32, 11);
@@ -281,5 +283,4 @@ TEST(GroupedGemm, SyncBaselineCountsHostSyncs) {
     EXPECT_EQ(sync_baseline::host_sync_count() - before, 2);
 }
 
-}  // namespace
 }  // namespace moekit::cuda
