@@ -1,7 +1,8 @@
 // Grouped bf16 GEMMs whose per-group row counts live in DEVICE memory only (no host sync):
 // the three products an expert MLP needs, forward and backward. fp32 accumulation.
 // Group g owns rows [offsets[g], offsets[g+1]) of the row-partitioned operands; rows at or past
-// offsets[num_groups] (up to the static bound max_rows) are never read or written.
+// offsets[num_groups] (up to the static bound max_rows) are never written, and their values never reach a result
+// (the TMA kernels may load them into tiles whose rows are then discarded, so they must be allocated).
 // Twin/reference: per-group cuBLAS loop in the synchronous baseline; tests: tests/gpu/test_grouped_gemm.cu.
 #pragma once
 #include <cuda_bf16.h>
