@@ -34,7 +34,10 @@ OBJ=$(find $B -name 'grouped_gemm.cu.o' | head -1)
 [ -n "$OBJ" ] && log "HGMMA in grouped_gemm SASS: $(cuobjdump -sass "$OBJ" | grep -c HGMMA), UTMALDG: $(cuobjdump -sass "$OBJ" | grep -c UTMALDG)"
 
 log "tests"
-timeout 240 $TEST 2>&1 | tee "$OUT/test.log" | grep -E '^\[ +(OK|FAILED|PASSED|SKIPPED) |Failure|rel_err|Expected' | head -60
+timeout 90 $TEST >"$OUT/test.log" 2>&1
+TEST_RC=$?
+grep -E '^\[ +(OK|FAILED|PASSED|SKIPPED) |Failure|rel_err|Expected' "$OUT/test.log" | head -60
+if [ $TEST_RC -ne 0 ]; then log "tests failed or hung (rc $TEST_RC): stopping here"; cat "$OUT/summary.txt"; exit 1; fi
 wait
 log "memcheck (all kernels except the slow mid shape)"
 timeout 200 compute-sanitizer --tool memcheck $TEST --gtest_filter='-*MidShape*' >"$OUT/sanitizer.log" 2>&1

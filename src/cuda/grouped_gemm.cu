@@ -2,6 +2,7 @@
 // only (the real per-group row counts are read by the kernels from device offsets), kernel choice (TMA + wgmma on
 // Hopper, mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests:
 // tests/gpu/test_grouped_gemm.cu.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -50,6 +51,18 @@ void ensure_smem(int bytes) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int sm_count() {
+    static std::atomic<int> cached[64] = {};
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    int n = dev < 64 ? cached[dev].load() : 0;
+    if (n == 0) {
+        MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        if (dev < 64) cached[dev] = n;
+    }
+    return n;
+}
 
 // cuTensorMapEncodeTiled from the driver, found at run time (no link against libcuda).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -113,7 +126,11 @@ void launch_tma(const gemm_detail::Params& p, int64_t grid, cudaStream_t stream)
     }
     constexpr int kSmem = 4 * (128 + 256) * gemm_detail::kBK * 2 + 1024 + 128;
     ensure_smem<gemm_detail::tma_kernel<kOp>>(kSmem);
-    gemm_detail::tma_kernel<kOp><<<unsigned(grid), 384, kSmem, stream>>>(p, a, b);
+    // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles.
+    gemm_detail::Params q = p;
+    q.total_tiles = int(grid);
+    const int64_t ctas = std::min<int64_t>(grid, sm_count());
+    gemm_detail::tma_kernel<kOp><<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b);
 }
 
 template <gemm_detail::Op kOp>

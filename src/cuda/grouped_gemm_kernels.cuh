@@ -39,6 +39,7 @@ struct Params {
     int tiles_m;  // NT/NN: static bound on row tiles; TN: ceil(m / BM)
     int tiles_n;
     int accumulate;
+    int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -172,6 +173,54 @@ __device__ __forceinline__ TileJob find_job(const Params& p, int* s_job) {
         raster(pid, p.tiles_m, p.tiles_n, pm, pn);
         return find_row_tile<BM>(p, pm, pn, BN, s_job);
     }
+}
+
+// The same job as find_job for tile `pid`, computed by one whole warp (every lane gets it; no shared memory, no
+// block barrier), for the persistent TMA kernel whose warps walk the tiles on their own.
+template <Op kOp, int BM, int BN>
+__device__ __forceinline__ TileJob find_job_warp(const Params& p, int pid) {
+    TileJob job{};
+    int pm, pn;
+    if constexpr (kOp == Op::kTN) {
+        const int per_group = p.tiles_m * p.tiles_n;
+        job.group = pid / per_group;
+        raster(pid - job.group * per_group, p.tiles_m, p.tiles_n, pm, pn);
+        job.m0 = pm * BM;
+        job.n0 = pn * BN;
+        job.row0 = p.offsets[job.group];
+        job.row_end = p.offsets[job.group + 1];
+        job.active = true;
+        return job;
+    }
+    raster(pid, p.tiles_m, p.tiles_n, pm, pn);
+    const int lane = threadIdx.x & 31;
+    int before = 0, found_g = -1, found_t = 0;
+    for (int base = 0; base < p.G && found_g < 0; base += 32) {
+        const int g = base + lane;
+        const int tiles = g < p.G ? (p.offsets[g + 1] - p.offsets[g] + BM - 1) / BM : 0;
+        int incl = tiles;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl += v;
+        }
+        const int lo = before + incl - tiles;
+        const unsigned hit = __ballot_sync(0xffffffffu, tiles > 0 && pm >= lo && pm < before + incl);
+        if (hit) {
+            const int src = __ffs(hit) - 1;
+            found_g = base + src;
+            found_t = __shfl_sync(0xffffffffu, pm - lo, src);
+        }
+        before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    job.group = found_g;
+    job.active = found_g >= 0;
+    if (job.active) {
+        job.row0 = int64_t(p.offsets[found_g]) + int64_t(found_t) * BM;
+        job.row_end = p.offsets[found_g + 1];
+    }
+    job.n0 = pn * BN;
+    return job;
 }
 
 // Issue the cp.async copies of reduction tile kt for this CTA's job into one stage (A then B).
