@@ -263,6 +263,16 @@ TEST(GroupedGemm, ManyGroupsSmallCounts) {
     check_tn(counts, 0, 64, 128, true, 54);
 }
 
+TEST(GroupedGemm, MoreTilesThanMultiprocessors) {
+    SKIP_WITHOUT_GPU();
+    // The persistent TMA kernel runs one CTA per SM (132 on H100/H200): here nt/nn have 189 tile slots and tn 144
+    // tiles, so CTAs walk several tiles and the stage ring carries over between them.
+    auto counts = random_counts(16, 6000, 71, 0.2);
+    check_row_gemm(Op::kNT, counts, 5, 768, 64, 72);
+    check_row_gemm(Op::kNN, counts, 5, 768, 64, 73);
+    check_tn(counts, 5, 384, 768, true, 74);
+}
+
 TEST(GroupedGemm, RejectsUnalignedSizes) {
     SKIP_WITHOUT_GPU();
     GroupedGemmShape shape{2, 16, 60, 64};
