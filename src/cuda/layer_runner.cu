@@ -1,7 +1,9 @@
 // make_cuda_layer_runner (src/cuda/layer_runner.h): the float32 LayerRunner interface over
 // CudaMoeLayer. Inputs and weights are rounded to bf16 and uploaded on every call (correctness
 // over speed at this interface); outputs and gradients come back as float. The layer is rebuilt
-// when the token shape changes. Twin: cpu::make_cpu_layer_runner. Test: tests/gpu/test_cuda_layer.cu.
+// when the token shape changes, carrying the expert-bias counts and the global-aux tracker across
+// (Megatron's buffers do not depend on the batch shape). Twin: cpu::make_cpu_layer_runner.
+// Test: tests/gpu/test_cuda_layer.cu.
 #include <algorithm>
 
 #include "core/bf16.h"
@@ -63,10 +65,13 @@ public:
         const int64_t S = in.seq_length > 0 ? in.seq_length : T / B;
         MOEKIT_CHECK(S * B == T, "seq_length ", S, " x micro_batch_size ", B, " != tokens ", T);
         if (!layer_ || S != seq_length_ || B != micro_batch_size_) {
-            layer_ = CudaMoeLayer::create(config_, S, B);
+            std::unique_ptr<CudaMoeLayer> fresh = CudaMoeLayer::create(config_, S, B);
+            if (layer_) carry_trackers(*layer_, *fresh);
+            layer_ = std::move(fresh);
             seq_length_ = S, micro_batch_size_ = B;
         }
         const LayerBuffers& b = layer_->buffers();
+        upload(b.jitter_seed, std::vector<uint64_t>{in.jitter_seed});
         upload_bf16(b.hidden, in.hidden);
         std::vector<uint8_t> mask = in.padding_mask;
         if (mask.empty()) mask.assign(size_t(T), 0);
@@ -132,6 +137,18 @@ public:
     }
 
 private:
+    // Copies the [E] expert-bias counts, the [E] global_aux_loss running sum and its step count
+    // from the old layer into its replacement (same E; between steps, on the runner's stream).
+    void carry_trackers(const CudaMoeLayer& from, const CudaMoeLayer& to) {
+        const LayerBuffers &a = from.buffers(), &b = to.buffers();
+        const size_t E = size_t(from.shape().router.num_experts);
+        MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b.local_tokens_per_expert, a.local_tokens_per_expert, E * sizeof(double),
+                                          cudaMemcpyDeviceToDevice, stream_));
+        MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b.global_tokens_per_expert, a.global_tokens_per_expert, E * sizeof(double),
+                                          cudaMemcpyDeviceToDevice, stream_));
+        MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b.ga_steps, a.ga_steps, sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the old layer's buffers are freed
+    }
     static int64_t stacked_size(const std::vector<Matrix<float>>& ms) {
         int64_t n = 0;
         for (const Matrix<float>& m : ms) n += m.size();

@@ -42,7 +42,8 @@ public:
         output_.resize(T * H), grad_input_.resize(T * H);
         grad_router_weight_.resize(E * H), grad_fc1_.resize(E * F1 * H), grad_fc2_.resize(E * H * F);
         hidden_r_.resize(T * H), weight_r_.resize(E * H), logits_.resize(T * E), probs_.resize(T * E);
-        map_.resize(T * E), topk_idx_.resize(T * K);
+        map_.resize(T * E), topk_idx_.resize(T * K), jitter_seed_.resize(1);
+        if (r.sinkhorn) sinkhorn_.resize(T * E), sinkhorn_d0_.resize(T);
         aux_scores_.resize(T * E), aux_map_.resize(T * E), lse_.resize(T);
         score_sums_.resize(B * E), aux_counts_.resize(B * E), valid_counts_.resize(B * E), grad_coeff_.resize(B * E);
         z_grad_coeff_.resize(1), losses_.resize(kNumLossSlots), local_tokens_.resize(E), global_tokens_.resize(E);
@@ -86,7 +87,7 @@ public:
         const int64_t H = r.hidden, E = r.num_experts, M = shape_.max_rows, F = shape_.ffn, F1 = shape_.fc1_rows;
         training_ = training;
         mark(stream, 0, LayerStage::router, true);
-        router_forward<R>(r, router_tensors(), cublas_, stream);
+        router_forward<R>(r, router_tensors(), cublas_, stream, training);
         if (training && (shape_.loss.any() || r.has_expert_bias)) losses_forward<R>(r, shape_.loss, loss_tensors(), stream);
         mark(stream, 0, LayerStage::router, false);
         mark(stream, 0, LayerStage::permute, true);
@@ -177,10 +178,12 @@ private:
         return ActivationShape{shape_.max_rows, shape_.ffn, shape_.gated_linear_unit, shape_.act};
     }
     RouterTensors<R> router_tensors() {
-        return RouterTensors<R>{hidden_.get(),   router_weight_.get(), shape_.router.has_expert_bias ? expert_bias_.get() : nullptr,
-                                mask_.get(),     hidden_r_.get(),      weight_r_.get(),
-                                logits_.get(),   topk_idx_.get(),      probs_.get(),
-                                map_.get()};
+        RouterTensors<R> t{hidden_.get(),   router_weight_.get(), shape_.router.has_expert_bias ? expert_bias_.get() : nullptr,
+                           mask_.get(),     hidden_r_.get(),      weight_r_.get(),
+                           logits_.get(),   topk_idx_.get(),      probs_.get(),
+                           map_.get()};
+        t.jitter_seed = jitter_seed_.get(), t.sinkhorn = sinkhorn_.get(), t.sinkhorn_d0 = sinkhorn_d0_.get();
+        return t;
     }
     LossTensors<R> loss_tensors() {
         LossTensors<R> t;
@@ -213,6 +216,7 @@ private:
     void fill_buffers() {
         LayerBuffers& b = buf_;
         b.hidden = hidden_.get(), b.padding_mask = mask_.get(), b.grad_output = grad_output_.get();
+        b.jitter_seed = jitter_seed_.get(), b.sinkhorn = sinkhorn_.get();
         b.router_weight = router_weight_.get(), b.expert_bias = expert_bias_.get(), b.fc1 = fc1_.get(), b.fc2 = fc2_.get();
         b.shared_fc1 = shared_fc1_.get(), b.shared_fc2 = shared_fc2_.get(), b.shared_gate = shared_gate_.get();
         b.output = output_.get(), b.grad_input = grad_input_.get(), b.grad_router_weight = grad_router_weight_.get();
@@ -262,6 +266,8 @@ private:
     DeviceBuffer<int32_t> topk_idx_, aux_counts_, valid_counts_, ga_steps_, counts_, offsets_, rank_, row_token_;
     DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, shared_offsets_;
     DeviceBuffer<double> local_tokens_, global_tokens_;
+    DeviceBuffer<uint64_t> jitter_seed_;
+    DeviceBuffer<float> sinkhorn_, sinkhorn_d0_;
     DeviceBuffer<bf16> rows_, fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
     DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
     DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;
@@ -313,9 +319,6 @@ std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int6
                                                    int64_t micro_batch_size) {
     MoeConfig c = config;
     c.normalize();
-    for (const std::string& type : c.moe_router_load_balancing_type)
-        MOEKIT_REQUIRE(type != "sinkhorn", "--moe-router-load-balancing-type=sinkhorn: not supported yet on --device cuda");
-    MOEKIT_REQUIRE(!c.moe_input_jitter_eps, "--moe-input-jitter-eps: not supported yet on --device cuda");
     MOEKIT_REQUIRE(!c.add_bias_linear, "--add-bias-linear: not supported on --device cuda");
     const CudaLayerShape shape = CudaLayerShape::from_config(c, seq_length, micro_batch_size);
     shape.router.validate();

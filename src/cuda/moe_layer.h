@@ -42,6 +42,7 @@ struct LayerBuffers {
     // ---- inputs the caller fills ----
     __nv_bfloat16* hidden = nullptr;        // [T, H]
     uint8_t* padding_mask = nullptr;        // [T] 1 = padding (zeros = none)
+    uint64_t* jitter_seed = nullptr;        // [1] seed of --moe-input-jitter-eps draws (LayerInput::jitter_seed)
     __nv_bfloat16* grad_output = nullptr;   // [T, H]
     __nv_bfloat16* router_weight = nullptr; // [E, H]
     void* expert_bias = nullptr;            // [E] R
@@ -64,6 +65,7 @@ struct LayerBuffers {
     void* probs = nullptr;                  // [T, E] R
     uint8_t* routing_map = nullptr;         // [T, E]
     int32_t* topk_idx = nullptr;            // [T, k]
+    float* sinkhorn = nullptr;              // [T, E] Sinkhorn matrix (valid rows; null without sinkhorn)
     int32_t* counts = nullptr;              // [E]
     int32_t* offsets = nullptr;             // [E + 1]
     int32_t* row_token = nullptr;           // [max_rows]

@@ -1,6 +1,7 @@
 // CUDA router forward/backward (see router.cuh). One warp per token, the row staged in shared
 // memory; top-k order is value descending with ties to the lower expert index, as the CPU twin
-// (src/cpu/router.cpp). Capacity: one block per expert ranks the column in shared memory.
+// (src/cpu/router.cpp). Capacity: one block per expert ranks the column in shared memory. Jitter
+// factors are redrawn from the device-resident seed in the backward (nothing stored).
 #include <algorithm>
 #include <cmath>
 
@@ -8,6 +9,7 @@
 #include "cuda/router.cuh"
 #include "core/loss_math.h"
 #include "cuda/router_warp.cuh"
+#include "cuda/sinkhorn.cuh"
 #include "moekit/error.h"
 
 namespace moekit::cuda {
@@ -22,6 +24,25 @@ template <typename R>
 __global__ void upcast_kernel(const __nv_bfloat16* __restrict__ src, R* __restrict__ dst, int64_t n) {
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
         dst[i] = R(__bfloat162float(src[i]));
+}
+
+// Router copy of the input with Megatron's multiplicative jitter: element i = t*H + h is
+// x * R(jitter_factor(seed, i, eps)), the CPU twin's draw (core/router_math.h).
+template <typename R>
+__global__ void upcast_jitter_kernel(const __nv_bfloat16* __restrict__ src, R* __restrict__ dst, int64_t n,
+                                     const uint64_t* __restrict__ seed, double eps) {
+    const uint64_t sd = *seed;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+        dst[i] = R(__bfloat162float(src[i])) * R(jitter_factor(sd, uint64_t(i), eps));
+}
+
+// grad_input += R(g * jitter) (the CPU twin: T(acc) * jitter).
+template <typename R>
+__global__ void add_jittered_kernel(const R* __restrict__ src, float* __restrict__ dst, int64_t n,
+                                    const uint64_t* __restrict__ seed, double eps) {
+    const uint64_t sd = *seed;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+        dst[i] += float(src[i] * R(jitter_factor(sd, uint64_t(i), eps)));
 }
 
 // Shared memory of one warp: logits, selection scores, taken flags, group scores and flags.
@@ -49,10 +70,11 @@ __device__ R top_m_sum(const R* sel, int lo, int hi, int m) {
     return sum;
 }
 
+// sinkhorn != null: the selection key is the Sinkhorn matrix row (training Sinkhorn routing).
 template <typename R>
 __global__ void route_kernel(RouterShape s, const R* __restrict__ logits, const R* __restrict__ bias,
-                             const uint8_t* __restrict__ padding, int32_t* __restrict__ topk_idx,
-                             R* __restrict__ probs, uint8_t* __restrict__ map) {
+                             const float* __restrict__ sinkhorn, const uint8_t* __restrict__ padding,
+                             int32_t* __restrict__ topk_idx, R* __restrict__ probs, uint8_t* __restrict__ map) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
     const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
@@ -82,7 +104,8 @@ __global__ void route_kernel(RouterShape s, const R* __restrict__ logits, const 
     // Value each expert would contribute (before normalisation) and its selection key.
     for (int e = lane; e < E; e += kWarp) {
         const R v = softmax_post ? l[e] : score_of<R>(fn, l[e], lse);
-        sel[e] = v + (s.has_expert_bias ? bias[e] : R(0));
+        // Sinkhorn never adds the expert bias (its counts are still kept, as the CPU twin).
+        sel[e] = sinkhorn ? R(sinkhorn[t * E + e]) : v + (s.has_expert_bias && !s.sinkhorn ? bias[e] : R(0));
     }
     __syncwarp();
     if (G > 0) {
@@ -264,6 +287,14 @@ RouterShape RouterShape::from_config(const MoeConfig& c, int64_t seq_length, int
     if (s.num_groups == 0) s.group_topk = 0;
     s.has_expert_bias = c.moe_router_enable_expert_bias;
     s.scaling_factor = c.moe_router_topk_scaling_factor.value_or(1.0);
+    s.jitter_eps = c.moe_input_jitter_eps.value_or(0.0);
+    const auto& types = c.moe_router_load_balancing_type;
+    s.sinkhorn = std::find(types.begin(), types.end(), "sinkhorn") != types.end();
+    if (s.sinkhorn) {  // probs = sigmoid (k = 1) or full softmax at the picks (cpu::sinkhorn_activation)
+        s.score_function = s.topk == 1 ? ScoreFunction::sigmoid : ScoreFunction::softmax;
+        s.pre_softmax = true;
+        s.num_groups = 0, s.group_topk = 0, s.scaling_factor = 1.0;
+    }
     if (c.moe_expert_capacity_factor && *c.moe_expert_capacity_factor >= 0) {
         s.capacity_factor = *c.moe_expert_capacity_factor;
         s.pad_to_capacity = c.moe_pad_expert_input_to_capacity;
@@ -282,7 +313,8 @@ std::string RouterShape::to_string() const {
     return str("RouterShape{T=", num_tokens, " (S=", seq_length, " B=", micro_batch_size, ") E=", num_experts,
                " H=", hidden, " k=", topk, " score=", int(score_function), pre_softmax ? " pre" : "",
                " groups=", num_groups, "/", group_topk, has_expert_bias ? " bias" : "", " scale=", scaling_factor,
-               " cf=", capacity_factor, pad_to_capacity ? " pad" : "", "}");
+               " cf=", capacity_factor, pad_to_capacity ? " pad" : "", jitter_eps > 0 ? " jitter" : "",
+               sinkhorn ? " sinkhorn" : "", "}");
 }
 
 void RouterShape::validate() const {
@@ -295,9 +327,16 @@ void RouterShape::validate() const {
 }
 
 template <typename R>
-void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream) {
+void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream,
+                    bool training) {
     const int64_t T = s.num_tokens, E = s.num_experts, H = s.hidden;
-    upcast_kernel<R><<<grid_for(T * H), 256, 0, stream>>>(t.hidden, t.hidden_r, T * H);
+    if (s.jitter_eps > 0) {
+        MOEKIT_CHECK(t.jitter_seed, "router: --moe-input-jitter-eps needs the device jitter seed");
+        upcast_jitter_kernel<R><<<grid_for(T * H), 256, 0, stream>>>(t.hidden, t.hidden_r, T * H, t.jitter_seed,
+                                                                      s.jitter_eps);
+    } else {
+        upcast_kernel<R><<<grid_for(T * H), 256, 0, stream>>>(t.hidden, t.hidden_r, T * H);
+    }
     MOEKIT_CUDA_LAUNCH_CHECK();
     upcast_kernel<R><<<grid_for(E * H), 256, 0, stream>>>(t.weight, t.weight_r, E * H);
     MOEKIT_CUDA_LAUNCH_CHECK();
@@ -305,10 +344,16 @@ void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandl
     // logits [T, E] = x [T, H] · Wᵀ
     gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_T, int(T), int(E), int(H), t.hidden_r, int(H), t.weight_r, int(H), R(0),
          t.logits, int(E));
+    const bool sinkhorn = s.sinkhorn && training;
+    if (sinkhorn) {
+        MOEKIT_CHECK(t.sinkhorn && t.sinkhorn_d0, "router: Sinkhorn routing needs its [T, E] and [T] buffers");
+        sinkhorn_forward<R>(T, E, t.logits, t.padding_mask, t.sinkhorn, t.sinkhorn_d0, stream);
+    }
     const size_t smem = WarpSmem<R>::bytes(E, s.num_groups) * kWarpsPerBlock;
     set_smem<R>(reinterpret_cast<const void*>(&route_kernel<R>), smem);
     route_kernel<R><<<int(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * kWarp, smem, stream>>>(
-        s, t.logits, t.expert_bias, t.padding_mask, t.topk_idx, t.probs, t.routing_map);
+        s, t.logits, t.expert_bias, sinkhorn ? t.sinkhorn : nullptr, t.padding_mask, t.topk_idx, t.probs,
+        t.routing_map);
     MOEKIT_CUDA_LAUNCH_CHECK();
     if (!s.dropless()) {
         const size_t csmem = size_t(T) * (sizeof(R) + 1);
@@ -333,7 +378,20 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
                             float* grad_input, R* scratch, cublasHandle_t cublas, cudaStream_t stream) {
     const int T = int(s.num_tokens), E = int(s.num_experts), H = int(s.hidden);
     MOEKIT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
-    if constexpr (sizeof(R) == sizeof(float)) {
+    if (s.jitter_eps > 0) {
+        // dX += (dL · W) * jitter: the product goes through scratch (after dW has read x_R).
+        if constexpr (sizeof(R) == sizeof(float)) {
+            gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, 0.0f, grad_weight, H);
+        } else {
+            gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, R(0), scratch, H);
+            copy_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
+            MOEKIT_CUDA_LAUNCH_CHECK();
+        }
+        gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, R(0), scratch, H);
+        add_jittered_kernel<R><<<grid_for(int64_t(T) * H), 256, 0, stream>>>(scratch, grad_input, int64_t(T) * H,
+                                                                            t.jitter_seed, s.jitter_eps);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    } else if constexpr (sizeof(R) == sizeof(float)) {
         // dW [E, H] = dLᵀ [E, T] · x [T, H]; dX [T, H] += dL [T, E] · W [E, H].
         gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, 0.0f, grad_weight, H);
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, 1.0f, grad_input, H);
@@ -348,7 +406,8 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
 }
 
 #define MOEKIT_INSTANTIATE_ROUTER(R)                                                                              \
-    template void router_forward<R>(const RouterShape&, const RouterTensors<R>&, cublasHandle_t, cudaStream_t);   \
+    template void router_forward<R>(const RouterShape&, const RouterTensors<R>&, cublasHandle_t, cudaStream_t,    \
+                                    bool);                                                                         \
     template void router_backward_probs<R>(const RouterShape&, const RouterTensors<R>&, const R*, R*,             \
                                            cudaStream_t);                                                         \
     template void router_backward_linear<R>(const RouterShape&, const RouterTensors<R>&, const R*, float*, float*, \

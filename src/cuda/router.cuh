@@ -1,6 +1,7 @@
 // CUDA router (Megatron TopKRouter): gating linear in the router dtype R (float or double, cuBLAS),
-// a warp-per-token pass for scores, group limit, expert bias, top-k (ties: lower expert index
-// first), normalisation and scaling, capacity dropping/padding, and the backward through all of it.
+// input jitter (router copy only), a warp-per-token pass for scores, group limit, expert bias,
+// top-k (ties: lower expert index first), normalisation and scaling, Sinkhorn routing (one-CTA
+// device loop, no host sync), capacity dropping/padding, and the backward through all of it.
 // Loss statistics and values: src/cuda/losses.cuh. Twin: src/cpu/router.cpp. Test:
 // tests/gpu/test_cuda_stages.cu.
 #pragma once
@@ -35,6 +36,11 @@ struct RouterShape {
     double capacity_factor = -1;   // < 0 = dropless; capacity = get_capacity(valid tokens * k, E, cf) on device
     bool pad_to_capacity = false;
     DropPolicy drop_policy = DropPolicy::probs;
+    double jitter_eps = 0;         // > 0: router input *= jitter_factor(seed, t*H+h, eps) (core/router_math.h)
+    // Sinkhorn routing (§2.6): training selects the top-k of the fp32 Sinkhorn matrix; probs are
+    // the activation (score_function = sigmoid if k == 1 else softmax, pre_softmax) at the picks;
+    // no group limit, bias or scaling in the selection (from_config sets those fields so).
+    bool sinkhorn = false;
 
     static RouterShape from_config(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
     bool dropless() const { return capacity_factor < 0; }
@@ -57,12 +63,22 @@ struct RouterTensors {
     int32_t* topk_idx = nullptr;            // [T, k] selected experts, best first (before dropping); -1 on padding
     R* probs = nullptr;                     // [T, E] dense, zero off the routing map (after dropping)
     uint8_t* routing_map = nullptr;         // [T, E] (after dropping / padding)
+    const uint64_t* jitter_seed = nullptr;  // [1] seed of this step's jitter draws (device: graph replays read it)
+    float* sinkhorn = nullptr;              // [T, E] fp32 Sinkhorn matrix (valid rows; needed with shape.sinkhorn)
+    float* sinkhorn_d0 = nullptr;           // [T] row scaling of the Sinkhorn iteration
 };
 
+// Sinkhorn iteration limit (Megatron loops until converged; the CPU twin caps at the same count)
+// and tolerance on mean |d1_old - d1|.
+constexpr int kSinkhornMaxIterations = 100000;
+constexpr double kSinkhornTolerance = 1e-4;
+
 // logits = x_R · W_Rᵀ (cuBLAS in R), then scores/top-k/normalise/scale into probs and routing_map,
-// then capacity dropping (if shape.capacity >= 0).
+// then capacity dropping (if shape.capacity >= 0). x_R is jittered first when shape.jitter_eps > 0.
+// training: Sinkhorn selection (shape.sinkhorn) runs only in training, as Megatron.
 template <typename R>
-void router_forward(const RouterShape& shape, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream);
+void router_forward(const RouterShape& shape, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream,
+                    bool training = true);
 
 // grad_logits [T, E] = d(main loss)/d logits from grad_probs [T, E] (dense, zero off the map)
 // through scaling, normalisation and the score function; the loss gradients are added by
@@ -72,7 +88,8 @@ void router_backward_probs(const RouterShape& shape, const RouterTensors<R>& t, 
                            cudaStream_t stream);
 
 // Gating linear backward: grad_weight [E, H] fp32 = grad_logitsᵀ · x_R (overwritten);
-// grad_input [T, H] fp32 += grad_logits · W_R. scratch: [T, H] R (used when R = double).
+// grad_input [T, H] fp32 += (grad_logits · W_R) * jitter. scratch: [T, H] R (used when R = double
+// or with jitter; may alias t.hidden_r, which is read before scratch is written).
 template <typename R>
 void router_backward_linear(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_logits,
                             float* grad_weight, float* grad_input, R* scratch, cublasHandle_t cublas,

@@ -27,6 +27,7 @@ void upload_inputs(cuda::CudaMoeLayer& layer, const MoeConfig& c, uint64_t seed)
     const MoeWeights<float> w = bf16_weights(c, 99);
     const LayerInput<float> in = bf16_input(c, seed);
     cuda::upload(b.hidden, bf16_of(in.hidden));
+    cuda::upload(b.jitter_seed, std::vector<uint64_t>{seed});
     cuda::upload(b.grad_output, bf16_of(random_matrix<float>(in.hidden.rows, in.hidden.cols, seed, 2, 1.0)));
     cuda::upload(b.router_weight, bf16_of(w.router_weight));
     std::vector<bf16> fc1, fc2;
@@ -144,6 +145,15 @@ TEST(CudaGraph, CapacityPadIsCapturableToo) {
     run_graph_case(c);
 }
 
+// Sinkhorn's convergence loop runs on the device (no host sync), and the jitter seed is read from
+// device memory, so both are captured too.
+TEST(CudaGraph, SinkhornWithJitterIsCapturable) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_router_topk = 1, c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
+    c.moe_input_jitter_eps = 0.05;
+    run_graph_case(c);
+}
 
 // Stage timings of the issue-3 presets (not a correctness test: run with
 // --gtest_also_run_disabled_tests). Weights and inputs are random bf16 filled on the device.

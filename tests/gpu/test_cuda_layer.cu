@@ -1,7 +1,8 @@
 // The whole CUDA layer (make_cuda_layer_runner) against the CPU oracle cpu::MoeLayer<float>, forward
 // and backward, on the same bf16-rounded random weights and inputs: output, input gradient and every
 // weight gradient within bf16 tolerance, tokens per expert exact, loss values within fp32 tolerance.
-// Cases: routing variants, capacity modes, shared expert, padding mask, zero-token experts, E=1.
+// Cases: routing variants, capacity modes, shared expert, padding mask, zero-token experts, E=1,
+// input jitter, Sinkhorn routing; and a runner whose token shape changes between steps.
 #include <cstdio>
 #include <functional>
 
@@ -73,6 +74,29 @@ std::vector<Case> cases() {
          true},
         {"padding_mask_capacity",
          [](MoeConfig& c) { c.moe_expert_capacity_factor = 1.0, c.moe_pad_expert_input_to_capacity = true; }, true},
+        {"jitter_softmax_post", [](MoeConfig& c) { c.moe_input_jitter_eps = 0.1; }},
+        {"jitter_sigmoid_bias_fp64",
+         [](MoeConfig& c) {
+             c.moe_input_jitter_eps = 0.05, c.moe_router_score_function = "sigmoid";
+             c.moe_router_enable_expert_bias = true, c.moe_router_dtype = "fp64";
+         }},
+        {"sinkhorn_k1_jitter",
+         [](MoeConfig& c) {
+             c.moe_router_topk = 1, c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
+             c.moe_input_jitter_eps = 0.1;
+         }},
+        {"sinkhorn_k2_fp64_padding",
+         [](MoeConfig& c) {
+             c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
+             c.moe_router_dtype = "fp64";
+         },
+         true},
+        {"sinkhorn_k1_sigmoid_bias_capacity",  // bias counted but never used in Sinkhorn's selection
+         [](MoeConfig& c) {
+             c.moe_router_topk = 1, c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
+             c.moe_router_score_function = "sigmoid", c.moe_router_enable_expert_bias = true;
+             c.moe_expert_capacity_factor = 1.0;
+         }},
     };
 }
 
@@ -93,6 +117,7 @@ TEST_P(CudaLayerVsCpu, ForwardBackwardMatchOracle) {
     MoeWeights<float> w = bf16_weights(c, seed);
     if (tc.name == "all_tokens_to_expert0") w.expert_bias[0] = 100.0;
     LayerInput<float> in = bf16_input(c, seed);
+    in.jitter_seed = seed ^ 0x5a5a;  // used by the jitter cases only
     if (tc.padding) {
         in.padding_mask.assign(size_t(in.hidden.rows), 0);
         for (int64_t t = 0; t < in.hidden.rows; ++t) in.padding_mask[size_t(t)] = (t % 5 == 3 || t >= 28);
@@ -178,9 +203,45 @@ TEST(CudaLayer, RepeatedStepsAreBitwiseEqual) {
 TEST(CudaLayer, UnsupportedOptionsAreClearErrors) {
     SKIP_WITHOUT_GPU();
     MoeConfig c = small_config();
-    c.moe_router_load_balancing_type = {"sinkhorn"};
-    c.moe_aux_loss_coeff = {0.0};
+    c.add_bias_linear = true;
     EXPECT_THROW(cuda::CudaMoeLayer::create(c, 16, 2), ::moekit::UsageError);
+}
+
+// `moekit train` with varying shapes: the runner rebuilds its CudaMoeLayer when the token count
+// changes and must carry the expert-bias counts and the global_aux_loss tracker across, as the CPU
+// oracle's RouterState does. Steps of T = 32, 12, 32 tokens; the global aux loss of every step
+// (which reads the running sum) and the final bias update must match the oracle.
+TEST(CudaLayer, ShapeChangeKeepsBiasCountsAndGlobalAuxTracker) {
+    SKIP_WITHOUT_GPU();
+    const uint64_t seed = 31337;
+    SCOPED_TRACE("seed=" + std::to_string(seed));
+    MoeConfig c = small_config();
+    c.moe_router_score_function = "sigmoid", c.moe_router_enable_expert_bias = true;
+    c.moe_router_load_balancing_type = {"global_aux_loss"}, c.moe_aux_loss_coeff = {0.05};
+    const MoeWeights<float> w = bf16_weights(c, seed);
+    cpu::MoeLayer<float> oracle(c);
+    auto gpu = cuda::make_cuda_layer_runner(c);
+    int step = 0;
+    for (const int64_t S : {16, 6, 16}) {
+        MoeConfig cs = c;
+        cs.seq_length = S;
+        const LayerInput<float> in = bf16_input(cs, seed + uint64_t(step));
+        const Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, seed, 3 + step, 1.0);
+        oracle.forward(w, in);
+        gpu->forward(w, in);
+        const double ga_ref = oracle.summary().losses.global_aux_loss, ga = gpu->summary().losses.global_aux_loss;
+        ASSERT_GT(ga_ref, 0.0);
+        EXPECT_NEAR(ga, ga_ref, 1e-5 * ga_ref) << "global aux loss at step " << step << " (S=" << S << ")";
+        MoeWeights<float> g_ref = zeros_like(w), g = zeros_like(w);
+        oracle.backward(w, go, g_ref);
+        gpu->backward(w, go, g);
+        ++step;
+    }
+    MoeWeights<float> w_ref = w, w_gpu = w;
+    oracle.update_expert_bias(w_ref);
+    gpu->update_expert_bias(w_gpu);
+    EXPECT_EQ(w_gpu.expert_bias, w_ref.expert_bias) << "bias update after three steps of two shapes";
+    EXPECT_NE(w_gpu.expert_bias, w.expert_bias);
 }
 
 }  // namespace

@@ -2,13 +2,18 @@
 // (fp32 tolerance), routing map and top-k (exact), the routing plan and permuted rows (exact), the
 // activation and combine (one bf16 rounding), loss values, the dense probs gradient (exact) and the
 // router backward (fp32 tolerance). The GPU stage's own inputs are fed to the CPU stage, so each
-// comparison isolates one stage.
+// comparison isolates one stage. Jitter draws are checked through the logits (exact draws or the
+// logits would differ by ~eps), Sinkhorn through its matrix against cpu::sinkhorn.
+#include <cstdio>
+
+#include "cpu/losses.h"
 #include "cpu/experts.h"
 #include "cpu/permute.h"
 #include "cpu/router.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/moe_layer.h"
+#include "cuda/sinkhorn.cuh"
 #include "gpu/cuda_layer_test_util.h"
 
 namespace moekit::test {
@@ -44,6 +49,7 @@ void check_stages(MoeConfig c, bool padding) {
     const int64_t k = c.moe_router_topk;
     const MoeWeights<float> w = bf16_weights(c, seed);
     LayerInput<float> in = bf16_input(c, seed);
+    in.jitter_seed = 777;
     in.padding_mask.assign(size_t(T), 0);
     if (padding)
         for (int64_t t = 0; t < T; ++t) in.padding_mask[size_t(t)] = t % 4 == 1;
@@ -53,6 +59,7 @@ void check_stages(MoeConfig c, bool padding) {
     const bool fp64 = layer->shape().router_fp64;
     cuda::upload(b.hidden, bf16_of(in.hidden.data));
     cuda::upload(b.padding_mask, in.padding_mask);
+    cuda::upload(b.jitter_seed, std::vector<uint64_t>{in.jitter_seed});
     cuda::upload(b.router_weight, bf16_of(w.router_weight.data));
     std::vector<float> fc1, fc2;
     for (int64_t e = 0; e < E; ++e) {
@@ -80,6 +87,24 @@ void check_stages(MoeConfig c, bool padding) {
     const std::vector<uint8_t> map = cuda::download(b.routing_map, T * E);
     ASSERT_EQ(map, rc.routing_map) << "routing map";
     EXPECT_EQ(as_i64(cuda::download(b.topk_idx, T * k)), rc.topk_idx) << "top-k indices";
+    if (b.sinkhorn) {
+        // Valid rows of the device matrix vs cpu::sinkhorn on the same (CPU) logits, both fp32.
+        std::vector<float> got, want;
+        Matrix<float> valid_logits(0, E);
+        const std::vector<float> all = cuda::download(b.sinkhorn, T * E);
+        for (int64_t t = 0; t < T; ++t) {
+            if (in.padding_mask[size_t(t)]) continue;
+            got.insert(got.end(), all.begin() + t * E, all.begin() + (t + 1) * E);
+            valid_logits.data.insert(valid_logits.data.end(), rc.logits.row(t), rc.logits.row(t) + E);
+            ++valid_logits.rows;
+        }
+        want = cpu::sinkhorn(valid_logits).data;
+        // Same iteration, fp32 column sums in another order: ~1e-6; one iteration more or less
+        // would still be within the 1e-4 convergence tolerance.
+        const double err = rel_err(got, want);
+        EXPECT_LT(err, 1e-3) << "sinkhorn matrix";
+        std::printf("  sinkhorn matrix rel err %.2e (T=%lld E=%lld)\n", err, (long long)T, (long long)E);
+    }
     const LossValues lv = layer->read_losses();
     EXPECT_NEAR(lv.aux_loss, rc.losses.aux_loss, 1e-5 * std::abs(rc.losses.aux_loss) + 1e-9);
     EXPECT_NEAR(lv.seq_aux_loss, rc.losses.seq_aux_loss, 1e-5 * std::abs(rc.losses.seq_aux_loss) + 1e-9);
@@ -157,6 +182,99 @@ TEST(CudaStages, CapacityDropAndPadWithPaddingMask) {
     check_stages(c, true);
     c.moe_pad_expert_input_to_capacity = true, c.moe_token_drop_policy = "position";
     check_stages(c, true);
+}
+
+TEST(CudaStages, JitterSoftmaxPost) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_input_jitter_eps = 0.1;
+    check_stages(c, true);
+}
+
+TEST(CudaStages, SinkhornK1WithPaddingAndJitter) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_router_topk = 1, c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
+    c.moe_input_jitter_eps = 0.02;
+    check_stages(c, true);
+}
+
+TEST(CudaStages, SinkhornK2Fp64ManyTokensAndExperts) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.moe_router_topk = 2, c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
+    c.moe_router_dtype = "fp64", c.num_moe_experts = 48, c.seq_length = 300;  // T = 600 > 1024 / E row groups
+    check_stages(c, false);
+}
+
+// The device Sinkhorn kernel alone on shapes the layer tests do not reach: many rows (column
+// partial sums over row groups), more experts than threads (the one-thread-per-column branch),
+// padding rows left out. Logits drawn at logit scale ~2 so the iteration takes many steps.
+TEST(CudaStages, SinkhornKernelMatchesCpu) {
+    SKIP_WITHOUT_GPU();
+    struct Shape {
+        int64_t T, E;
+    };
+    for (const Shape sh : {Shape{4096, 8}, Shape{37, 1500}, Shape{1000, 1}}) {
+        const uint64_t seed = 99 + uint64_t(sh.T);
+        SCOPED_TRACE("T=" + std::to_string(sh.T) + " E=" + std::to_string(sh.E) + " seed=" + std::to_string(seed));
+        const Matrix<float> logits = random_matrix<float>(sh.T, sh.E, seed, 5, 2.0);
+        std::vector<uint8_t> mask(size_t(sh.T), 0);
+        for (int64_t t = 0; t < sh.T; ++t) mask[size_t(t)] = t % 7 == 2;
+        cuda::DeviceBuffer<float> d_logits(sh.T * sh.E), d_out(sh.T * sh.E), d_d0(sh.T);
+        cuda::DeviceBuffer<uint8_t> d_mask(sh.T);
+        d_logits.upload(logits.data);
+        d_mask.upload(mask);
+        cuda::sinkhorn_forward<float>(sh.T, sh.E, d_logits.get(), d_mask.get(), d_out.get(), d_d0.get(), nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<float> all = d_out.download();
+        Matrix<float> valid(0, sh.E);
+        std::vector<float> got;
+        for (int64_t t = 0; t < sh.T; ++t) {
+            if (mask[size_t(t)]) {
+                for (int64_t e = 0; e < sh.E; ++e) EXPECT_EQ(all[size_t(t * sh.E + e)], 0.0f) << "padding row " << t;
+                continue;
+            }
+            got.insert(got.end(), all.begin() + t * sh.E, all.begin() + (t + 1) * sh.E);
+            valid.data.insert(valid.data.end(), logits.row(t), logits.row(t) + sh.E);
+            ++valid.rows;
+        }
+        const std::vector<float> want = cpu::sinkhorn(valid).data;
+        ASSERT_GT(norm(want), 0.0);
+        const double err = rel_err(got, want);
+        EXPECT_LT(err, 1e-3) << "sinkhorn matrix (tolerance: see check_stages)";
+        std::printf("  sinkhorn kernel T=%lld E=%lld rel err %.2e\n", (long long)sh.T, (long long)sh.E, err);
+    }
+}
+
+// Device time of the one-block Sinkhorn loop at preset-like shapes (not a correctness test: run with
+// --gtest_also_run_disabled_tests). Router-like logits (std 1).
+TEST(CudaStages, DISABLED_SinkhornTiming) {
+    SKIP_WITHOUT_GPU();
+    struct Shape {
+        int64_t T, E;
+    };
+    for (const Shape sh : {Shape{8192, 8}, Shape{4096, 32}, Shape{16384, 128}}) {
+        const Matrix<float> logits = random_matrix<float>(sh.T, sh.E, 5, 5, 1.0);
+        cuda::DeviceBuffer<float> d_logits(sh.T * sh.E), d_out(sh.T * sh.E), d_d0(sh.T);
+        cuda::DeviceBuffer<uint8_t> d_mask(sh.T);
+        d_logits.upload(logits.data);
+        auto run = [&] {
+            cuda::sinkhorn_forward<float>(sh.T, sh.E, d_logits.get(), d_mask.get(), d_out.get(), d_d0.get(), nullptr);
+        };
+        run();
+        cudaEvent_t a, b;
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&a));
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&b));
+        MOEKIT_CUDA_CHECK(cudaEventRecord(a));
+        for (int i = 0; i < 3; ++i) run();
+        MOEKIT_CUDA_CHECK(cudaEventRecord(b));
+        MOEKIT_CUDA_CHECK(cudaEventSynchronize(b));
+        float ms = 0;
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        std::printf("  sinkhorn kernel T=%lld E=%lld: %.3f ms\n", (long long)sh.T, (long long)sh.E, ms / 3);
+        cudaEventDestroy(a), cudaEventDestroy(b);
+    }
 }
 
 TEST(CudaStages, SqrtSoftplusAllExpertsOneToken) {
