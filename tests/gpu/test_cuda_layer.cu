@@ -91,11 +91,10 @@ std::vector<Case> cases() {
              c.moe_router_dtype = "fp64";
          },
          true},
-        {"sinkhorn_k1_sigmoid_bias_capacity",  // bias counted but never used in Sinkhorn's selection
+        {"sinkhorn_k1_sigmoid_bias",  // bias counted but never used in Sinkhorn's selection
          [](MoeConfig& c) {
              c.moe_router_topk = 1, c.moe_router_load_balancing_type = {"sinkhorn"}, c.moe_aux_loss_coeff = {0.0};
              c.moe_router_score_function = "sigmoid", c.moe_router_enable_expert_bias = true;
-             c.moe_expert_capacity_factor = 1.0;
          }},
     };
 }
