@@ -46,6 +46,11 @@ public:
     virtual Matrix<float> backward(const MoeWeights<float>& w, const Matrix<float>& grad_output,
                                    MoeWeights<float>& grads) = 0;
     virtual RoutingSummary summary() const = 0;
+    // Results of the last forward, copied to the host (for a GPU runner a synchronous copy: call
+    // between steps, never inside one): router probs [T, E] dense (zero outside the map) and the
+    // routing map [T, E] (1 = token routed to expert, after capacity drops). Empty before a forward.
+    virtual Matrix<float> probs() const = 0;
+    virtual std::vector<uint8_t> routing_map() const = 0;
     // Megatron's per-global-batch updates.
     virtual void update_expert_bias(MoeWeights<float>& w) = 0;
     virtual void reset_global_aux_loss_tracker() = 0;

@@ -11,18 +11,25 @@ class CpuLayerRunner final : public LayerRunner {
     explicit CpuLayerRunner(const MoeConfig& config) : layer_(config) {}
 
     Matrix<float> forward(const MoeWeights<float>& w, const LayerInput<float>& in) override {
-        return layer_.forward(w, in);
+        Matrix<float> out = layer_.forward(w, in);
+        forwarded_ = true;  // MoeLayer's probs()/routing_map() need a forward's context
+        return out;
     }
     Matrix<float> backward(const MoeWeights<float>& w, const Matrix<float>& grad_output,
                            MoeWeights<float>& grads) override {
         return layer_.backward(w, grad_output, grads);
     }
     RoutingSummary summary() const override { return layer_.summary(); }
+    Matrix<float> probs() const override { return forwarded_ ? layer_.probs() : Matrix<float>(); }
+    std::vector<uint8_t> routing_map() const override {
+        return forwarded_ ? layer_.routing_map() : std::vector<uint8_t>();
+    }
     void update_expert_bias(MoeWeights<float>& w) override { layer_.update_expert_bias(w); }
     void reset_global_aux_loss_tracker() override { layer_.reset_global_aux_loss_tracker(); }
 
    private:
     MoeLayer<float> layer_;
+    bool forwarded_ = false;
 };
 }  // namespace
 
