@@ -1,9 +1,11 @@
 // `moekit layer`: one forward+backward of one MoE layer on tensors from safetensors files, for parity
 // checks against Megatron-Core (weights with Megatron's state-dict names; input [S, B, H]). Writes
 // output, grad_input, grad.<parameter>, probs, routing_map, tokens_per_expert and loss.* in the compute
-// dtype, with the resolved config in the metadata. File contract: docs/usage.md. Test: tests/cpu/test_cmd_layer.cpp.
+// dtype, with the resolved config in the metadata. --device defaults to cuda where a GPU is present (else cpu).
+// File contract: docs/usage.md. Tests: tests/cpu/test_cmd_layer.cpp, tests/gpu/test_cuda_cmd_layer.cpp (cpu vs cuda).
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <type_traits>
 
@@ -23,6 +25,7 @@ constexpr uint64_t kStreamRandomInput = 0x1a7e'0001;  // rng stream of the input
 struct LayerArgs {
     std::string weights, weights_prefix, input, grad_output, out, init, save_weights;
     std::string dtype = "fp32", device = "cpu";
+    bool device_given = false;  // else picked: cuda when a GPU is present (falls back to cpu if cuda refuses the config)
     bool eval = false;
     bool micro_batch_size_given = false;  // then it must match the input's B
 };
@@ -115,8 +118,17 @@ double norm(const std::vector<double>& v) {
     return std::sqrt(s);
 }
 
+HostTensor bool_tensor(const std::vector<uint8_t>& bytes, std::vector<int64_t> shape) {
+    HostTensor t;
+    t.dtype = DType::boolean;
+    t.shape = std::move(shape);
+    t.bytes.assign(bytes.begin(), bytes.end());
+    for (auto& b : t.bytes) b = b != 0;
+    return t;
+}
+
 template <typename T>
-int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>& argv, const std::string& inferred,
+int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv, const std::string& inferred,
               const SafetensorsFile* weight_file, const std::string& weights_prefix) {
     constexpr DType kDtype = sizeof(T) == 8 ? DType::f64 : DType::f32;
     std::map<std::string, std::string> meta;
@@ -211,27 +223,36 @@ int run_layer(MoeConfig& cfg, const LayerArgs& a, const std::vector<std::string>
     MoeWeights<T> grads = zeros_like(w);
     Matrix<T> output, grad_input;
     RoutingSummary summary;
+    if constexpr (std::is_same_v<T, float>) {
+        if (a.device != "cpu") {
+            // The GPU runner takes fp32 at its interface (bf16 inside) and hands probs/map back to the host.
+            std::unique_ptr<LayerRunner> runner = make_layer_runner(cfg, a.device);
+            try {
+                output = runner->forward(w, in);
+            } catch (const UsageError& e) {
+                if (a.device_given) throw;
+                // A picked (not asked-for) cuda that refuses this config: the reference runs it instead.
+                std::printf("moekit layer: --device cuda does not run this config (%s); using --device cpu\n",
+                            e.what());
+                a.device = "cpu";
+            }
+            if (a.device != "cpu") {
+                grad_input = runner->backward(w, grad_out, grads);
+                summary = runner->summary();
+                out["probs"] = tensor_of(runner->probs(), {S * B, E}, kDtype);
+                out["routing_map"] = bool_tensor(runner->routing_map(), {S * B, E});
+            }
+        }
+    } else {
+        MOEKIT_REQUIRE(a.device == "cpu", "--dtype fp64 runs on --device cpu only (got --device ", a.device, ")");
+    }
     if (a.device == "cpu") {
         cpu::MoeLayer<T> layer(cfg);
         output = layer.forward(w, in);
         grad_input = layer.backward(w, grad_out, grads);
         summary = layer.summary();
         out["probs"] = tensor_of(layer.probs(), {S * B, E}, kDtype);
-        HostTensor map;
-        map.dtype = DType::boolean;
-        map.shape = {S * B, E};
-        map.bytes.assign(layer.routing_map().begin(), layer.routing_map().end());
-        for (auto& b : map.bytes) b = b != 0;
-        out["routing_map"] = map;
-    } else if constexpr (std::is_same_v<T, float>) {
-        // Other devices expose no probs / routing map through LayerRunner: the file says so.
-        auto runner = make_layer_runner(cfg, a.device);
-        output = runner->forward(w, in);
-        grad_input = runner->backward(w, grad_out, grads);
-        summary = runner->summary();
-        meta["missing"] = "probs, routing_map (not exposed by the " + a.device + " runner)";
-    } else {
-        throw UsageError(str("--dtype fp64 runs on --device cpu only (got --device ", a.device, ")"));
+        out["routing_map"] = bool_tensor(layer.routing_map(), {S * B, E});
     }
 
     out["output"] = tensor_of(output, sbh, kDtype);
@@ -291,10 +312,13 @@ int layer_main(const std::vector<std::string>& argv) {
     p.add("--grad-output", &a.grad_output, "grad_output [S, B, H] (default: from --input, else ones)");
     p.add("--out", &a.out, "results file (safetensors)");
     p.add("--dtype", &a.dtype, "compute dtype of the CPU reference: fp32 | fp64");
-    p.add("--device", &a.device, "cpu | cuda");
+    const bool have_gpu = cuda_device_available();
+    a.device = have_gpu ? "cuda" : "cpu";
+    p.add("--device", &a.device, "cpu | cuda (default: cuda when a GPU is present, else cpu)");
     p.add("--eval", &a.eval, "forward in eval mode (no losses, no expert-bias counts)");
     if (!p.parse(argv)) return 0;
     a.micro_batch_size_given = p.was_set("--micro-batch-size");
+    a.device_given = p.was_set("--device");
 
     MOEKIT_REQUIRE(!a.out.empty(), "--out is required (the results file)");
     MOEKIT_REQUIRE(a.init.empty() || a.init == "random", "--init=", a.init, ": must be random");
@@ -303,7 +327,15 @@ int layer_main(const std::vector<std::string>& argv) {
                                                             : "--weights and --init random exclude each other");
     MOEKIT_REQUIRE(a.dtype == "fp32" || a.dtype == "fp64", "--dtype=", a.dtype, ": must be fp32 or fp64");
     MOEKIT_REQUIRE(a.device == "cpu" || a.device == "cuda", "--device=", a.device, ": must be cpu or cuda");
+    if (!a.device_given && a.dtype == "fp64") a.device = "cpu";  // fp64 is the CPU reference's alone
     MOEKIT_REQUIRE(a.device == "cpu" || a.dtype == "fp32", "--dtype fp64 runs on --device cpu only");
+    // An asked-for cuda that cannot run says why (no CUDA build / no GPU) before any file is read.
+    if (a.device == "cuda" && !have_gpu) (void)make_layer_runner(cfg, a.device);
+    if (!a.device_given)
+        std::printf("moekit layer: --device %s (default: %s)\n", a.device.c_str(),
+                    a.dtype == "fp64" ? "--dtype fp64 runs on cpu only"
+                    : have_gpu        ? "a GPU is present"
+                                      : "no GPU found");
 
     std::optional<SafetensorsFile> weight_file;
     std::string prefix, inferred;

@@ -1,6 +1,7 @@
 // `moekit layer` end to end (tools/cmd_layer.cpp), running the built binary MOEKIT_BINARY in a temp dir:
 // --init random + --save-weights then --weights gives bitwise-identical results (fp32 and fp64); the
-// results equal calling cpu::MoeLayer directly; bad flags, files and shapes exit with status 2 and say why.
+// results equal calling cpu::MoeLayer directly; bad flags, files and shapes exit with status 2 and say why;
+// --device defaults to cuda only where a GPU is present (cpu vs cuda: tests/gpu/test_cuda_cmd_layer.cpp).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -50,7 +51,8 @@ class CmdLayer : public ::testing::Test {
     std::string path(const std::string& name) const { return (dir / name).string(); }
 };
 
-const std::string kShape = "--hidden-size 16 --num-experts 4 --moe-ffn-hidden-size 8 ";
+// --device cpu: these compare against the CPU reference bit for bit (the default would be cuda on a GPU host).
+const std::string kShape = "--device cpu --hidden-size 16 --num-experts 4 --moe-ffn-hidden-size 8 ";
 const std::string kMoe = "--swiglu --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --moe-router-topk 2 ";
 
 void expect_same_tensors(const SafetensorsFile& a, const SafetensorsFile& b, const std::set<std::string>& skip) {
@@ -83,7 +85,8 @@ TEST_F(CmdLayer, InitSaveThenReloadIsBitwiseIdentical) {
         const SafetensorsFile first = read_safetensors(path("r1_" + d));
         // The generated input goes to a file of its own; the second run infers H, E, F from the weights.
         write_safetensors(path("x_" + d), {{"input", first.tensors.at("input")}});
-        Result r2 = run("--weights " + path("w_" + d) + " --input " + path("x_" + d) + " " + kMoe + "--dtype " + d +
+        Result r2 = run("--weights " + path("w_" + d) + " --input " + path("x_" + d) + " --device cpu " + kMoe +
+                        "--dtype " + d +
                         " --seed 3 --out " + path("r2_" + d));
         ASSERT_EQ(r2.status, 0) << r2.output;
         EXPECT_NE(r2.output.find("from the weights: --hidden-size=16 --num-experts=4 --moe-ffn-hidden-size=8"),
@@ -130,7 +133,7 @@ TEST_F(CmdLayer, MatchesCallingTheLayerDirectly) {
         path("x"), {{"input", HostTensor::from_double({x.data.begin(), x.data.end()}, {S, B, H}, DType::f32)},
                     {"padding_mask", mask},
                     {"grad_output", HostTensor::from_double({g.data.begin(), g.data.end()}, {S, B, H}, DType::f32)}});
-    Result r = run("--weights " + path("w") + " --input " + path("x") + " --out " + path("r") +
+    Result r = run("--weights " + path("w") + " --input " + path("x") + " --out " + path("r") + " --device cpu" +
                    " --moe-router-topk 3 --moe-router-score-function sigmoid --moe-router-enable-expert-bias"
                    " --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.1 --seed 9");
     ASSERT_EQ(r.status, 0) << r.output;
@@ -161,6 +164,41 @@ TEST_F(CmdLayer, MatchesCallingTheLayerDirectly) {
     std::vector<double> tpe(summary.tokens_per_expert.begin(), summary.tokens_per_expert.end());
     EXPECT_EQ(got.tensors.at("tokens_per_expert").to_double(), tpe);
     EXPECT_EQ(got.metadata.at("grad_output"), path("x"));
+    EXPECT_EQ(got.metadata.at("device"), "cpu");
+}
+
+TEST_F(CmdLayer, DeviceDefaultsToCudaOnlyWithAGpu) {
+    const std::string base = "--init random --seq-length 4 --hidden-size 16 --num-experts 4 --moe-ffn-hidden-size 8 ";
+    const bool gpu = cuda_device_available();
+    Result r = run(base + "--out " + path("r"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    const std::string want = gpu ? "cuda" : "cpu";
+    EXPECT_NE(r.output.find("moekit layer: --device " + want + " (default: " +
+                            (gpu ? "a GPU is present)" : "no GPU found)")),
+              std::string::npos)
+        << r.output;
+    const SafetensorsFile got = read_safetensors(path("r"));
+    EXPECT_EQ(got.metadata.at("device"), want);
+    EXPECT_EQ(got.metadata.count("missing"), 0u);  // every device writes probs and routing_map
+    EXPECT_EQ(got.tensors.at("probs").shape, (std::vector<int64_t>{4, 4}));
+    EXPECT_EQ(got.tensors.at("routing_map").shape, (std::vector<int64_t>{4, 4}));
+
+    // fp64 is the CPU reference's alone: without --device it runs there, with --device cuda it is refused.
+    r = run(base + "--dtype fp64 --out " + path("r64"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("moekit layer: --device cpu (default: --dtype fp64 runs on cpu only)"), std::string::npos)
+        << r.output;
+    r = run(base + "--dtype fp64 --device cuda --out " + path("r64"));
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.output.find("--dtype fp64 runs on --device cpu only"), std::string::npos) << r.output;
+    r = run(base + "--device tpu --out " + path("r"));
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.output.find("--device=tpu: must be cpu or cuda"), std::string::npos) << r.output;
+    if (!gpu) {
+        r = run(base + "--device cuda --out " + path("r"));
+        EXPECT_EQ(r.status, 2);
+        EXPECT_NE(r.output.find("--device cuda: "), std::string::npos) << r.output;  // no CUDA build / no GPU
+    }
 }
 
 TEST_F(CmdLayer, BadFlagsAndFilesExitWithStatus2) {
