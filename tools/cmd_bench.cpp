@@ -1,12 +1,14 @@
 // `moekit bench`: times one MoE layer step forward+backward on the GPU for a preset (mixtral, dsv3-ep8, dsv3-e256,
 // qwen3-30b): per-stage times, TFLOP/s, host syncs, ratios to the floor (dense cuBLAS GEMMs of the expert shapes)
 // and to the synchronous baseline. Compiles without CUDA (then it exits 2). Engine: src/cuda/bench_expert_mlp.cu.
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "command.h"
+#include "core/flags.h"
 #include "moekit/error.h"
 
 #ifdef MOEKIT_WITH_CUDA
@@ -16,63 +18,43 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
+    "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
     "                    [--device cuda] [--scope layer|mlp]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
     "--scope mlp: the expert MLP alone on top-k routing counts) with the sync-free grouped GEMMs (the step captured "
     "in\n"
     "one CUDA graph: no host sync) and with the synchronous cuBLAS baseline (host syncs counted), against the floor:\n"
-    "dense cuBLAS GEMMs of the expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; fwd+bwd = 3 x fwd).\n";
+    "dense cuBLAS GEMMs of the expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; fwd+bwd = 3 x fwd).";
 
 int run_bench(const std::vector<std::string>& args) {
     std::string preset, skew, json_path, device = "cuda", scope = "layer";
-    int iters = 20;
-    for (size_t i = 0; i < args.size(); ++i) {
-        const std::string& a = args[i];
-        if (a == "--help" || a == "-h") {
-            std::fputs(kUsage, stdout);
-            return 0;
-        }
-        auto value = [&]() -> std::string {
-            MOEKIT_REQUIRE(i + 1 < args.size(), a, " needs a value\n", kUsage);
-            return args[++i];
-        };
-        if (a == "--preset")
-            preset = value();
-        else if (a == "--skew")
-            skew = value();
-        else if (a == "--json")
-            json_path = value();
-        else if (a == "--device")
-            device = value();
-        else if (a == "--scope")
-            scope = value();
-        else if (a == "--iters") {
-            std::string v = value();
-            try {
-                iters = std::stoi(v);
-            } catch (...) {
-                iters = 0;
-            }
-            MOEKIT_REQUIRE(iters >= 1, "--iters=", v, " must be a positive integer");
-        } else {
-            throw moekit::UsageError(moekit::str("unknown flag ", a, "\n", kUsage));
-        }
-    }
+    int64_t iters = 20;
+    // The project's flag table: --help lists these, unknown flags get a suggestion, bad values name the flag.
+    moekit::FlagParser p(kUsage);
+    p.section("bench");
+    p.add("--preset", &preset, "mixtral | dsv3-ep8 | dsv3-e256 | qwen3-30b (required)");
+    p.add("--skew", &skew, "expert load skew zipf:S with S > 0 (empty: uniform top-k routing)");
+    p.add("--json", &json_path, "also write the results as JSON to this file");
+    p.add("--iters", &iters, "timed iterations per measurement (>= 1)");
+    p.add("--device", &device, "cuda (the only device moekit bench times)");
+    p.add("--scope", &scope, "layer: the whole layer step | mlp: the expert MLP alone");
+    if (!p.parse(args)) return 0;  // --help was printed
+    MOEKIT_REQUIRE(iters >= 1 && iters <= 1'000'000, "--iters=", iters, " must be a positive integer (at most 1000000)");
 #ifndef MOEKIT_WITH_CUDA
     throw moekit::UsageError("moekit bench needs a CUDA build and a GPU (this build has no CUDA backend)");
 #endif
-    MOEKIT_REQUIRE(!preset.empty(), "--preset is required\n", kUsage);
+    MOEKIT_REQUIRE(!preset.empty(), "--preset is required (mixtral, dsv3-ep8, dsv3-e256 or qwen3-30b; --help lists the "
+                   "flags)");
     MOEKIT_REQUIRE(device == "cuda", "--device=", device, ": moekit bench runs on cuda only");
     MOEKIT_REQUIRE(scope == "layer" || scope == "mlp", "--scope=", scope, " must be layer or mlp");
 #ifdef MOEKIT_WITH_CUDA
     namespace b = moekit::cuda::bench;
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
     b::Options o;
-    o.iters = iters;
+    o.iters = int(iters);
     if (!skew.empty()) o.zipf_s = b::parse_skew(skew);
-    const b::Preset& p = b::find_preset(preset);
-    nlohmann::json r = scope == "layer" ? b::bench_layer(p, o) : b::bench_expert_mlp(p, o);
+    const b::Preset& chosen = b::find_preset(preset);
+    nlohmann::json r = scope == "layer" ? b::bench_layer(chosen, o) : b::bench_expert_mlp(chosen, o);
     std::printf("%s", (scope == "layer" ? b::format_layer_table(r) : b::format_mlp_table(r)).c_str());
     if (!json_path.empty()) {
         std::ofstream f(json_path);
