@@ -2,7 +2,8 @@
 // CudaMoeLayer. Inputs and weights are rounded to bf16 and uploaded on every call (correctness
 // over speed at this interface); outputs and gradients come back as float. The layer is rebuilt
 // when the token shape changes, carrying the expert-bias counts and the global-aux tracker across
-// (Megatron's buffers do not depend on the batch shape). Twin: cpu::make_cpu_layer_runner.
+// (Megatron's buffers do not depend on the batch shape). probs()/routing_map() copy the last forward's
+// router results to the host (synchronous; between steps only). Twin: cpu::make_cpu_layer_runner.
 // Test: tests/gpu/test_cuda_layer.cu.
 #include <algorithm>
 
@@ -124,6 +125,30 @@ public:
         s.tokens_per_expert = layer_->read_tokens_per_expert();
         if (training_) s.losses = layer_->read_losses();
         return s;
+    }
+
+    // Host copies of the last forward's router results. These are synchronous D2H copies, which is
+    // fine here: they run between steps (the interface's contract), never inside the sync-free step.
+    Matrix<float> probs() const override {
+        if (!layer_) return {};
+        const int64_t T = seq_length_ * micro_batch_size_, E = layer_->shape().router.num_experts;
+        const LayerBuffers& b = layer_->buffers();
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the copies below run on the legacy stream
+        Matrix<float> p(T, E);
+        if (layer_->shape().router_fp64) {
+            const std::vector<double> v = download(static_cast<const double*>(b.probs), T * E);
+            std::transform(v.begin(), v.end(), p.data.begin(), [](double x) { return float(x); });
+        } else {
+            const std::vector<float> v = download(static_cast<const float*>(b.probs), T * E);
+            std::copy(v.begin(), v.end(), p.data.begin());
+        }
+        return p;
+    }
+    std::vector<uint8_t> routing_map() const override {
+        if (!layer_) return {};
+        const int64_t T = seq_length_ * micro_batch_size_, E = layer_->shape().router.num_experts;
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        return download(static_cast<const uint8_t*>(layer_->buffers().routing_map), T * E);
     }
 
     void update_expert_bias(MoeWeights<float>& w) override {
