@@ -4,7 +4,7 @@
 // when the token shape changes, carrying the expert-bias counts and the global-aux tracker across
 // (Megatron's buffers do not depend on the batch shape). probs()/routing_map() copy the last forward's
 // router results to the host (synchronous; between steps only). Twin: cpu::make_cpu_layer_runner.
-// Test: tests/gpu/test_cuda_layer.cu.
+// Tests: tests/gpu/test_cuda_layer.cu, tests/gpu/test_cuda_cmd_layer.cpp (moekit layer cpu vs cuda).
 #include <algorithm>
 
 #include "core/bf16.h"
