@@ -1,0 +1,100 @@
+// report.json and train.png of a training run (see report.h).
+#include "train/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/flags.h"
+#include "io/png.h"
+#include "moekit/error.h"
+
+namespace moekit::train {
+namespace {
+
+nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
+    nlohmann::json j;
+    j["task"] = "teacher-student regression: residual MoE stack imitates a frozen random MoE teacher (MSE)";
+    j["config"] = moekit::to_json(o.config);
+    j["train"] = {{"steps", o.steps},           {"lr", o.adam.lr},          {"device", o.device},
+                  {"seed", o.seed},             {"teacher_gain", o.teacher_gain},
+                  {"tokens_per_step", r.tokens_per_step}};
+    j["identity_mse"] = r.identity_mse;
+    j["seconds"] = r.seconds;
+    nlohmann::json steps = nlohmann::json::array();
+    for (const auto& s : r.steps) {
+        nlohmann::json e = {{"step", s.step},         {"loss", s.loss},         {"aux_loss", s.aux_loss},
+                            {"z_loss", s.z_loss},     {"tokens_per_s", s.tokens_per_s},
+                            {"tokens_per_expert", s.tokens_per_expert}};
+        if (s.eval_loss >= 0) e["eval_loss"] = s.eval_loss;
+        steps.push_back(std::move(e));
+    }
+    j["steps"] = std::move(steps);
+    if (!r.steps.empty()) {
+        j["summary"] = {{"initial_loss", r.steps.front().loss},
+                        {"final_loss", r.steps.back().loss},
+                        {"final_eval_loss", r.steps.back().eval_loss}};
+    }
+    return j;
+}
+
+// Left: training loss (and held-out points) over steps. Right: layer 0's share of tokens per expert
+// over steps as a heat map (rows = experts), so routing collapse or balance is visible at a glance.
+io::Image plot(const TrainOptions& o, const TrainResult& r) {
+    const int width = 1200, height = 480;
+    io::Image img(width, height);
+    std::vector<double> xs, ys, exs, eys;
+    double ymax = 0;
+    for (const auto& s : r.steps) {
+        xs.push_back(double(s.step));
+        ys.push_back(s.loss);
+        ymax = std::max(ymax, s.loss);
+        if (s.eval_loss >= 0) {
+            exs.push_back(double(s.step));
+            eys.push_back(s.eval_loss);
+        }
+    }
+    io::PlotArea loss{70, 50, 560, 420, 0.0, double(std::max<int64_t>(o.steps, 1)), 0.0, std::max(ymax * 1.05, 1e-3)};
+    io::draw_axes(img, loss, "loss (MSE / identity MSE)", "step", "loss");
+    io::draw_polyline(img, loss, xs, ys, {31, 119, 180}, 2);
+    for (size_t i = 0; i < exs.size(); ++i)
+        io::fill_rect(img, loss.px(exs[i]) - 3, loss.py(eys[i]) - 3, loss.px(exs[i]) + 3, loss.py(eys[i]) + 3,
+                      {214, 39, 40});
+    io::draw_text(img, 400, 60, "- train", {31, 119, 180}, 2);
+    io::draw_text(img, 400, 82, "* held-out", {214, 39, 40}, 2);
+
+    // Heat map of layer 0's per-expert share (E x steps), scaled so that a perfectly even share is mid-range.
+    const int64_t num_experts = o.config.num_experts();
+    std::vector<std::vector<double>> share(size_t(num_experts), std::vector<double>(r.steps.size(), 0.0));
+    for (size_t t = 0; t < r.steps.size(); ++t) {
+        const auto& counts = r.steps[t].tokens_per_expert.at(0);
+        double total = 0;
+        for (auto c : counts) total += double(c);
+        for (int64_t e = 0; e < num_experts; ++e)  // expert 0 in the bottom row, like the y axis
+            share[size_t(num_experts - 1 - e)][t] = total > 0 ? double(counts[size_t(e)]) / total : 0;
+    }
+    const int hx0 = 680, hy0 = 50, hx1 = 1150, hy1 = 420;
+    io::PlotArea heat{hx0, hy0, hx1, hy1, 0.0, double(r.steps.size()), 0.0, double(num_experts)};
+    io::draw_axes(img, heat, "layer 0: share of tokens per expert", "step", "expert");
+    io::draw_heatmap(img, hx0 + 1, hy0 + 1, hx1 - 1, hy1 - 1, share, 0.0, 2.0 / double(std::max<int64_t>(num_experts, 1)));
+    io::draw_text(img, hx0, 450, "dark = 0, mid = 1/E (balanced), yellow = 2/E or more", {60, 60, 60}, 1);
+    return img;
+}
+
+}  // namespace
+
+void write_report(const std::string& out_dir, const TrainOptions& options, const TrainResult& result) {
+    std::error_code ec;
+    std::filesystem::create_directories(out_dir, ec);
+    MOEKIT_REQUIRE(!ec, "--out-dir=", out_dir, ": cannot create the directory (", ec.message(), ")");
+    const std::string json_path = out_dir + "/report.json";
+    std::ofstream f(json_path);
+    MOEKIT_REQUIRE(f.good(), "--out-dir=", out_dir, ": cannot write ", json_path);
+    f << to_json(options, result).dump(1) << "\n";
+    MOEKIT_REQUIRE(f.good(), "--out-dir=", out_dir, ": failed writing ", json_path);
+    io::write_png(out_dir + "/train.png", plot(options, result));
+}
+
+}  // namespace moekit::train
