@@ -3,7 +3,7 @@
 // static bounds (T*k rows, or E*capacity with padding); forward(stream)/backward(stream) only
 // enqueue work (no allocation, no host wait), so a whole step can be captured in one CUDA graph.
 // Stages: router -> losses -> plan + permute -> shared expert -> fc1 -> act*p -> fc2 -> combine.
-// Twin: cpu::MoeLayer (src/cpu/moe_layer.cpp). Tests: tests/gpu/test_cuda_layer.cu, test_cuda_graph.cu.
+// Twin: cpu::MoeLayer (src/cpu/layer.cpp). Tests: tests/gpu/test_cuda_layer.cu, test_cuda_graph.cu.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
