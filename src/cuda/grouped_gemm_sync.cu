@@ -54,8 +54,11 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
 
 int64_t host_sync_count() { return g_syncs.load(); }
 
-void grouped_gemm_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
-                     const int32_t* d_offsets, cudaStream_t stream) {
+namespace {
+// nt and nn differ only in how B_g is read: Cᵀ[n, rows] = op(B_g) · A_gᵀ with B_g column-major [k, n]
+// (row-major [n, k], op = T) or [n, k] (row-major [k, n], op = N).
+void row_grouped_gemm(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                      const int32_t* d_offsets, cublasOperation_t op_b, int64_t ldb, cudaStream_t stream) {
     if (s.num_groups == 0 || s.max_rows == 0 || s.n == 0) return;
     auto off = host_offsets(s, d_offsets, stream);
     for (int64_t g = 0; g < s.num_groups; ++g) {
@@ -65,27 +68,20 @@ void grouped_gemm_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __
             MOEKIT_CUDA_CHECK(cudaMemsetAsync(C + int64_t(off[g]) * s.n, 0, sizeof(*C) * rows * s.n, stream));
             continue;
         }
-        // Cᵀ[n, rows] = B_g[n, k] · A_gᵀ  (B_g row-major [n, k] = column-major [k, n], transposed)
-        gemm(CUBLAS_OP_T, CUBLAS_OP_N, s.n, rows, s.k, B + g * s.n * s.k, s.k, A + int64_t(off[g]) * s.k, s.k,
+        gemm(op_b, CUBLAS_OP_N, s.n, rows, s.k, B + g * s.n * s.k, ldb, A + int64_t(off[g]) * s.k, s.k,
              C + int64_t(off[g]) * s.n, CUDA_R_16BF, s.n, 0.f, stream);
     }
+}
+}  // namespace
+
+void grouped_gemm_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                     const int32_t* d_offsets, cudaStream_t stream) {
+    row_grouped_gemm(s, A, B, C, d_offsets, CUBLAS_OP_T, s.k, stream);
 }
 
 void grouped_gemm_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                      const int32_t* d_offsets, cudaStream_t stream) {
-    if (s.num_groups == 0 || s.max_rows == 0 || s.n == 0) return;
-    auto off = host_offsets(s, d_offsets, stream);
-    for (int64_t g = 0; g < s.num_groups; ++g) {
-        int64_t rows = off[g + 1] - off[g];
-        if (rows == 0) continue;
-        if (s.k == 0) {
-            MOEKIT_CUDA_CHECK(cudaMemsetAsync(C + int64_t(off[g]) * s.n, 0, sizeof(*C) * rows * s.n, stream));
-            continue;
-        }
-        // Cᵀ[n, rows] = B_gᵀ[n, k] · A_gᵀ  (B_g row-major [k, n] is column-major [n, k] as stored)
-        gemm(CUBLAS_OP_N, CUBLAS_OP_N, s.n, rows, s.k, B + g * s.n * s.k, s.n, A + int64_t(off[g]) * s.k, s.k,
-             C + int64_t(off[g]) * s.n, CUDA_R_16BF, s.n, 0.f, stream);
-    }
+    row_grouped_gemm(s, A, B, C, d_offsets, CUBLAS_OP_N, s.n, stream);
 }
 
 void grouped_gemm_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
