@@ -76,10 +76,11 @@ io::Image plot(const TrainOptions& o, const TrainResult& r) {
             share[size_t(num_experts - 1 - e)][t] = total > 0 ? double(counts[size_t(e)]) / total : 0;
     }
     const int hx0 = 680, hy0 = 50, hx1 = 1150, hy1 = 420;
-    io::PlotArea heat{hx0, hy0, hx1, hy1, 0.0, double(r.steps.size()), 0.0, double(num_experts)};
+    // Expert e's row spans [e - 0.5, e + 0.5], so integer ticks sit at the row centres.
+    io::PlotArea heat{hx0, hy0, hx1, hy1, 0.0, double(r.steps.size()), -0.5, double(num_experts) - 0.5};
     io::draw_axes(img, heat, "layer 0: share of tokens per expert", "step", "expert");
     io::draw_heatmap(img, hx0 + 1, hy0 + 1, hx1 - 1, hy1 - 1, share, 0.0, 2.0 / double(std::max<int64_t>(num_experts, 1)));
-    io::draw_text(img, hx0, 450, "dark = 0, mid = 1/E (balanced), yellow = 2/E or more", {60, 60, 60}, 1);
+    io::draw_text(img, hx0, 462, "dark = 0, mid = 1/E (balanced), yellow = 2/E or more", {60, 60, 60}, 1);
     return img;
 }
 
