@@ -4,6 +4,7 @@
 // tests/gpu/test_grouped_gemm.cu.
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -100,8 +101,54 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
     return map;
 }
 
-template <gemm_detail::Op kOp>
-void launch_tma(const gemm_detail::Params& p, int64_t grid, cudaStream_t stream) {
+std::atomic<int> g_cluster{0};
+
+int tma_cluster() {
+    int c = g_cluster.load();
+    if (c == 0) {
+        const char* env = std::getenv("MOEKIT_GEMM_CLUSTER");
+        c = env && std::strcmp(env, "2") == 0 ? 2 : 1;
+    }
+    return c;
+}
+
+// Whether the TMA kernel stages bf16 results in shared memory (default) or stores them from registers
+// (MOEKIT_GEMM_EPILOGUE=direct, the kernel before 2026-11-21 07:00; kept for A/B runs).
+bool tma_staged_epilogue() {
+    static const bool staged = [] {
+        const char* env = std::getenv("MOEKIT_GEMM_EPILOGUE");
+        return !(env && std::strcmp(env, "direct") == 0);
+    }();
+    return staged;
+}
+
+// How many clusters of `kCluster` CTAs of this kernel fit on the device at once (cached per instantiation).
+template <auto kKernel, int kCluster>
+int max_clusters(int smem) {
+    static std::atomic<int> cached{0};
+    int n = cached.load();
+    if (n > 0) return n;
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(unsigned(kCluster * sm_count()));
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = size_t(smem);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kKernel, &cfg));
+    MOEKIT_CHECK(n > 0, "no cluster of ", kCluster, " grouped-GEMM CTAs fits on this device");
+    cached = n;
+    if (std::getenv("MOEKIT_GEMM_VERBOSE"))
+        std::fprintf(stderr, "grouped GEMM: %d clusters of %d CTAs fit\n", n, kCluster);
+    return n;
+}
+
+template <gemm_detail::Op kOp, int kCluster>
+void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
     CUtensorMap a, b;
     const int64_t rows = p.max_rows, G = p.G, n = p.n, k = p.k;
@@ -112,7 +159,7 @@ void launch_tma(const gemm_detail::Params& p, int64_t grid, cudaStream_t stream)
         b = tensor_map(p.B, 2, db, box);
     } else {
         int64_t da[2] = {k, rows};
-        uint32_t boxa[2] = {64, 128};
+        uint32_t boxa[2] = {64, kCluster > 1 ? 64u : 128u};  // cluster: each CTA loads (and multicasts) one half
         a = tensor_map(p.A, 2, da, boxa);
         if constexpr (kOp == Op::kNT) {
             int64_t db[3] = {k, n, G};
@@ -124,13 +171,35 @@ void launch_tma(const gemm_detail::Params& p, int64_t grid, cudaStream_t stream)
             b = tensor_map(p.B, 3, db, boxb);
         }
     }
-    constexpr int kSmem = 4 * (128 + 256) * gemm_detail::kBK * 2 + 1024 + 128;
-    ensure_smem<gemm_detail::tma_kernel<kOp>>(kSmem);
-    // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles.
+    constexpr int kSmem = gemm_detail::kTmaSmemBytes;
+    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster>;
+    ensure_smem<kKernel>(kSmem);
+    // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
+    // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
     gemm_detail::Params q = p;
-    q.total_tiles = int(grid);
-    const int64_t ctas = std::min<int64_t>(grid, sm_count());
-    gemm_detail::tma_kernel<kOp><<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b);
+    const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
+    const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? G : 1);
+    q.total_tiles = int(jobs);
+    q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
+    if constexpr (kCluster == 1) {
+        const int64_t ctas = std::min<int64_t>(jobs, sm_count());
+        kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b);
+    } else {
+        const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
+        cudaLaunchConfig_t cfg{};
+        cudaLaunchAttribute attr{};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = kCluster;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        cfg.gridDim = dim3(unsigned(clusters * kCluster));
+        cfg.blockDim = dim3(384);
+        cfg.dynamicSmemBytes = kSmem;
+        cfg.stream = stream;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, q, a, b));
+    }
 }
 
 template <gemm_detail::Op kOp>
@@ -171,7 +240,10 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     int64_t grid = int64_t(p.tiles_m) * p.tiles_n * (kOp == Op::kTN ? s.num_groups : 1);
     MOEKIT_CHECK(grid < (int64_t(1) << 31), name, ": too many tiles for ", s.to_string());
     if (kernel == GroupedGemmKernel::kTma) {
-        launch_tma<kOp>(p, grid, stream);
+        if (tma_cluster() == 2)
+            launch_tma<kOp, 2>(p, stream);
+        else
+            launch_tma<kOp, 1>(p, stream);
     } else if (wgmma) {
         constexpr int kSmem = smem_bytes<kOp, 128, 256, 4>();
         ensure_smem<wgmma_kernel<kOp>>(kSmem);
@@ -187,6 +259,7 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 }  // namespace
 
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
+void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 
 void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,

@@ -16,6 +16,9 @@ namespace moekit::cuda {
 enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma, kTma };
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
 GroupedGemmKernel grouped_gemm_kernel();  // the one that will run on the current device (never kAuto)
+// Cluster size of the kTma kernel: 2 (default: CTA pairs multicast their shared A tile) or 1 (one CTA per tile
+// job, no cluster); 0 = the environment variable MOEKIT_GEMM_CLUSTER=1|2, else 2.
+void set_grouped_gemm_cluster(int size);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {
@@ -40,6 +43,7 @@ struct Params {
     int tiles_n;
     int accumulate;
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
+    int staged_epilogue;  // TMA kernel, nt/nn: bf16 results leave through shared memory as full-line stores
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -176,15 +180,18 @@ __device__ __forceinline__ TileJob find_job(const Params& p, int* s_job) {
 }
 
 // The same job as find_job for tile `pid`, computed by one whole warp (every lane gets it; no shared memory, no
-// block barrier), for the persistent TMA kernel whose warps walk the tiles on their own.
-template <Op kOp, int BM, int BN>
-__device__ __forceinline__ TileJob find_job_warp(const Params& p, int pid) {
+// block barrier), for the persistent TMA kernel whose warps walk the tiles on their own. kCluster 2: `pid` numbers
+// pairs of n-neighbour tiles (n-tile 2q + rank), so both CTAs of a cluster get the same rows (or group and m-slab).
+template <Op kOp, int BM, int BN, int kCluster = 1>
+__device__ __forceinline__ TileJob find_job_warp(const Params& p, int pid, int rank = 0) {
     TileJob job{};
     int pm, pn;
+    const int tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
     if constexpr (kOp == Op::kTN) {
-        const int per_group = p.tiles_m * p.tiles_n;
+        const int per_group = p.tiles_m * tiles_n;
         job.group = pid / per_group;
-        raster(pid - job.group * per_group, p.tiles_m, p.tiles_n, pm, pn);
+        raster(pid - job.group * per_group, p.tiles_m, tiles_n, pm, pn);
+        pn = pn * kCluster + rank;
         job.m0 = pm * BM;
         job.n0 = pn * BN;
         job.row0 = p.offsets[job.group];
@@ -192,7 +199,8 @@ __device__ __forceinline__ TileJob find_job_warp(const Params& p, int pid) {
         job.active = true;
         return job;
     }
-    raster(pid, p.tiles_m, p.tiles_n, pm, pn);
+    raster(pid, p.tiles_m, tiles_n, pm, pn);
+    pn = pn * kCluster + rank;
     const int lane = threadIdx.x & 31;
     int before = 0, found_g = -1, found_t = 0;
     for (int base = 0; base < p.G && found_g < 0; base += 32) {

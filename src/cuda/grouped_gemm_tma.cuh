@@ -1,7 +1,8 @@
 // Warp-specialised, persistent Hopper grouped GEMM: one producer warp issues bulk tensor copies (TMA, 128-byte
 // swizzle, completing on mbarriers) into a 4-stage ring; two consumer warpgroups run wgmma m64n256k16 on 128x256x64
-// tiles; one CTA per SM walks the tiles.
-// Same scheduling, tile layout and epilogue as grouped_gemm_mma.cuh. TMA bounds come from static shapes, so a tile
+// tiles; one CTA per SM walks the tiles; optionally 2-CTA clusters share (multicast) the A tile.
+// Same scheduling and tile layout as grouped_gemm_mma.cuh; nt/nn results leave through shared memory as full-line
+// stores (MOEKIT_GEMM_EPILOGUE=direct: from registers, as the mma kernel; tn always so). TMA bounds come from static shapes, so a tile
 // may read rows of the next group (or up to max_rows): harmless for nt/nn, where those rows only feed output rows
 // that are never stored; for tn (reduction over the group's rows) the consumers zero those rows in shared memory.
 // Included by grouped_gemm_kernels.cuh only.
@@ -41,15 +42,64 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, int
         "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
+// Multicast variant: the box lands at the same shared-memory offset in every CTA of `mask` (cluster ranks), and
+// completes bytes on the mbarrier at the same offset in each of them.
+__device__ __forceinline__ void tma_2d_mc(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
+                                          uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%2, %3}], [%4], %5;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+        : "memory");
+}
+// Arrive on the mbarrier at shared offset `bar` of cluster CTA `cta` (which may be this one). Default (.release.cta)
+// semantics, as CUTLASS's ClusterBarrier: the consumers' smem reads are ordered by wgmma.wait_group already, and a
+// .release.cluster arrive (a cluster-scope fence per k-step) measured 1.5x slower.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+    asm volatile(
+        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+        "r"(cta)
+        : "memory");
+}
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&v)) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+// Epilogue staging (bf16 outputs): per consumer warpgroup 64 rows x 64 columns, rows padded to 144 bytes.
+constexpr int kEpiRow = 144, kEpiBytes = 64 * kEpiRow;
+// Dynamic shared memory of tma_kernel: 4 stages of A [128x64] + B [256x64] bf16, 1 KB for the 1024-byte alignment
+// of the swizzled stages, 128 B of mbarriers, two epilogue staging buffers.
+constexpr int kTmaSmemBytes = 4 * (128 + 256) * kBK * 2 + 1024 + 128 + 2 * kEpiBytes;
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Tensor maps (host-encoded, 128B swizzle, boxes of 64 elements along the contiguous dimension):
-//   NT: a = {k, max_rows} box {64,128};      b = {k, n, G} box {64,256,1}
-//   NN: a = {k, max_rows} box {64,128};      b = {n, k, G} box {64,64,1}  (4 boxes per stage)
-//   TN: a = {m, max_rows} box {64,64} (x2);  b = {n, max_rows} box {64,64} (x4)
-template <Op kOp>
+//   NT: a = {k, max_rows} box {64,128} (kCluster 2: {64,64}, one half per CTA); b = {k, n, G} box {64,256,1}
+//   NN: a as NT;                                   b = {n, k, G} box {64,64,1}  (4 boxes per stage)
+//   TN: a = {m, max_rows} box {64,64} (x2);        b = {n, max_rows} box {64,64} (x4)
+// kCluster 2: the two CTAs of a cluster own n-neighbour tiles of the same row tile (TN: of the same group and
+// m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
+// L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
+// released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
+template <Op kOp, int kCluster>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -63,17 +113,23 @@ __global__ void __launch_bounds__(384, 1)
     auto sA = [&](int s) { return base + s * kStageBytes; };
     auto sB = [&](int s) { return base + s * kStageBytes + kStageA; };
     const int tid = threadIdx.x, wg = tid / 128;
+    const int rank = kCluster > 1 ? int(cluster_ctarank()) : 0;
     if (tid == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), 2);  // one arrival per consumer warpgroup
+            mbar_init(empty(s), 2 * kCluster);  // one arrival per consumer warpgroup of each CTA of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
-    // Persistent: the CTA walks tiles blockIdx.x, +gridDim.x, ... Producer and consumers walk the same sequence and
-    // count k-steps globally (it), so the ring's stages and phases carry over from one tile to the next and the
-    // producer fills the next tile's first stages while the consumers run the epilogue of the current one.
+    if constexpr (kCluster > 1)
+        cluster_sync_all();  // the peer's barriers are initialised before any multicast or remote arrival
+    else
+        __syncthreads();
+    // Persistent: the CTA (cluster) walks tiles (pairs) blockIdx.x / kCluster, + gridDim.x / kCluster, ...
+    // Producer and consumers walk the same sequence and count k-steps globally (it), so the ring's stages and phases
+    // carry over from one tile to the next and the producer fills the next tile's first stages while the consumers
+    // run the epilogue of the current one. Both CTAs of a cluster see the same jobs except n0, hence the same k-steps.
+    const int first = blockIdx.x / kCluster, stride = gridDim.x / kCluster;
 
     if (wg == 0) {                 // producer warpgroup: warp 0 finds the jobs, its lane 0 issues every copy
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG  // (sanitizer builds: instrumented code may not fit in 40 registers)
@@ -81,17 +137,19 @@ __global__ void __launch_bounds__(384, 1)
 #endif
         if (tid >= 32) return;
         int it = 0;
-        for (int pid = blockIdx.x; pid < p.total_tiles; pid += gridDim.x) {
-            const TileJob job = find_job_warp<kOp, BM, BN>(p, pid);
+        for (int pid = first; pid < p.total_tiles; pid += stride) {
+            const TileJob job = find_job_warp<kOp, BM, BN, kCluster>(p, pid, rank);
             if (!job.active) continue;
             const int nk = num_ktiles<kOp>(p, job);
-            // Boxes entirely past n (or m) would only feed output columns that are never stored: skip them, and
-            // expect only the bytes of the boxes issued.
-            const int a_boxes = kOp == Op::kTN ? min(BM / 64, (p.k - job.m0 + 63) / 64) : 1;
-            const int b_boxes = kOp == Op::kNT ? 1 : min(BN / 64, (p.n - job.n0 + 63) / 64);
-            const uint32_t bytes = kOp == Op::kTN   ? uint32_t(a_boxes + b_boxes) * kBlockBytes
-                                   : kOp == Op::kNT ? kStageBytes
-                                                    : kStageA + uint32_t(b_boxes) * kBlockBytes;
+            // Boxes entirely past n (or m, or max_rows) would only feed outputs that are never stored: skip them,
+            // and expect only the bytes of the boxes issued (the same A boxes in both CTAs of a cluster).
+            const int a_boxes = kOp == Op::kTN    ? min(BM / 64, (p.k - job.m0 + 63) / 64)
+                                : kCluster > 1 ? (job.row0 + 64 < p.max_rows ? 2 : 1)
+                                               : 1;
+            const int b_boxes =
+                kOp == Op::kNT ? (job.n0 < p.n ? 1 : 0) : max(0, min(BN / 64, (p.n - job.n0 + 63) / 64));
+            const uint32_t a_bytes = kOp == Op::kTN || kCluster > 1 ? uint32_t(a_boxes) * kBlockBytes : kStageA;
+            const uint32_t bytes = a_bytes + uint32_t(b_boxes) * (kOp == Op::kNT ? kStageB : kBlockBytes);
             for (int kt = 0; kt < nk; ++kt, ++it) {
                 if (tid != 0) continue;
                 const int s = it % kStages;
@@ -100,14 +158,24 @@ __global__ void __launch_bounds__(384, 1)
                 const int k0 = kt * kBK;
                 if constexpr (kOp == Op::kTN) {
                     const int r0 = int(job.row0) + k0;
-                    for (int j = 0; j < a_boxes; ++j)
-                        tma_2d(sA(s) + j * kBlockBytes, &map_a, job.m0 + 64 * j, r0, full(s));
+                    if constexpr (kCluster > 1) {
+                        if (rank < a_boxes)
+                            tma_2d_mc(sA(s) + rank * kBlockBytes, &map_a, job.m0 + 64 * rank, r0, full(s), 3);
+                    } else {
+                        for (int j = 0; j < a_boxes; ++j)
+                            tma_2d(sA(s) + j * kBlockBytes, &map_a, job.m0 + 64 * j, r0, full(s));
+                    }
                     for (int j = 0; j < b_boxes; ++j)
                         tma_2d(sB(s) + j * kBlockBytes, &map_b, job.n0 + 64 * j, r0, full(s));
                 } else {
-                    tma_2d(sA(s), &map_a, k0, int(job.row0), full(s));
+                    if constexpr (kCluster > 1) {
+                        if (rank < a_boxes)
+                            tma_2d_mc(sA(s) + rank * kBlockBytes, &map_a, k0, int(job.row0) + 64 * rank, full(s), 3);
+                    } else {
+                        tma_2d(sA(s), &map_a, k0, int(job.row0), full(s));
+                    }
                     if constexpr (kOp == Op::kNT) {
-                        tma_3d(sB(s), &map_b, k0, job.n0, job.group, full(s));
+                        if (b_boxes > 0) tma_3d(sB(s), &map_b, k0, job.n0, job.group, full(s));
                     } else {
                         for (int j = 0; j < b_boxes; ++j)
                             tma_3d(sB(s) + j * kBlockBytes, &map_b, job.n0 + 64 * j, k0, job.group, full(s));
@@ -115,6 +183,14 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
             __syncwarp();  // lanes 1-31 skipped the copies: meet lane 0 before the next job search
+        }
+        if constexpr (kCluster > 1) {
+            // Do not exit while the peer may still arrive on this CTA's empty barriers: wait until the last
+            // kStages stages were released by the consumers of both CTAs.
+            if (tid == 0)
+                for (int i = 0; i < kStages; ++i, ++it)
+                    if (it >= kStages) mbar_wait(empty(it % kStages), ((it / kStages) + 1) & 1);
+            __syncwarp();
         }
         return;
     }
@@ -127,10 +203,17 @@ __global__ void __launch_bounds__(384, 1)
     const int w = (ctid >> 5) & 3, lane = ctid & 31;
     constexpr int kTransA = kOp == Op::kTN ? 1 : 0;
     constexpr int kTransB = kOp == Op::kNT ? 0 : 1;
+    auto release = [&](int s) {
+        if constexpr (kCluster > 1) {
+            for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(empty(s), uint32_t(c));
+        } else {
+            mbar_arrive(empty(s));
+        }
+    };
     int it = 0;
     float d[128];
-    for (int pid = blockIdx.x; pid < p.total_tiles; pid += gridDim.x) {
-        const TileJob job = find_job_warp<kOp, BM, BN>(p, pid);
+    for (int pid = first; pid < p.total_tiles; pid += stride) {
+        const TileJob job = find_job_warp<kOp, BM, BN, kCluster>(p, pid, rank);
         if (!job.active) continue;
         const int nk = num_ktiles<kOp>(p, job);
 #pragma unroll
@@ -164,12 +247,45 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_m64n256k16<kTransA, kTransB>(d, da, db, 1);
             }
             wgmma_commit();
-            wgmma_wait<1>();  // step it-1 retired by this warpgroup: hand its stage back to the producer
-            if (kt > 0 && (ctid & 127) == 0) mbar_arrive(empty((it - 1) % kStages));
+            wgmma_wait<1>();  // step it-1 retired by this warpgroup: hand its stage back to the producer(s)
+            if (kt > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
         }
         wgmma_wait<0>();
-        if (nk > 0 && (ctid & 127) == 0) mbar_arrive(empty((it - 1) % kStages));
+        if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
         const int row = cw * 64 + w * 16 + (lane >> 2);
+        if constexpr (kOp != Op::kTN) {
+            if (p.staged_epilogue) {
+                // bf16 results through shared memory, 64 columns at a time: the accumulator layout gives 16-byte row
+                // pieces per lane quad (half a 32-byte sector per store); re-read as whole 128-byte row segments
+                // they leave the SM as full-line 16-byte-per-lane stores. Rows padded to 144 B: conflict-free both
+                // ways. Each warpgroup owns its 64 rows and its own staging buffer (named barrier 2 + cw).
+                const uint32_t buf = bars + 128 + cw * kEpiBytes;
+                const int r = row - cw * 64;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    if (job.n0 + c * 64 >= p.n) continue;  // uniform over the warpgroup
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int i = c * 8 + j;
+                        const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
+                        st_shared_bf16x2(buf + r * kEpiRow + off, d[4 * i], d[4 * i + 1]);
+                        st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, d[4 * i + 2], d[4 * i + 3]);
+                    }
+                    named_barrier(2 + cw, 128);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int item = q * 128 + (ctid & 127), rr = item >> 3, ch = item & 7;
+                        const int64_t gr = job.row0 + cw * 64 + rr;
+                        const int gn = job.n0 + c * 64 + ch * 8;
+                        const uint4 v = ld_shared_v4(buf + rr * kEpiRow + ch * 16);
+                        if (gr < job.row_end && gn < p.n)
+                            *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.C) + gr * p.n + gn) = v;
+                    }
+                    named_barrier(2 + cw, 128);
+                }
+                continue;
+            }
+        }
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             int col = i * 8 + (lane & 3) * 2;

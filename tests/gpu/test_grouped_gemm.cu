@@ -1,6 +1,6 @@
 // Grouped GEMMs (src/cuda/grouped_gemm.h) and their synchronous cuBLAS baseline (grouped_gemm_sync.h) against a CPU
 // float64 reference on bf16-rounded random inputs: nt / nn / tn, every compute core (mma.sync; on sm_90 also wgmma
-// with cp.async loads and the warp-specialised TMA + wgmma kernel),
+// with cp.async loads and the warp-specialised TMA + wgmma kernel, single CTAs and 2-CTA clusters),
 // counts with zeros, one group taking all rows, sizes off the tile grid; rows past offsets[G] stay untouched.
 #include <gtest/gtest.h>
 
@@ -97,11 +97,12 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend { kMma, kWgmma, kTma, kSync };
+enum class Backend { kMma, kWgmma, kTma, kTmaPair, kSync };
 const char* name(Backend b) {
     return b == Backend::kMma     ? "mma.sync"
            : b == Backend::kWgmma ? "wgmma"
            : b == Backend::kTma   ? "tma"
+           : b == Backend::kTmaPair ? "tma-cluster2"
                                   : "sync-cublas";
 }
 
@@ -114,6 +115,7 @@ std::vector<Backend> backends() {
     if (major == 9 && minor == 0) {
         out.push_back(Backend::kWgmma);
         out.push_back(Backend::kTma);
+        out.push_back(Backend::kTmaPair);
     }
     return out;
 }
@@ -121,7 +123,8 @@ std::vector<Backend> backends() {
 void select(Backend b) {
     if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
-    if (b == Backend::kTma) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
+    if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
+    set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
 }
 
 enum class Op { kNT, kNN };
@@ -170,6 +173,7 @@ void check_row_gemm(Op op, const std::vector<int>& counts, int slack_rows, int n
         EXPECT_EQ(touched, 0u) << "elements written past offsets[G]";
     }
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+    set_grouped_gemm_cluster(0);
 }
 
 // tn: C[g] (+)= A_gᵀ·B_g in fp32 over the group's rows (zero rows: zeroed, or unchanged with accumulate).
@@ -217,6 +221,7 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
         }
     }
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+    set_grouped_gemm_cluster(0);
 }
 
 }  // namespace
