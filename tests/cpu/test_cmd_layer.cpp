@@ -3,9 +3,7 @@
 // results equal calling cpu::MoeLayer directly; bad flags, files and shapes exit with status 2 and say why;
 // --device defaults to cuda only where a GPU is present (cpu vs cuda: tests/gpu/test_cuda_cmd_layer.cpp).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <set>
@@ -13,28 +11,14 @@
 #include "core/rng.h"
 #include "io/safetensors.h"
 #include "moekit/layer.h"
+#include "run_tool.h"
 #include "moekit/weights.h"
 
 namespace moekit {
 namespace {
 
-struct Result {
-    int status = -1;
-    std::string output;  // stdout + stderr
-};
-
-Result run(const std::string& args) {
-    Result r;
-    const std::string cmd = std::string(MOEKIT_BINARY) + " layer " + args + " 2>&1";
-    FILE* pipe = popen(cmd.c_str(), "r");
-    if (!pipe) return r;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-    const int raw = pclose(pipe);
-    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-    return r;
-}
+using Result = testing_util::ToolResult;
+Result run(const std::string& args) { return testing_util::run_tool("layer " + args); }
 
 class CmdLayer : public ::testing::Test {
    protected:

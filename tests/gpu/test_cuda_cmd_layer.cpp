@@ -3,10 +3,8 @@
 // z losses): output, grad_input and every grad.* within a bf16 relative error norm, probs close, routing_map and
 // tokens_per_expert exact. Skips without a GPU. CPU-side twin: tests/cpu/test_cmd_layer.cpp.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -16,27 +14,13 @@
 #include "core/rng.h"
 #include "io/safetensors.h"
 #include "moekit/layer.h"
+#include "run_tool.h"
 
 namespace moekit {
 namespace {
 
-struct Result {
-    int status = -1;
-    std::string output;  // stdout + stderr
-};
-
-Result run(const std::string& args) {
-    Result r;
-    const std::string cmd = std::string(MOEKIT_BINARY) + " layer " + args + " 2>&1";
-    FILE* pipe = popen(cmd.c_str(), "r");
-    if (!pipe) return r;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-    const int raw = pclose(pipe);
-    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-    return r;
-}
+using Result = testing_util::ToolResult;
+Result run(const std::string& args) { return testing_util::run_tool("layer " + args); }
 
 class CudaCmdLayer : public ::testing::Test {
 protected:
