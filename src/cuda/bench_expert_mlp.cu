@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "cuda/bench_expert_mlp.h"
+#include "cuda/activation.cuh"
 #include "cuda/bench_util.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_sync.h"
@@ -239,12 +240,13 @@ void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16
     auto mark = [&](int i) {
         if (ev) MOEKIT_CUDA_CHECK(cudaEventRecord(ev[i], s));
     };
-    const int G = int(q.E);
+    // The layer's own activation kernels (src/cuda/activation.cu), so this measures what the layer runs.
+    const ActivationShape act_shape{q.rows, q.F, true, Activation::silu};
+    const int32_t* num_rows = q.d_off.ptr + q.E;  // offsets[G], read on the device
     mark(0);
     f.nt({q.E, q.rows, 2 * q.F, q.H}, q.x.ptr, q.w1.ptr, q.h.ptr, q.d_off.ptr, s);
     mark(1);
-    swiglu_fwd_kernel<<<2048, 256, 0, s>>>(q.h.ptr, q.prob.ptr, q.act.ptr, q.d_off.ptr, G, q.rows, q.F);
-    MOEKIT_CUDA_LAUNCH_CHECK();
+    activation_forward<float>(act_shape, num_rows, q.h.ptr, q.prob.ptr, q.act.ptr, s);
     mark(2);
     f.nt({q.E, q.rows, q.H, q.F}, q.act.ptr, q.w2.ptr, q.y.ptr, q.d_off.ptr, s);
     mark(3);
@@ -252,8 +254,7 @@ void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16
     mark(4);
     f.tn({q.E, q.rows, q.F, q.H}, dy, q.act.ptr, q.dw2.ptr, q.d_off.ptr, false, s);
     mark(5);
-    swiglu_bwd_kernel<<<2048, 256, 0, s>>>(q.h.ptr, q.prob.ptr, dact, dh, q.d_off.ptr, G, q.rows, q.F);
-    MOEKIT_CUDA_LAUNCH_CHECK();
+    activation_backward<float>(act_shape, num_rows, q.h.ptr, q.prob.ptr, dact, dh, nullptr, s);
     mark(6);
     f.nn({q.E, q.rows, q.H, 2 * q.F}, dh, q.w1.ptr, dx, q.d_off.ptr, s);
     mark(7);

@@ -1,6 +1,6 @@
 // Helpers of the expert-GEMM / expert-MLP benchmarks (bench_expert_mlp.cu): device buffers, random fills,
-// SwiGLU x probs forward/backward (Megatron glu: silu(first half) * second half), dense cuBLAS GEMMs for the floor,
-// event timing (median over iterations). Benchmark-only code; the layer's own kernels live elsewhere.
+// dense cuBLAS GEMMs for the floor, event timing (median over iterations). The activation is the layer's own
+// (src/cuda/activation.cuh), so the MLP benchmark measures the kernels the layer runs.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -43,44 +43,6 @@ void fill_uniform(bf16* p, size_t n, float scale, uint64_t seed) {
 void fill_uniform(float* p, size_t n, float lo, float hi, uint64_t seed) {
     fill_uniform_f32_kernel<<<1024, 256>>>(p, n, lo, hi, seed);
     MOEKIT_CUDA_LAUNCH_CHECK();
-}
-
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
-
-// act[r, j] = silu(h[r, j]) * h[r, F + j] * prob[r] for r < offsets[G] (read on the device).
-__global__ void swiglu_fwd_kernel(const bf16* h, const float* prob, bf16* act, const int32_t* offsets, int G,
-                                  int64_t max_rows, int64_t F) {
-    const int64_t rows = offsets[G];
-    const int64_t pairs = max_rows * F / 2;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
-        int64_t r = (2 * i) / F, j = (2 * i) % F;
-        if (r >= rows) return;
-        float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + j));
-        float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + F + j));
-        float p = prob[r];
-        *reinterpret_cast<__nv_bfloat162*>(act + r * F + j) =
-            __floats2bfloat162_rn(g.x * sigmoidf_(g.x) * u.x * p, g.y * sigmoidf_(g.y) * u.y * p);
-    }
-}
-
-// dh from dact: d(gate) = dact*p*u*silu'(g), d(up) = dact*p*silu(g).
-__global__ void swiglu_bwd_kernel(const bf16* h, const float* prob, const bf16* dact, bf16* dh, const int32_t* offsets,
-                                  int G, int64_t max_rows, int64_t F) {
-    const int64_t rows = offsets[G];
-    const int64_t pairs = max_rows * F / 2;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
-        int64_t r = (2 * i) / F, j = (2 * i) % F;
-        if (r >= rows) return;
-        float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + j));
-        float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + r * 2 * F + F + j));
-        float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dact + r * F + j));
-        float p = prob[r];
-        float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
-        *reinterpret_cast<__nv_bfloat162*>(dh + r * 2 * F + j) = __floats2bfloat162_rn(
-            d.x * p * u.x * s0 * (1.f + g.x * (1.f - s0)), d.y * p * u.y * s1 * (1.f + g.y * (1.f - s1)));
-        *reinterpret_cast<__nv_bfloat162*>(dh + r * 2 * F + F + j) =
-            __floats2bfloat162_rn(d.x * p * g.x * s0, d.y * p * g.y * s1);
-    }
 }
 
 // Dense cuBLAS GEMMs with the grouped functions' row-major conventions and one group of `rows` rows:
