@@ -33,14 +33,17 @@ ExpertGemmKind default_gemm_kind() {
 template <typename R>
 class LayerImpl final : public CudaMoeLayer {
 public:
-    LayerImpl(const CudaLayerShape& shape) : shape_(shape), gemm_(expert_gemm(default_gemm_kind())) {
+    LayerImpl(const CudaLayerShape& shape, bool own_io) : shape_(shape), gemm_(expert_gemm(default_gemm_kind())) {
         const RouterShape& r = shape.router;
         const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
-        hidden_.resize(T * H), mask_.resize(T), grad_output_.resize(T * H);
-        router_weight_.resize(E * H), expert_bias_.resize(E), fc1_.resize(E * F1 * H), fc2_.resize(E * H * F);
-        output_.resize(T * H), grad_input_.resize(T * H);
-        grad_router_weight_.resize(E * H), grad_fc1_.resize(E * F1 * H), grad_fc2_.resize(E * H * F);
+        mask_.resize(T);
+        if (own_io) {
+            hidden_.resize(T * H), grad_output_.resize(T * H);
+            router_weight_.resize(E * H), expert_bias_.resize(E), fc1_.resize(E * F1 * H), fc2_.resize(E * H * F);
+            output_.resize(T * H), grad_input_.resize(T * H);
+            grad_router_weight_.resize(E * H), grad_fc1_.resize(E * F1 * H), grad_fc2_.resize(E * H * F);
+        }
         hidden_r_.resize(T * H), weight_r_.resize(E * H), logits_.resize(T * E), probs_.resize(T * E);
         map_.resize(T * E), topk_idx_.resize(T * K), jitter_seed_.resize(1);
         if (r.sinkhorn) sinkhorn_.resize(T * E), sinkhorn_d0_.resize(T);
@@ -57,8 +60,10 @@ public:
             const int64_t Fs = shape.shared.ffn, Fs1 = shape.shared.fc1_rows();
             shared_offsets_.resize(2);
             shared_offsets_.upload({0, int32_t(T)});
-            shared_fc1_.resize(Fs1 * H), shared_fc2_.resize(H * Fs), shared_gate_.resize(H);
-            grad_shared_fc1_.resize(Fs1 * H), grad_shared_fc2_.resize(H * Fs), grad_shared_gate_.resize(H);
+            if (own_io) {
+                shared_fc1_.resize(Fs1 * H), shared_fc2_.resize(H * Fs), shared_gate_.resize(H);
+                grad_shared_fc1_.resize(Fs1 * H), grad_shared_fc2_.resize(H * Fs), grad_shared_gate_.resize(H);
+            }
             s_fc1_out_.resize(T * Fs1), s_act_.resize(T * Fs), s_out_.resize(T * H), s_gate_.resize(T);
             s_grad_out_.resize(T * H), s_grad_act_.resize(T * Fs), s_grad_fc1_out_.resize(T * Fs1);
             s_grad_x_.resize(T * H), s_grad_logit_.resize(T), s_gate_partial_.resize(ceil_div(T, kGateChunk) * H);
@@ -78,6 +83,23 @@ public:
     const CudaLayerShape& shape() const override { return shape_; }
     const LayerBuffers& buffers() const override { return buf_; }
     void set_expert_gemm(const ExpertGemm& gemm) override { gemm_ = gemm; }
+    void bind(const LayerBuffers& io) override {
+        LayerBuffers& b = buf_;
+        b.hidden = io.hidden, b.padding_mask = io.padding_mask ? io.padding_mask : mask_.get();
+        b.jitter_seed = io.jitter_seed ? io.jitter_seed : jitter_seed_.get(), b.grad_output = io.grad_output;
+        b.router_weight = io.router_weight, b.expert_bias = io.expert_bias, b.fc1 = io.fc1, b.fc2 = io.fc2;
+        b.shared_fc1 = io.shared_fc1, b.shared_fc2 = io.shared_fc2, b.shared_gate = io.shared_gate;
+        b.output = io.output, b.grad_input = io.grad_input, b.grad_router_weight = io.grad_router_weight;
+        b.grad_fc1 = io.grad_fc1, b.grad_fc2 = io.grad_fc2, b.grad_shared_fc1 = io.grad_shared_fc1;
+        b.grad_shared_fc2 = io.grad_shared_fc2, b.grad_shared_gate = io.grad_shared_gate;
+    }
+    LayerMemory memory() const override {
+        LayerMemory m;
+        m.num_tokens = shape_.router.num_tokens;
+        m.workspace_bytes = int64_t(allocated_bytes());
+        m.saved_activation_bytes = int64_t(saved_bytes());
+        return m;
+    }
     void enable_stage_timing(bool on) override { timing_ = on; }
     StageTimesMs forward_times_ms() override { return times(0); }
     StageTimesMs backward_times_ms() override { return times(1); }
@@ -92,7 +114,7 @@ public:
         mark(stream, 0, LayerStage::router, false);
         mark(stream, 0, LayerStage::permute, true);
         build_routing_plan<R>(map_.get(), probs_.get(), plan(), stream);
-        permute_rows<R>(plan(), H, hidden_.get(), rows_.get(), stream);
+        permute_rows<R>(plan(), H, buf_.hidden, rows_.get(), stream);
         mark(stream, 0, LayerStage::permute, false);
         if (shape_.has_shared) {
             mark(stream, 0, LayerStage::shared_expert, true);
@@ -100,30 +122,31 @@ public:
             mark(stream, 0, LayerStage::shared_expert, false);
         }
         mark(stream, 0, LayerStage::fc1, true);
-        gemm_.nt(GroupedGemmShape{E, M, F1, H}, rows_.get(), fc1_.get(), fc1_out_.get(), offsets_.get(), stream);
+        gemm_.nt(GroupedGemmShape{E, M, F1, H}, rows_.get(), buf_.fc1, fc1_out_.get(), offsets_.get(), stream);
         mark(stream, 0, LayerStage::fc1, false);
         mark(stream, 0, LayerStage::activation, true);
         activation_forward<R>(act_shape(), offsets_.get() + E, fc1_out_.get(), row_prob_.get(), act_out_.get(), stream);
         mark(stream, 0, LayerStage::activation, false);
         mark(stream, 0, LayerStage::fc2, true);
-        gemm_.nt(GroupedGemmShape{E, M, H, F}, act_out_.get(), fc2_.get(), expert_out_.get(), offsets_.get(), stream);
+        gemm_.nt(GroupedGemmShape{E, M, H, F}, act_out_.get(), buf_.fc2, expert_out_.get(), offsets_.get(), stream);
         mark(stream, 0, LayerStage::fc2, false);
         mark(stream, 0, LayerStage::combine, true);
         combine_forward<R>(plan(), H, expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
-                           shape_.has_shared && shape_.shared.has_gate ? s_gate_.get() : nullptr, output_.get(),
+                           shape_.has_shared && shape_.shared.has_gate ? s_gate_.get() : nullptr, buf_.output,
                            stream);
         mark(stream, 0, LayerStage::combine, false);
     }
 
-    void backward(cudaStream_t stream) override {
+    void backward(cudaStream_t stream, const BackwardOptions& options) override {
         const RouterShape& r = shape_.router;
+        const bool acc = options.accumulate_param_grads;
         const int64_t H = r.hidden, E = r.num_experts, M = shape_.max_rows, F = shape_.ffn, F1 = shape_.fc1_rows;
         mark(stream, 1, LayerStage::combine, true);
-        combine_backward<R>(plan(), H, grad_output_.get(), grad_rows_.get(), stream);
+        combine_backward<R>(plan(), H, buf_.grad_output, grad_rows_.get(), stream);
         mark(stream, 1, LayerStage::combine, false);
         mark(stream, 1, LayerStage::fc2, true);
-        gemm_.nn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), fc2_.get(), grad_act_.get(), offsets_.get(), stream);
-        gemm_.tn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), act_out_.get(), grad_fc2_.get(), offsets_.get(), false,
+        gemm_.nn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), buf_.fc2, grad_act_.get(), offsets_.get(), stream);
+        gemm_.tn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), act_out_.get(), buf_.grad_fc2, offsets_.get(), acc,
                  stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
@@ -131,26 +154,27 @@ public:
                                grad_fc1_out_.get(), grad_row_probs_.get(), stream);
         mark(stream, 1, LayerStage::activation, false);
         mark(stream, 1, LayerStage::fc1, true);
-        gemm_.nn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), fc1_.get(), grad_x_rows_.get(), offsets_.get(),
+        gemm_.nn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(), offsets_.get(),
                  stream);
-        gemm_.tn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), rows_.get(), grad_fc1_.get(), offsets_.get(),
-                 false, stream);
+        gemm_.tn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), rows_.get(), buf_.grad_fc1, offsets_.get(),
+                 acc, stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
-        permute_rows_backward<R>(plan(), H, grad_x_rows_.get(), grad_input_.get(), false, stream);
+        permute_rows_backward<R>(plan(), H, grad_x_rows_.get(), buf_.grad_input, options.accumulate_grad_input,
+                                 stream);
         mark(stream, 1, LayerStage::permute, false);
         if (shape_.has_shared) {
             mark(stream, 1, LayerStage::shared_expert, true);
-            shared_expert_backward(shape_.shared, shared_tensors(), gemm_, grad_output_.get(), grad_input_.get(),
-                                   stream);
+            shared_expert_backward(shape_.shared, shared_tensors(), gemm_, buf_.grad_output, buf_.grad_input,
+                                   stream, acc);
             mark(stream, 1, LayerStage::shared_expert, false);
         }
         mark(stream, 1, LayerStage::router, true);
         scatter_row_probs_grad<R>(plan(), map_.get(), grad_row_probs_.get(), grad_probs_.get(), stream);
         router_backward_probs<R>(r, router_tensors(), grad_probs_.get(), grad_logits_.get(), stream);
         if (training_) losses_backward<R>(r, shape_.loss, loss_tensors(), grad_logits_.get(), stream);
-        router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), grad_router_weight_.get(), grad_input_.get(),
-                                  hidden_r_.get(), cublas_, stream);
+        router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), buf_.grad_router_weight, buf_.grad_input,
+                                  hidden_r_.get(), cublas_, stream, acc);
         mark(stream, 1, LayerStage::router, false);
     }
 
@@ -178,16 +202,15 @@ private:
         return ActivationShape{shape_.max_rows, shape_.ffn, shape_.gated_linear_unit, shape_.act};
     }
     RouterTensors<R> router_tensors() {
-        RouterTensors<R> t{hidden_.get(),   router_weight_.get(), shape_.router.has_expert_bias ? expert_bias_.get() : nullptr,
-                           mask_.get(),     hidden_r_.get(),      weight_r_.get(),
-                           logits_.get(),   topk_idx_.get(),      probs_.get(),
-                           map_.get()};
-        t.jitter_seed = jitter_seed_.get(), t.sinkhorn = sinkhorn_.get(), t.sinkhorn_d0 = sinkhorn_d0_.get();
+        R* bias = shape_.router.has_expert_bias ? static_cast<R*>(buf_.expert_bias) : nullptr;
+        RouterTensors<R> t{buf_.hidden,   buf_.router_weight, bias,         buf_.padding_mask, hidden_r_.get(),
+                           weight_r_.get(), logits_.get(),    topk_idx_.get(), probs_.get(),    map_.get()};
+        t.jitter_seed = buf_.jitter_seed, t.sinkhorn = sinkhorn_.get(), t.sinkhorn_d0 = sinkhorn_d0_.get();
         return t;
     }
     LossTensors<R> loss_tensors() {
         LossTensors<R> t;
-        t.logits = logits_.get(), t.routing_map = map_.get(), t.padding_mask = mask_.get();
+        t.logits = logits_.get(), t.routing_map = map_.get(), t.padding_mask = buf_.padding_mask;
         t.aux_scores = aux_scores_.get(), t.aux_map = aux_map_.get(), t.lse = lse_.get();
         t.score_sums = score_sums_.get(), t.aux_counts = aux_counts_.get(), t.valid_counts = valid_counts_.get();
         t.grad_coeff = grad_coeff_.get(), t.z_grad_coeff = z_grad_coeff_.get(), t.losses = losses_.get();
@@ -205,13 +228,36 @@ private:
     }
     SharedExpertTensors shared_tensors() {
         SharedExpertTensors t;
-        t.offsets = shared_offsets_.get(), t.x = hidden_.get(), t.fc1 = shared_fc1_.get(), t.fc2 = shared_fc2_.get();
-        t.gate = shape_.shared.has_gate ? shared_gate_.get() : nullptr;
+        t.offsets = shared_offsets_.get(), t.x = buf_.hidden, t.fc1 = buf_.shared_fc1, t.fc2 = buf_.shared_fc2;
+        t.gate = shape_.shared.has_gate ? buf_.shared_gate : nullptr;
         t.fc1_out = s_fc1_out_.get(), t.act_out = s_act_.get(), t.out = s_out_.get(), t.gate_value = s_gate_.get();
         t.grad_out_gated = s_grad_out_.get(), t.grad_act = s_grad_act_.get(), t.grad_fc1_out = s_grad_fc1_out_.get();
         t.grad_x = s_grad_x_.get(), t.grad_gate_logit = s_grad_logit_.get(), t.grad_gate_partial = s_gate_partial_.get();
-        t.grad_fc1 = grad_shared_fc1_.get(), t.grad_fc2 = grad_shared_fc2_.get(), t.grad_gate = grad_shared_gate_.get();
+        t.grad_fc1 = buf_.grad_shared_fc1, t.grad_fc2 = buf_.grad_shared_fc2, t.grad_gate = buf_.grad_shared_gate;
         return t;
+    }
+    // Every buffer the layer owns (+ the cuBLAS workspace), and those forward fills for backward to read.
+    size_t allocated_bytes() const {
+        size_t n = 0;
+        auto add = [&](const auto&... bufs) { ((n += bufs.bytes()), ...); };
+        add(workspace_, hidden_, grad_output_, router_weight_, fc1_, fc2_, output_, mask_, map_, aux_map_);
+        add(expert_bias_, hidden_r_, weight_r_, logits_, probs_, aux_scores_, lse_, score_sums_, grad_coeff_);
+        add(z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_);
+        add(grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_, topk_idx_, aux_counts_, valid_counts_, ga_steps_);
+        add(counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_, shared_offsets_);
+        add(local_tokens_, global_tokens_, jitter_seed_, sinkhorn_, sinkhorn_d0_, rows_, fc1_out_, act_out_);
+        add(expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_, shared_fc1_, shared_fc2_, shared_gate_);
+        add(s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_, s_grad_fc1_out_, s_grad_x_, grad_shared_fc1_);
+        add(grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_);
+        return n;
+    }
+    size_t saved_bytes() const {
+        size_t n = 0;
+        auto add = [&](const auto&... bufs) { ((n += bufs.bytes()), ...); };
+        add(hidden_r_, weight_r_, logits_, probs_, map_, topk_idx_, aux_scores_, aux_map_, lse_, grad_coeff_);
+        add(z_grad_coeff_, counts_, offsets_, row_token_, row_prob_, token_offsets_, token_rows_, sinkhorn_);
+        add(rows_, fc1_out_, act_out_, s_fc1_out_, s_act_, s_out_, s_gate_);
+        return n;
     }
     void fill_buffers() {
         LayerBuffers& b = buf_;
@@ -316,14 +362,14 @@ std::string CudaLayerShape::to_string() const {
 }
 
 std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int64_t seq_length,
-                                                   int64_t micro_batch_size) {
+                                                   int64_t micro_batch_size, bool own_io) {
     MoeConfig c = config;
     c.normalize();
     MOEKIT_REQUIRE(!c.add_bias_linear, "--add-bias-linear: not supported on --device cuda");
     const CudaLayerShape shape = CudaLayerShape::from_config(c, seq_length, micro_batch_size);
     shape.router.validate();
-    if (shape.router_fp64) return std::make_unique<LayerImpl<double>>(shape);
-    return std::make_unique<LayerImpl<float>>(shape);
+    if (shape.router_fp64) return std::make_unique<LayerImpl<double>>(shape, own_io);
+    return std::make_unique<LayerImpl<float>>(shape, own_io);
 }
 
 }  // namespace moekit::cuda

@@ -18,6 +18,7 @@
 #include "cuda/router.cuh"
 #include "cuda/shared_expert.cuh"
 #include "moekit/config.h"
+#include "moekit/device_layer.h"
 #include "moekit/layer.h"
 
 namespace moekit::cuda {
@@ -37,7 +38,9 @@ struct CudaLayerShape {
     std::string to_string() const;
 };
 
-// Device pointers of a layer. "R" arrays are float or double (router_fp64).
+// Device pointers of a layer. "R" arrays are float or double (router_fp64). The inputs, parameters, outputs
+// and gradients ("I/O", down to grad_shared_gate) are the layer's own buffers when it was created with
+// own_io, otherwise the caller's memory given through bind(); the rest is the layer's workspace.
 struct LayerBuffers {
     // ---- inputs the caller fills ----
     __nv_bfloat16* hidden = nullptr;        // [T, H]
@@ -85,23 +88,37 @@ struct LayerBuffers {
     int32_t* ga_steps = nullptr;                 // [1]
 };
 
+// What backward does with existing gradient values.
+struct BackwardOptions {
+    bool accumulate_param_grads = false;  // parameter grads += (Megatron's main_grad) instead of =
+    bool accumulate_grad_input = false;   // grad_input += (a residual stream) instead of =
+};
+
 enum class LayerStage : int { router, permute, shared_expert, fc1, activation, fc2, combine, count };
 const char* layer_stage_name(LayerStage stage);
 using StageTimesMs = std::array<float, size_t(LayerStage::count)>;
 
 class CudaMoeLayer {
 public:
-    // Allocates everything; throws UsageError for configurations --device cuda does not support.
-    static std::unique_ptr<CudaMoeLayer> create(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
+    // Allocates everything (the I/O buffers only with own_io); throws UsageError for configurations
+    // --device cuda does not support.
+    static std::unique_ptr<CudaMoeLayer> create(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size,
+                                                bool own_io = true);
     virtual ~CudaMoeLayer() = default;
 
     virtual const CudaLayerShape& shape() const = 0;
     virtual const LayerBuffers& buffers() const = 0;
     virtual void set_expert_gemm(const ExpertGemm& gemm) = 0;
+    // Points the I/O fields (hidden .. grad_shared_gate) at `io`'s; a null padding_mask or jitter_seed falls
+    // back to the layer's own (zeros). Host-side only: kernels enqueued afterwards use the new pointers.
+    virtual void bind(const LayerBuffers& io) = 0;
 
     // Enqueue only. training: losses, their gradients and the expert-bias/global-aux trackers.
     virtual void forward(cudaStream_t stream, bool training) = 0;
-    virtual void backward(cudaStream_t stream) = 0;
+    virtual void backward(cudaStream_t stream, const BackwardOptions& options = {}) = 0;
+
+    // Bytes of the layer's own allocations (workspace) and of the part saved from forward to backward.
+    virtual LayerMemory memory() const = 0;
 
     // Per-stage cudaEvent timing of eager steps (off by default; not while capturing).
     virtual void enable_stage_timing(bool on) = 0;

@@ -375,17 +375,27 @@ void router_backward_probs(const RouterShape& s, const RouterTensors<R>& t, cons
 
 template <typename R>
 void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, const R* grad_logits, float* grad_weight,
-                            float* grad_input, R* scratch, cublasHandle_t cublas, cudaStream_t stream) {
+                            float* grad_input, R* scratch, cublasHandle_t cublas, cudaStream_t stream,
+                            bool accumulate) {
     const int T = int(s.num_tokens), E = int(s.num_experts), H = int(s.hidden);
+    const float beta_w = accumulate ? 1.0f : 0.0f;
+    // dW from an R-typed product in scratch: copied, or added when accumulating into a main grad.
+    auto weight_grad_from_scratch = [&] {
+        if (accumulate) {
+            add_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
+        } else {
+            copy_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
+        }
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    };
     MOEKIT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
     if (s.jitter_eps > 0) {
         // dX += (dL · W) * jitter: the product goes through scratch (after dW has read x_R).
         if constexpr (sizeof(R) == sizeof(float)) {
-            gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, 0.0f, grad_weight, H);
+            gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, beta_w, grad_weight, H);
         } else {
             gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, R(0), scratch, H);
-            copy_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
-            MOEKIT_CUDA_LAUNCH_CHECK();
+            weight_grad_from_scratch();
         }
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, R(0), scratch, H);
         add_jittered_kernel<R><<<grid_for(int64_t(T) * H), 256, 0, stream>>>(scratch, grad_input, int64_t(T) * H,
@@ -393,12 +403,11 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
         MOEKIT_CUDA_LAUNCH_CHECK();
     } else if constexpr (sizeof(R) == sizeof(float)) {
         // dW [E, H] = dLᵀ [E, T] · x [T, H]; dX [T, H] += dL [T, E] · W [E, H].
-        gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, 0.0f, grad_weight, H);
+        gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, beta_w, grad_weight, H);
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, 1.0f, grad_input, H);
     } else {
         gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, R(0), scratch, H);
-        copy_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
-        MOEKIT_CUDA_LAUNCH_CHECK();
+        weight_grad_from_scratch();
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, R(0), scratch, H);
         add_to_float_kernel<R><<<grid_for(int64_t(T) * H), 256, 0, stream>>>(scratch, grad_input, int64_t(T) * H);
         MOEKIT_CUDA_LAUNCH_CHECK();
@@ -411,7 +420,7 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
     template void router_backward_probs<R>(const RouterShape&, const RouterTensors<R>&, const R*, R*,             \
                                            cudaStream_t);                                                         \
     template void router_backward_linear<R>(const RouterShape&, const RouterTensors<R>&, const R*, float*, float*, \
-                                            R*, cublasHandle_t, cudaStream_t);
+                                            R*, cublasHandle_t, cudaStream_t, bool);
 MOEKIT_INSTANTIATE_ROUTER(float)
 MOEKIT_INSTANTIATE_ROUTER(double)
 

@@ -87,12 +87,12 @@ template <typename R>
 void router_backward_probs(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_probs, R* grad_logits,
                            cudaStream_t stream);
 
-// Gating linear backward: grad_weight [E, H] fp32 = grad_logitsᵀ · x_R (overwritten);
+// Gating linear backward: grad_weight [E, H] fp32 = grad_logitsᵀ · x_R (overwritten, or += when accumulate);
 // grad_input [T, H] fp32 += (grad_logits · W_R) * jitter. scratch: [T, H] R (used when R = double
 // or with jitter; may alias t.hidden_r, which is read before scratch is written).
 template <typename R>
 void router_backward_linear(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_logits,
                             float* grad_weight, float* grad_input, R* scratch, cublasHandle_t cublas,
-                            cudaStream_t stream);
+                            cudaStream_t stream, bool accumulate = false);
 
 }  // namespace moekit::cuda

@@ -56,12 +56,12 @@ __global__ void gate_weight_partial_kernel(int64_t T, int64_t H, const float* __
 }
 
 __global__ void gate_weight_reduce_kernel(int64_t chunks, int64_t H, const float* __restrict__ partial,
-                                          float* __restrict__ grad_gate) {
+                                          float* __restrict__ grad_gate, bool accumulate) {
     const int64_t h = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (h >= H) return;
     float acc = 0.0f;
     for (int64_t c = 0; c < chunks; ++c) acc += partial[c * H + h];
-    grad_gate[h] = acc;
+    grad_gate[h] = accumulate ? grad_gate[h] + acc : acc;
 }
 
 __global__ void add_input_grad_kernel(int64_t T, int64_t H, const __nv_bfloat16* __restrict__ grad_x,
@@ -91,7 +91,8 @@ void shared_expert_forward(const SharedExpertShape& s, const SharedExpertTensors
 }
 
 void shared_expert_backward(const SharedExpertShape& s, const SharedExpertTensors& t, const ExpertGemm& gemm,
-                            const __nv_bfloat16* grad_out, float* grad_input, cudaStream_t stream) {
+                            const __nv_bfloat16* grad_out, float* grad_input, cudaStream_t stream,
+                            bool accumulate_grads) {
     const int64_t T = s.num_tokens, H = s.hidden, F = s.ffn, F1 = s.fc1_rows();
     const __nv_bfloat16* gy = grad_out;
     if (s.has_gate) {
@@ -103,18 +104,18 @@ void shared_expert_backward(const SharedExpertShape& s, const SharedExpertTensor
             T, H, t.grad_gate_logit, t.x, t.grad_gate_partial);
         MOEKIT_CUDA_LAUNCH_CHECK();
         gate_weight_reduce_kernel<<<int(ceil_div(H, 256)), 256, 0, stream>>>(chunks, H, t.grad_gate_partial,
-                                                                             t.grad_gate);
+                                                                             t.grad_gate, accumulate_grads);
         MOEKIT_CUDA_LAUNCH_CHECK();
         gy = t.grad_out_gated;
     }
     // fc2: d act = gy · W2 [H, F]; dW2 [H, F] = gyᵀ · act.
     gemm.nn(GroupedGemmShape{1, T, F, H}, gy, t.fc2, t.grad_act, t.offsets, stream);
-    gemm.tn(GroupedGemmShape{1, T, F, H}, gy, t.act_out, t.grad_fc2, t.offsets, false, stream);
+    gemm.tn(GroupedGemmShape{1, T, F, H}, gy, t.act_out, t.grad_fc2, t.offsets, accumulate_grads, stream);
     activation_backward<float>(ActivationShape{T, F, s.gated_linear_unit, s.act}, nullptr, t.fc1_out, nullptr,
                                t.grad_act, t.grad_fc1_out, nullptr, stream);
     // fc1: dx = d fc1_out · W1 [F1, H]; dW1 [F1, H] = d fc1_outᵀ · x.
     gemm.nn(GroupedGemmShape{1, T, H, F1}, t.grad_fc1_out, t.fc1, t.grad_x, t.offsets, stream);
-    gemm.tn(GroupedGemmShape{1, T, H, F1}, t.grad_fc1_out, t.x, t.grad_fc1, t.offsets, false, stream);
+    gemm.tn(GroupedGemmShape{1, T, H, F1}, t.grad_fc1_out, t.x, t.grad_fc1, t.offsets, accumulate_grads, stream);
     const int grid = int(std::min<int64_t>(ceil_div(T * H, 256), 4096));
     add_input_grad_kernel<<<grid, 256, 0, stream>>>(T, H, t.grad_x, s.has_gate ? t.grad_gate_logit : nullptr, t.gate,
                                                     grad_input);

@@ -47,8 +47,9 @@ struct SharedExpertTensors {
 void shared_expert_forward(const SharedExpertShape& shape, const SharedExpertTensors& t, const ExpertGemm& gemm,
                            cudaStream_t stream);
 
-// grad_input [T, H] fp32 += d/dx; parameter grads overwritten.
+// grad_input [T, H] fp32 += d/dx; parameter grads overwritten (or += when accumulate_grads).
 void shared_expert_backward(const SharedExpertShape& shape, const SharedExpertTensors& t, const ExpertGemm& gemm,
-                            const __nv_bfloat16* grad_out, float* grad_input, cudaStream_t stream);
+                            const __nv_bfloat16* grad_out, float* grad_input, cudaStream_t stream,
+                            bool accumulate_grads = false);
 
 }  // namespace moekit::cuda

@@ -1,8 +1,12 @@
-// Picks the backend that runs a layer: "cpu" (reference) or "cuda" (CUDA builds only).
+// Picks the backend that runs a layer: "cpu" (reference) or "cuda" (CUDA builds only), for the view API
+// (Layer::create) and the host-matrix adapter (make_layer_runner).
+#include "cpu/device_layer.h"
 #include "cpu/layer_runner.h"
+#include "moekit/device_layer.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
 #ifdef MOEKIT_WITH_CUDA
+#include "cuda/device_layer.h"
 #include "cuda/layer_runner.h"
 #endif
 
@@ -13,6 +17,18 @@ bool cuda_device_available() {
     return cuda::device_count() > 0;
 #else
     return false;
+#endif
+}
+
+std::unique_ptr<Layer> Layer::create(const MoeConfig& config, const LayerBounds& bounds, Backend backend,
+                                     int device) {
+    if (backend == Backend::cpu) return cpu::make_cpu_layer(config, bounds);
+#ifdef MOEKIT_WITH_CUDA
+    MOEKIT_REQUIRE(cuda::device_count() > 0, "Layer::create(cuda): no CUDA device is visible on this machine");
+    return cuda::make_cuda_layer(config, bounds, device);
+#else
+    (void)device;
+    throw UsageError("Layer::create(cuda): this moekit was built without CUDA (no nvcc at configure time)");
 #endif
 }
 
