@@ -1,24 +1,30 @@
-// `moekit train`: the main job. A residual stack of moekit MoE layers learns to imitate a frozen random
-// MoE teacher (MSE on fresh random tokens, Adam), on the CPU reference or the CUDA backend. Shows a
-// progress bar, prints a summary and writes report.json + train.png. Loop: src/train/trainer.cpp.
+// `moekit train`: the main job. A residual stack of moekit MoE layers learns to imitate a frozen random MoE teacher
+// (MSE on fresh random tokens, Adam), on the CPU reference or, with --device cuda, device-resident on the GPU
+// with one CUDA graph per iteration. Shows a progress bar, prints a summary and writes report.json + train.png;
+// --save/--load checkpoints. Loop: src/train/trainer.cpp; docs: docs/train.md.
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "command.h"
 #include "core/flags.h"
+#include "io/atomic_file.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
 #include "train/report.h"
+#include "train/train_engine.h"
 #include "train/trainer.h"
 
 namespace moekit::tools {
 namespace {
 
-// The demo's defaults: small enough for ~a minute on 2 CPU cores, large enough to show routing.
+// The CPU demo's defaults: small enough for ~a minute on 2 CPU cores, large enough to show routing.
 MoeConfig demo_config() {
     MoeConfig c;
     c.hidden_size = 64;
@@ -35,6 +41,23 @@ MoeConfig demo_config() {
     return c;
 }
 
+// The GPU's defaults (--device cuda): enough work per step to keep an H100 busy — 8192 tokens, 64 experts of
+// FFN 512 (SwiGLU), top-8, hidden 1024, 4 layers: ~0.6 TFLOP of expert GEMMs per layer per step.
+MoeConfig gpu_config() {
+    MoeConfig c = demo_config();
+    c.hidden_size = 1024;
+    c.num_moe_experts = 64;
+    c.moe_ffn_hidden_size = 512;
+    c.moe_router_topk = 8;
+    c.num_layers = 4;
+    c.seq_length = 2048;
+    c.micro_batch_size = 4;
+    return c;
+}
+
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
 std::string balance_string(const train::StepRecord& rec) {
     std::string s;
     for (size_t l = 0; l < rec.tokens_per_expert.size(); ++l) {
@@ -45,46 +68,135 @@ std::string balance_string(const train::StepRecord& rec) {
     return s;
 }
 
-int run_train(const std::vector<std::string>& args) {
+struct TrainArgs {
     train::TrainOptions o;
-    o.config = demo_config();
     std::string out_dir = "moekit-train";
-    std::string device = cuda_device_available() ? "cuda" : "cpu";
+    std::string device;
     int64_t log_every = 10;
-    FlagParser p("moekit train [flags]: a residual MoE stack learns a frozen random MoE teacher (MSE, Adam)");
-    add_moe_flags(p, o.config);
-    p.section("training");
-    p.add("--steps", &o.steps, "optimizer steps");
-    p.add("--lr", &o.adam.lr, "Adam learning rate");
-    p.add("--adam-beta1", &o.adam.beta1, "Adam beta1");
-    p.add("--adam-beta2", &o.adam.beta2, "Adam beta2");
-    p.add("--adam-eps", &o.adam.eps, "Adam epsilon");
-    p.add("--eval-every", &o.eval_every, "held-out evaluation every N steps (0 = never)");
-    p.add("--teacher-gain", &o.teacher_gain, "teacher expert weights = gain x Megatron init");
-    p.add("--device", &device, "cpu | cuda (default: cuda when a GPU is present)");
-    p.add("--out-dir", &out_dir, "where report.json and train.png go");
-    p.add("--log-every", &log_every, "progress line every N steps when stderr is not a terminal");
-    if (!p.parse(args)) return 0;
-    o.config.normalize();
-    o.config.validate();
-    o.device = device;
-    o.seed = o.config.seed;
-    MOEKIT_REQUIRE(log_every > 0, "--log-every=", log_every, ": must be positive");
-    MOEKIT_REQUIRE(o.adam.lr > 0, "--lr=", o.adam.lr, ": must be positive");
-    MOEKIT_REQUIRE(o.teacher_gain > 0, "--teacher-gain=", o.teacher_gain, ": must be positive");
+    bool overwrite = false;
+    bool cuda_graph = true;
+};
 
-    print_config(o.config);
+// Returns false when --help was printed.
+bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, TrainArgs& a) {
+    a.o.config = defaults;
+    FlagParser p("moekit train [flags]: a residual MoE stack learns a frozen random MoE teacher (MSE, Adam)");
+    add_moe_flags(p, a.o.config);
+    p.section("training");
+    p.add("--steps", &a.o.steps, "optimizer steps");
+    p.add("--lr", &a.o.adam.lr, "Adam learning rate");
+    p.add("--adam-beta1", &a.o.adam.beta1, "Adam beta1, in [0, 1)");
+    p.add("--adam-beta2", &a.o.adam.beta2, "Adam beta2, in [0, 1)");
+    p.add("--adam-eps", &a.o.adam.eps, "Adam epsilon, > 0");
+    p.add("--eval-every", &a.o.eval_every, "held-out evaluation every N steps (0 = never)");
+    p.add("--teacher-gain", &a.o.teacher_gain, "teacher expert weights = gain x Megatron init, in (0, 1000]");
+    p.add("--device", &a.device, "cpu | cuda (default: cuda when a GPU is present; cuda also picks a GPU-sized model)");
+    p.add("--out-dir", &a.out_dir, "where report.json and train.png go");
+    p.add("--overwrite", &a.overwrite, "replace an earlier run's report in --out-dir");
+    p.add("--log-every", &a.log_every, "records reach the host (and the log) every N steps");
+    p.add("--save", &a.o.save_dir, "checkpoint folder (Megatron layout: iter_NNNNNNN/, latest_checkpointed_iteration.txt)");
+    p.add("--save-interval", &a.o.save_interval, "steps between checkpoints (0: only at the end)");
+    p.add("--load", &a.o.load_dir, "continue from the latest checkpoint in this folder");
+    p.add("--cuda-graph", &a.cuda_graph, "cuda: replay one captured CUDA graph per iteration (--no-cuda-graph: eager)");
+    p.add("--host-loop", &a.o.host_loop, "[moekit] cuda: the old host loop (weights and activations copied every call)");
+    return p.parse(args);
+}
+
+void validate(const TrainArgs& a) {
+    const train::TrainOptions& o = a.o;
+    auto finite_in = [](double v, double lo, double hi) { return std::isfinite(v) && v >= lo && v <= hi; };
+    MOEKIT_REQUIRE(o.steps >= 1 && o.steps <= 1'000'000'000, "--steps=", o.steps, ": must be in [1, 1e9]");
+    MOEKIT_REQUIRE(finite_in(o.adam.lr, 0, 10) && o.adam.lr > 0, "--lr=", o.adam.lr, ": must be finite, in (0, 10]");
+    MOEKIT_REQUIRE(finite_in(o.adam.beta1, 0, 1) && o.adam.beta1 < 1, "--adam-beta1=", o.adam.beta1,
+                   ": must be in [0, 1)");
+    MOEKIT_REQUIRE(finite_in(o.adam.beta2, 0, 1) && o.adam.beta2 < 1, "--adam-beta2=", o.adam.beta2,
+                   ": must be in [0, 1)");
+    MOEKIT_REQUIRE(finite_in(o.adam.eps, 0, 1) && o.adam.eps > 0, "--adam-eps=", o.adam.eps, ": must be in (0, 1]");
+    MOEKIT_REQUIRE(o.eval_every >= 0, "--eval-every=", o.eval_every, ": must not be negative (0 = never)");
+    MOEKIT_REQUIRE(finite_in(o.teacher_gain, 0, 1000) && o.teacher_gain > 0, "--teacher-gain=", o.teacher_gain,
+                   ": must be in (0, 1000]");
+    MOEKIT_REQUIRE(a.log_every >= 1, "--log-every=", a.log_every, ": must be positive");
+    MOEKIT_REQUIRE(o.save_interval >= 0, "--save-interval=", o.save_interval, ": must not be negative");
+    MOEKIT_REQUIRE(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval=", o.save_interval, ": needs --save");
+    MOEKIT_REQUIRE(a.device == "cpu" || a.device == "cuda", "--device=", a.device, ": must be cpu or cuda");
+    MOEKIT_REQUIRE(!o.host_loop || a.device == "cuda", "--host-loop: only with --device cuda");
+}
+
+// --out-dir is usable before the first step: created, writable, and not holding an earlier run's report.
+void check_out_dir(const TrainArgs& a) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::create_directories(a.out_dir, ec);
+    MOEKIT_REQUIRE(!ec && fs::is_directory(a.out_dir), "--out-dir=", a.out_dir, ": cannot create the folder (",
+                   ec ? ec.message() : "a file of that name exists", ")");
+    MOEKIT_REQUIRE(a.overwrite || !fs::exists(a.out_dir + "/report.json"), "--out-dir=", a.out_dir,
+                   ": holds the report of an earlier run; give --overwrite to replace it, or another --out-dir");
+    const std::string probe = a.out_dir + "/.moekit-write-probe";
+    try {
+        io::write_file_atomically(probe, "probe\n");
+    } catch (const UsageError& e) {
+        throw UsageError(str("--out-dir=", a.out_dir, ": not writable (", e.what(), ")"));
+    }
+    fs::remove(probe, ec);
+    if (!a.o.save_dir.empty()) {
+        MOEKIT_REQUIRE(fs::weakly_canonical(a.o.save_dir, ec) != fs::weakly_canonical(a.out_dir, ec), "--save=",
+                       a.o.save_dir, " and --out-dir=", a.out_dir, " must be different folders");
+    }
+}
+
+void print_perf(const train::EngineReport& r) {
+    auto gib = [](int64_t b) { return double(b) / double(1 << 30); };
+    if (r.device_bytes > 0)
+        std::printf("  device memory: %.2f GiB allocated by moekit (%.2f GiB used incl. cuBLAS and graphs); "
+                    "one layer's workspace %.1f MiB, saved activations %.0f bytes/token\n",
+                    gib(r.device_bytes), gib(r.device_used_bytes), double(r.layer_workspace_bytes) / (1 << 20),
+                    r.saved_bytes_per_token);
+    if (r.iteration_ms > 0) {
+        std::printf("  iteration (one CUDA graph) %.3f ms; its parts timed alone sum to %.3f ms (ratio %.3f)\n"
+                    "    parts: %s\n",
+                    r.iteration_ms, r.parts_ms, r.iteration_ms / r.parts_ms, r.parts.c_str());
+        std::printf("  expert GEMMs %.1f TFLOP/s (%.3f ms per iteration) vs dense cuBLAS %.1f TFLOP/s in this run: "
+                    "%.2f of dense; whole iteration %.1f TFLOP/s of expert GEMMs\n",
+                    r.expert_gemm_tflops, r.expert_gemm_ms, r.dense_cublas_tflops,
+                    r.expert_gemm_tflops / std::max(r.dense_cublas_tflops, 1e-9), r.model_tflops);
+    }
+}
+
+int run_train(const std::vector<std::string>& args) {
+    // From the start: a signal at any point stops the run after its current step (or before the first).
+    std::signal(SIGINT, on_stop_signal);
+    std::signal(SIGTERM, on_stop_signal);
+    TrainArgs a;
+    if (!parse(args, demo_config(), a)) return 0;
+    if (a.device.empty()) a.device = cuda_device_available() ? "cuda" : "cpu";
+    if (a.device == "cuda") {  // the GPU-sized model unless flags say otherwise
+        const std::string device = a.device;
+        a = TrainArgs{};
+        parse(args, gpu_config(), a);
+        a.device = device;
+    }
+    a.o.config.normalize();
+    a.o.config.validate();
+    validate(a);
+    a.o.device = a.device;
+    a.o.seed = a.o.config.seed;
+    a.o.log_interval = a.log_every;
+    a.o.use_graph = a.cuda_graph;
+    check_out_dir(a);
+
+    print_config(a.o.config);
     std::printf("moekit train: %s, %lld layers, %lld tokens/step, %lld steps; task: imitate a random MoE teacher\n",
-                device.c_str(), (long long)o.config.num_layers,
-                (long long)(o.config.seq_length * o.config.micro_batch_size), (long long)o.steps);
+                a.device.c_str(), (long long)a.o.config.num_layers,
+                (long long)(a.o.config.seq_length * a.o.config.micro_batch_size), (long long)a.o.steps);
     std::fflush(stdout);
 
     const bool tty = isatty(fileno(stderr));
     double tokens_per_s_avg = 0;
+    int64_t shown = 0;
     auto progress = [&](const train::TrainOptions& opt, const train::StepRecord& rec) {
-        tokens_per_s_avg = rec.step == 1 ? rec.tokens_per_s : 0.9 * tokens_per_s_avg + 0.1 * rec.tokens_per_s;
+        tokens_per_s_avg = shown++ == 0 ? rec.tokens_per_s : 0.9 * tokens_per_s_avg + 0.1 * rec.tokens_per_s;
         const bool last = rec.step == opt.steps;
-        if (!tty && rec.step % log_every != 0 && rec.step != 1 && !last) return;
+        if (!tty && rec.step % a.log_every != 0 && rec.step != 1 && !last) return;
         const int bar_width = 24, filled = int(bar_width * rec.step / opt.steps);
         std::string bar = std::string(size_t(filled), '#') + std::string(size_t(bar_width - filled), '.');
         std::fprintf(stderr, "%s[%s] %5lld/%lld  loss %.4f  aux %.4f  %7.0f tok/s  balance(max/mean) %s%s",
@@ -92,19 +204,36 @@ int run_train(const std::vector<std::string>& args) {
                      tokens_per_s_avg, balance_string(rec).c_str(), tty && !last ? "" : "\n");
         std::fflush(stderr);
     };
-    const train::TrainResult r = train::run_training(o, progress);
-    train::write_report(out_dir, o, r);
+    a.o.stop_signal = &g_stop_signal;
+    const train::TrainResult r = train::run_training(a.o, progress);
+    std::signal(SIGINT, SIG_DFL);
+    std::signal(SIGTERM, SIG_DFL);
+    train::write_report(a.out_dir, a.o, r);
 
-    const auto& first = r.steps.front();
-    const auto& last = r.steps.back();
-    double tokens = double(r.tokens_per_step) * double(r.steps.size());
-    std::printf("\nsummary\n");
-    std::printf("  loss (MSE / identity MSE): %.4f -> %.4f (%.1f%% of the start)\n", first.loss, last.loss,
-                100.0 * last.loss / first.loss);
-    if (last.eval_loss >= 0) std::printf("  held-out loss: %.4f\n", last.eval_loss);
-    std::printf("  %.1f s, %.0f tokens/s on %s\n", r.seconds, tokens / std::max(r.seconds, 1e-9), device.c_str());
-    std::printf("  expert load max/mean per layer at the end: %s\n", balance_string(last).c_str());
-    std::printf("  wrote %s/report.json and %s/train.png\n", out_dir.c_str(), out_dir.c_str());
+    if (tty) std::fprintf(stderr, "\n");
+    if (r.steps.empty()) {
+        std::printf("moekit train: no step finished; wrote %s/report.json\n", a.out_dir.c_str());
+    } else {
+        const auto& first = r.steps.front();
+        const auto& last = r.steps.back();
+        const int64_t run_steps = last.step - r.resumed_from;
+        std::printf("\nsummary (%s)\n", r.engine.c_str());
+        if (r.resumed_from > 0) std::printf("  resumed from the checkpoint of step %lld\n", (long long)r.resumed_from);
+        std::printf("  loss (MSE / identity MSE): %.4f -> %.4f (%.1f%% of the start)\n", first.loss, last.loss,
+                    100.0 * last.loss / first.loss);
+        if (last.eval_loss >= 0) std::printf("  held-out loss: %.4f\n", last.eval_loss);
+        std::printf("  %.2f s, %.0f tokens/s on %s\n", r.seconds,
+                    double(r.tokens_per_step) * double(run_steps) / std::max(r.seconds, 1e-9), a.device.c_str());
+        std::printf("  expert load max/mean per layer at the end: %s\n", balance_string(last).c_str());
+        if (r.perf) print_perf(*r.perf);
+        std::printf("  wrote %s/report.json and %s/train.png\n", a.out_dir.c_str(), a.out_dir.c_str());
+    }
+    if (!r.failure.empty()) throw Error(r.failure);
+    if (r.signal) {
+        std::printf("moekit train: stopped by signal %d after step %lld; the report says so\n", r.signal,
+                    (long long)(r.steps.empty() ? 0 : r.steps.back().step));
+        return 128 + r.signal;
+    }
     return 0;
 }
 

@@ -35,6 +35,14 @@ __global__ void update_expert_bias_kernel(int64_t E, double rate, double* __rest
     }
 }
 
+// The checks below are host queries that neither enqueue nor wait; this thread's capture mode is relaxed
+// around them so that a first call made while the caller captures a graph in global mode may run them.
+struct RelaxedCapture {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+    ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+};
+
 class CudaLayerImpl final : public CudaLayer {
 public:
     CudaLayerImpl(const MoeConfig& config, const LayerBounds& bounds, int device) : bounds_(bounds), device_(device) {
@@ -140,6 +148,7 @@ private:
     void check_memory(const char* name, const TensorView& v) {
         if (v.empty() || checked_.count(v.data)) return;
         cudaPointerAttributes attr{};
+        const RelaxedCapture relaxed;
         const cudaError_t err = cudaPointerGetAttributes(&attr, v.data);
         if (err != cudaSuccess) cudaGetLastError();
         MOEKIT_REQUIRE(err == cudaSuccess && (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged),
@@ -151,6 +160,7 @@ private:
     void check_stream(Stream s) {
         if (s.handle == nullptr || checked_streams_.count(s.handle)) return;
         int dev = -1;
+        const RelaxedCapture relaxed;
         MOEKIT_CUDA_CHECK(cudaStreamGetDevice(cuda_stream(s), &dev));
         MOEKIT_REQUIRE(dev == device_, "stream: belongs to cuda:", dev, ", but this layer runs on cuda:", device_);
         checked_streams_.insert(s.handle);

@@ -2,6 +2,8 @@
 // blocks with Adler-32) and the drawing primitives declared in png.h. Test: tests/cpu/test_png.cpp.
 #include "io/png.h"
 
+#include "io/atomic_file.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -124,10 +126,7 @@ std::vector<uint8_t> encode_png(const Image& image) {
 
 void write_png(const std::string& path, const Image& image) {
     const std::vector<uint8_t> bytes = encode_png(image);
-    std::ofstream f(path, std::ios::binary);
-    MOEKIT_REQUIRE(f.good(), "cannot open ", path, " for writing");
-    f.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-    MOEKIT_REQUIRE(f.good(), "cannot write ", path);
+    write_file_atomically(path, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -35,6 +35,11 @@ public:
     // One update of all layers' weights from their gradients (same order on every call).
     void step(std::vector<MoeWeights<float>>& weights, const std::vector<MoeWeights<float>>& grads);
     int64_t steps() const { return step_; }
+    // The moments, one pair per parameter tensor in for_each_parameter order (empty before the first step),
+    // for checkpoints; restore() continues from them.
+    const std::vector<std::vector<float>>& first_moments() const { return m_; }
+    const std::vector<std::vector<float>>& second_moments() const { return v_; }
+    void restore(int64_t step, std::vector<std::vector<float>> m, std::vector<std::vector<float>> v);
 
 private:
     AdamOptions options_;

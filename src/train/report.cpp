@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/flags.h"
+#include "io/atomic_file.h"
 #include "io/png.h"
+#include "train/train_engine.h"
 #include "moekit/error.h"
 
 namespace moekit::train {
@@ -21,6 +23,27 @@ nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
     j["train"] = {{"steps", o.steps},           {"lr", o.adam.lr},          {"device", o.device},
                   {"seed", o.seed},             {"teacher_gain", o.teacher_gain},
                   {"tokens_per_step", r.tokens_per_step}};
+    j["engine"] = r.engine;
+    j["layout"] = {{"expert_model_parallel_size", o.config.expert_model_parallel_size}, {"ranks", 1},
+                   {"device", o.device}};
+    j["resumed_from"] = r.resumed_from;
+    j["completed"] = r.signal == 0 && r.failure.empty() && !r.steps.empty() && r.steps.back().step == o.steps;
+    if (r.signal) j["interrupted_by_signal"] = r.signal;
+    if (!r.failure.empty()) j["failure"] = r.failure;
+    if (r.perf) {
+        const EngineReport& p = *r.perf;
+        j["perf"] = {{"device_bytes", p.device_bytes},
+                     {"device_used_bytes", p.device_used_bytes},
+                     {"layer_workspace_bytes", p.layer_workspace_bytes},
+                     {"saved_activation_bytes_per_token", p.saved_bytes_per_token},
+                     {"iteration_ms", p.iteration_ms},
+                     {"parts_ms", p.parts_ms},
+                     {"parts", p.parts},
+                     {"expert_gemm_ms", p.expert_gemm_ms},
+                     {"expert_gemm_tflops", p.expert_gemm_tflops},
+                     {"dense_cublas_tflops", p.dense_cublas_tflops},
+                     {"iteration_expert_gemm_tflops", p.model_tflops}};
+    }
     j["identity_mse"] = r.identity_mse;
     j["seconds"] = r.seconds;
     nlohmann::json steps = nlohmann::json::array();
@@ -90,12 +113,10 @@ void write_report(const std::string& out_dir, const TrainOptions& options, const
     std::error_code ec;
     std::filesystem::create_directories(out_dir, ec);
     MOEKIT_REQUIRE(!ec, "--out-dir=", out_dir, ": cannot create the directory (", ec.message(), ")");
-    const std::string json_path = out_dir + "/report.json";
-    std::ofstream f(json_path);
-    MOEKIT_REQUIRE(f.good(), "--out-dir=", out_dir, ": cannot write ", json_path);
-    f << to_json(options, result).dump(1) << "\n";
-    MOEKIT_REQUIRE(f.good(), "--out-dir=", out_dir, ": failed writing ", json_path);
+    // The plot first, then the report: a report.json always has its train.png beside it, and each file is
+    // whole or absent (written beside, then renamed).
     io::write_png(out_dir + "/train.png", plot(options, result));
+    io::write_file_atomically(out_dir + "/report.json", to_json(options, result).dump(1) + "\n");
 }
 
 }  // namespace moekit::train

@@ -1,4 +1,6 @@
-// Teacher-student training loop over LayerRunners (see trainer.h for the task).
+// The training loop (trainer.h): picks the engine, resumes from --load, steps, evaluates, collects the
+// records at each logging interval (the GPU engine's only host reads), stops on a non-finite loss or
+// gradient (Megatron's check-for-nan-in-loss-and-grad) or a signal, and writes --save checkpoints.
 #include "train/trainer.h"
 
 #include <algorithm>
@@ -6,77 +8,53 @@
 #include <cmath>
 #include <memory>
 
-#include "core/rng.h"
 #include "moekit/error.h"
-#include "moekit/layer.h"
 #include "moekit/weights.h"
+#include "train/checkpoint.h"
+#include "train/train_engine.h"
+#include "train/train_task.h"
+
+#ifdef MOEKIT_WITH_CUDA
+#include "cuda/train_engine.h"
+#endif
 
 namespace moekit::train {
-namespace {
 
-constexpr uint64_t kEvalStream = 0xe7a1u;  // data stream of the held-out batch
-
-// A stack of residual MoE layers on one device.
-struct MoeStack {
-    std::vector<MoeWeights<float>> weights;
-    std::vector<std::unique_ptr<LayerRunner>> layers;
-
-    MoeStack(const MoeConfig& config, const std::string& device, uint64_t seed) {
-        for (int64_t l = 0; l < config.num_layers; ++l) {
-            weights.push_back(init_weights<float>(config, seed * 1000003u + uint64_t(l)));
-            layers.push_back(make_layer_runner(config, device));
-        }
-    }
-
-    // h <- h + MoE_l(h) for every layer.
-    Matrix<float> forward(LayerInput<float> in) {
-        for (size_t l = 0; l < layers.size(); ++l) {
-            Matrix<float> out = layers[l]->forward(weights[l], in);
-            for (size_t i = 0; i < out.data.size(); ++i) in.hidden.data[i] += out.data[i];
-        }
-        return in.hidden;
-    }
-
-    // d/dh_l = d/dh_{l+1} + MoE_l'ᵀ d/dh_{l+1}, from the last layer down; grads accumulate.
-    void backward(Matrix<float> grad, std::vector<MoeWeights<float>>& grads) {
-        for (size_t l = layers.size(); l-- > 0;) {
-            Matrix<float> through = layers[l]->backward(weights[l], grad, grads[l]);
-            for (size_t i = 0; i < grad.data.size(); ++i) grad.data[i] += through.data[i];
-        }
-    }
-};
-
-Matrix<float> random_tokens(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
-    Matrix<float> x(rows, cols);
-    for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = float(normal01(seed, stream, i));
-    return x;
+std::vector<MoeWeights<float>> student_weights(const TrainOptions& o) {
+    std::vector<MoeWeights<float>> w;
+    for (int64_t l = 0; l < o.config.num_layers; ++l) w.push_back(init_weights<float>(o.config, o.seed * 1000003u + uint64_t(l)));
+    return w;
 }
 
-double mse(const Matrix<float>& a, const Matrix<float>& b) {
-    double s = 0;
-    for (size_t i = 0; i < a.data.size(); ++i) s += double(a.data[i] - b.data[i]) * (a.data[i] - b.data[i]);
-    return s / double(std::max<size_t>(a.data.size(), 1));
+MoeWeights<float> zero_weights(const MoeConfig& c) {
+    MoeWeights<float> w;
+    const int64_t E = c.num_experts(), H = c.hidden_size, F = c.expert_ffn(), F1 = c.fc1_rows(), Fs = c.shared_ffn();
+    w.router_weight = Matrix<float>(E, H);
+    w.fc1.assign(size_t(E), Matrix<float>(F1, H));
+    w.fc2.assign(size_t(E), Matrix<float>(H, F));
+    if (Fs > 0) {
+        w.shared_fc1 = Matrix<float>(Fs * (c.gated_linear_unit ? 2 : 1), H);
+        w.shared_fc2 = Matrix<float>(H, Fs);
+        if (c.moe_shared_expert_gate) w.shared_gate = Matrix<float>(1, H);
+    }
+    return w;
 }
 
-// The teacher: same architecture, other seed, expert weights scaled by `gain` and a sharper router,
-// so its map is far from the identity and its experts differ clearly.
-MoeStack make_teacher(const TrainOptions& o) {
-    MoeConfig config = o.config;
-    MoeStack teacher(config, o.device, o.seed + 1);
+std::vector<MoeWeights<float>> teacher_weights(const TrainOptions& o) {
+    std::vector<MoeWeights<float>> ws;
     const float gain = float(o.teacher_gain);
-    for (auto& w : teacher.weights) {
+    for (int64_t l = 0; l < o.config.num_layers; ++l) {
+        MoeWeights<float> w = init_weights<float>(o.config, (o.seed + 1) * 1000003u + uint64_t(l));
         for (auto& v : w.router_weight.data) v *= 10.0f;
-        for (auto& m : w.fc1)
-            for (auto& v : m.data) v *= gain;
-        for (auto& m : w.fc2)
-            for (auto& v : m.data) v *= gain;
+        for (auto* ms : {&w.fc1, &w.fc2})
+            for (auto& m : *ms)
+                for (auto& v : m.data) v *= gain;
         for (auto& v : w.shared_fc1.data) v *= gain;
         for (auto& v : w.shared_fc2.data) v *= gain;
+        ws.push_back(std::move(w));
     }
-    return teacher;
+    return ws;
 }
-
-}  // namespace
 
 double load_imbalance(const std::vector<int64_t>& counts) {
     if (counts.empty()) return 1.0;
@@ -88,76 +66,86 @@ double load_imbalance(const std::vector<int64_t>& counts) {
     return total > 0 ? most / (total / double(counts.size())) : 1.0;
 }
 
+namespace {
+
+std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, std::string* name) {
+    if (o.device == "cuda" && !o.host_loop) {
+#ifdef MOEKIT_WITH_CUDA
+        *name = o.use_graph ? "device-resident, one CUDA graph per iteration" : "device-resident, eager";
+        return cuda::make_cuda_train_engine(o);
+#else
+        throw UsageError("--device cuda: this moekit was built without CUDA (no nvcc at configure time)");
+#endif
+    }
+    *name = o.device == "cuda" ? "host loop over the CUDA layer (host copies every call)" : "host loop (CPU reference)";
+    return make_host_engine(o);
+}
+
+}  // namespace
+
 TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
     const MoeConfig& config = o.config;
     config.validate();
     MOEKIT_REQUIRE(o.steps > 0, "--steps=", o.steps, ": must be positive");
     MOEKIT_REQUIRE(config.num_layers > 0, "--num-layers=", config.num_layers, ": must be positive");
     MOEKIT_REQUIRE(config.seq_length > 0, "--seq-length=", config.seq_length, ": must be positive for moekit train");
-
-    const int64_t num_tokens = config.seq_length * config.micro_batch_size, hidden = config.hidden_size;
-    MoeStack teacher = make_teacher(o);
-    MoeStack student(config, o.device, o.seed);
-    Adam adam(o.adam);
-
-    auto make_input = [&](Matrix<float> x, bool training) {
-        LayerInput<float> in;
-        in.hidden = std::move(x);
-        in.seq_length = config.seq_length;
-        in.micro_batch_size = config.micro_batch_size;
-        in.training = training;
-        return in;
-    };
-    auto teacher_targets = [&](const Matrix<float>& x) { return teacher.forward(make_input(x, false)); };
+    MOEKIT_REQUIRE(o.log_interval > 0, "--log-every=", o.log_interval, ": must be positive");
+    MOEKIT_REQUIRE(o.save_interval >= 0, "--save-interval=", o.save_interval, ": must not be negative");
+    MOEKIT_REQUIRE(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval=", o.save_interval,
+                   ": needs --save DIR");
 
     TrainResult result;
-    result.tokens_per_step = num_tokens;
-    const Matrix<float> eval_x = random_tokens(num_tokens, hidden, o.seed, kEvalStream);
-    const Matrix<float> eval_y = teacher_targets(eval_x);
-    result.identity_mse = mse(eval_x, eval_y);
-    MOEKIT_CHECK(result.identity_mse > 0, "the teacher must not be the identity");
+    result.tokens_per_step = config.seq_length * config.micro_batch_size;
+    std::unique_ptr<TrainEngine> engine = make_engine(o, &result.engine);
+    result.identity_mse = engine->identity_mse();
+    if (!o.load_dir.empty()) {
+        Checkpoint ck = load_checkpoint(o.load_dir, o);
+        MOEKIT_REQUIRE(ck.state.step <= o.steps, "--load=", o.load_dir, ": the checkpoint is at step ", ck.state.step,
+                       ", past --steps=", o.steps);
+        engine->load_state(ck.state);
+        result.resumed_from = ck.state.step;
+        result.steps = std::move(ck.history);
+    }
+
+    // Appends finished records; false (and result.failure set) when one is not finite.
+    auto take = [&](std::vector<StepRecord> records) {
+        for (StepRecord& rec : records) {
+            result.steps.push_back(std::move(rec));
+            const StepRecord& r = result.steps.back();
+            if (progress) progress(o, r);
+            const bool bad_eval = r.eval_loss != -1 && !std::isfinite(r.eval_loss);
+            if (result.failure.empty() && (!std::isfinite(r.loss) || !r.grads_finite || bad_eval)) {
+                const std::string what = !std::isfinite(r.loss) ? str("the loss is ", r.loss)
+                                         : !r.grads_finite      ? std::string("a gradient is not finite")
+                                                                : str("the held-out loss is ", r.eval_loss);
+                result.failure = str("step ", r.step, ": ", what, " (check-for-nan-in-loss-and-grad); training stopped");
+            }
+        }
+        return result.failure.empty();
+    };
 
     const auto start = std::chrono::steady_clock::now();
-    for (int64_t step = 1; step <= o.steps; ++step) {
-        const auto t0 = std::chrono::steady_clock::now();
-        Matrix<float> x = random_tokens(num_tokens, hidden, o.seed, uint64_t(step));
-        const Matrix<float> y = teacher_targets(x);
-        const double x_to_y = mse(x, y);
-
-        LayerInput<float> in = make_input(x, true);
-        in.jitter_seed = uint64_t(step);
-        const Matrix<float> pred = student.forward(std::move(in));
-        StepRecord rec;
-        rec.step = step;
-        rec.loss = mse(pred, y) / x_to_y;
-        for (auto& layer : student.layers) {
-            RoutingSummary s = layer->summary();
-            rec.tokens_per_expert.push_back(s.tokens_per_expert);
-            rec.aux_loss += s.losses.aux_loss + s.losses.seq_aux_loss + s.losses.global_aux_loss;
-            rec.z_loss += s.losses.z_loss;
+    for (int64_t step = result.resumed_from + 1; step <= o.steps; ++step) {
+        engine->step();
+        if (o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) engine->eval();
+        const bool stop = o.stop_signal && o.stop_signal->load() != 0;
+        const bool save = !o.save_dir.empty() && o.save_interval > 0 && step % o.save_interval == 0;
+        if (step % o.log_interval == 0 || save || stop) {
+            if (!take(engine->collect(save || stop))) break;
         }
-
-        // d MSE / d pred, on the normalised loss so the step size does not depend on the teacher's scale.
-        Matrix<float> grad(pred.rows, pred.cols);
-        const double scale = 2.0 / (double(pred.data.size()) * x_to_y);
-        for (size_t i = 0; i < grad.data.size(); ++i) grad.data[i] = float(scale * (pred.data[i] - y.data[i]));
-        std::vector<MoeWeights<float>> grads;
-        for (auto& w : student.weights) grads.push_back(zeros_like(w));
-        student.backward(std::move(grad), grads);
-        adam.step(student.weights, grads);
-        for (size_t l = 0; l < student.layers.size(); ++l) {
-            student.layers[l]->update_expert_bias(student.weights[l]);
-            student.layers[l]->reset_global_aux_loss_tracker();
+        if (save) save_checkpoint(o.save_dir, o, engine->state(), result.steps);
+        if (stop) {
+            result.signal = o.stop_signal->load();
+            break;
         }
-
-        if (o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps))
-            rec.eval_loss = mse(student.forward(make_input(eval_x, false)), eval_y) / result.identity_mse;
-        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        rec.tokens_per_s = double(num_tokens) / std::max(secs, 1e-9);
-        result.steps.push_back(rec);
-        if (progress) progress(o, rec);
     }
+    const bool finite = take(engine->collect(true));
     result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const int64_t last = result.steps.empty() ? 0 : result.steps.back().step;
+    if (finite && !o.save_dir.empty() && last > result.resumed_from &&
+        (o.save_interval == 0 || last % o.save_interval != 0))
+        save_checkpoint(o.save_dir, o, engine->state(), result.steps);
+    result.perf = std::make_shared<EngineReport>(engine->report());
     return result;
 }
 

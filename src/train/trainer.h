@@ -1,9 +1,13 @@
 // The `moekit train` job: a student stack of residual MoE layers (h <- h + MoE(h)) learns to imitate a
 // frozen random teacher of the same architecture, by MSE on fresh random tokens each step, with Adam.
-// Runs on any LayerRunner device. Tool: tools/cmd_train.cpp; report: src/train/report.cpp; test: tests/cpu/test_train.cpp.
+// On the CPU (and with --host-loop on CUDA) a host loop over LayerRunners (src/train/host_engine.cpp); on CUDA the
+// device-resident engine, one CUDA graph per iteration (src/cuda/train_engine.cu). Tool: tools/cmd_train.cpp;
+// checkpoints: src/train/checkpoint.cpp; report: src/train/report.cpp; tests: tests/cpu/test_train.cpp.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,6 +24,13 @@ struct TrainOptions {
     uint64_t seed = 1234;        // student init, data; the teacher uses seed + 1
     int64_t eval_every = 50;     // held-out batch, no losses or bias counts (0 = never)
     double teacher_gain = 2.5;   // teacher expert weights = gain * Megatron init (far from identity)
+    int64_t log_interval = 10;   // records reach the host every N steps (the GPU engine's only host reads)
+    std::string save_dir;        // --save: checkpoint folder ("" = none)
+    int64_t save_interval = 0;   // --save-interval: steps between checkpoints (0 = only at the end)
+    std::string load_dir;        // --load: continue from the latest checkpoint there
+    bool host_loop = false;      // [moekit] --host-loop: the LayerRunner loop on any device (host copies)
+    bool use_graph = true;       // GPU engine: replay one captured CUDA graph per iteration (false: eager)
+    const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM: stop after the current step
 };
 
 struct StepRecord {
@@ -29,14 +40,22 @@ struct StepRecord {
     double aux_loss = 0;        // sum over layers of the attached aux-type losses
     double z_loss = 0;
     double tokens_per_s = 0;
+    bool grads_finite = true;   // every gradient element finite (Megatron's check-for-nan-in-loss-and-grad)
     std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert]
 };
 
+struct EngineReport;
+
 struct TrainResult {
-    std::vector<StepRecord> steps;
+    std::vector<StepRecord> steps;  // every step of the run, those before a --load included
     double seconds = 0;
     double identity_mse = 0;  // MSE(x, y) on the held-out batch: the normaliser
     int64_t tokens_per_step = 0;
+    int64_t resumed_from = 0;       // the step a --load continued from (0 = a fresh run)
+    int signal = 0;                 // the signal that stopped the run early (0 = ran to the end)
+    std::string engine = "";        // "host loop" | "device-resident, one CUDA graph per iteration" | ...
+    std::shared_ptr<EngineReport> perf;  // measured on the GPU engine (zeros elsewhere)
+    std::string failure;            // why the run stopped early on a non-finite value ("" = it did not)
 };
 
 // Max over experts / mean over experts of a layer's token counts (1 = perfectly balanced).

@@ -1,0 +1,555 @@
+// The device-resident training engine (train_engine.h): the whole `moekit train` task lives on one GPU — fp32
+// master weights, their bf16 copies, Adam's moments and the gradients in flat buffers; the teacher's bf16
+// weights; data generated on the device from (seed, step); every layer's activations; loss and its gradient.
+// One iteration (data, teacher forward, student forward, loss, backward, Adam, expert-bias updates, record) is
+// captured once and replayed as one CUDA graph; the host reads records only when collect() copies the record
+// ring into pinned memory (asynchronously), and hands them over at the next collect. The student's moekit::Layer
+// objects also run the teacher (eval mode, other weights, before the student's forward): one workspace per
+// layer, not two. Twin: src/train/host_engine.cpp (same task, same order). Tests: tests/gpu/test_cuda_train.cu.
+#include <algorithm>
+#include <array>
+#include <cstring>
+
+#include "core/bf16.h"
+#include "cuda/bench_util.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/device_layer.h"
+#include "cuda/moe_layer.h"
+#include "cuda/train_engine.h"
+#include "cuda/train_kernels.cuh"
+#include "moekit/error.h"
+#include "train/adam.h"
+#include "train/train_task.h"
+
+namespace moekit::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using train::StepRecord;
+using train::TrainOptions;
+using train::TrainState;
+
+constexpr int64_t kAlign = 64;  // tensor starts in the flat buffers: 128-byte aligned bf16 (TMA wants 16)
+
+enum Tensor { kRouter, kFc1, kFc2, kSharedFc1, kSharedFc2, kSharedGate, kNumTensors };
+struct Slot {
+    int64_t offset = 0, numel = 0;
+};
+
+// Pinned host memory for one copy of the record ring.
+struct PinnedRing {
+    double* scalars = nullptr;
+    int32_t* counts = nullptr;
+    cudaEvent_t done = nullptr;
+    int64_t first_step = 0, last_step = 0;
+};
+
+class CudaTrainEngine final : public train::TrainEngine {
+public:
+    explicit CudaTrainEngine(const TrainOptions& o) : o_(o) {
+        const MoeConfig& c = o.config;
+        L_ = c.num_layers, T_ = c.seq_length * c.micro_batch_size, H_ = c.hidden_size, E_ = c.num_experts();
+        MOEKIT_CUDA_CHECK(cudaGetDevice(&device_));
+        size_t free0 = 0, total = 0;
+        MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+        MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+        for (int64_t l = 0; l < L_; ++l)
+            layers_.push_back(make_cuda_layer(c, LayerBounds{c.seq_length, c.micro_batch_size}, device_));
+        router_fp64_ = layers_[0]->router_dtype() == DType::f64;
+        layout();
+        allocate();
+        upload_weights(train::student_weights(o), /*teacher=*/false);
+        upload_weights(train::teacher_weights(o), /*teacher=*/true);
+        to_bf16(master_.get(), model_.get(), total_, stream_);
+
+        // The held-out batch and its targets, and the loss normaliser, once.
+        generate_tokens(eval_x_.get(), T_ * H_, o.seed, nullptr, train::kEvalStream, stream_);
+        teacher_forward(eval_x_.get(), eval_y_.get());
+        mean_squared_error(eval_x_.get(), eval_y_.get(), T_ * H_, nullptr, partials_.get(), scalars_.get() + 3, stream_);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        identity_mse_ = download(scalars_.get() + 3, 1)[0];
+        MOEKIT_CHECK(identity_mse_ > 0, "the teacher must not be the identity");
+
+        if (o.use_graph) {
+            train_graph_ = capture([&] { enqueue_iteration(); });
+            eval_graph_ = capture([&] { enqueue_eval(); });
+        }
+        size_t free1 = 0;
+        MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+        used_bytes_ = int64_t(free0) - int64_t(free1);
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&start_event_));
+    }
+
+    ~CudaTrainEngine() override {
+        if (stream_) cudaStreamSynchronize(stream_);
+        for (cudaGraphExec_t g : {train_graph_, eval_graph_})
+            if (g) cudaGraphExecDestroy(g);
+        for (PinnedRing& p : pinned_) {
+            if (p.scalars) cudaFreeHost(p.scalars);
+            if (p.counts) cudaFreeHost(p.counts);
+            if (p.done) cudaEventDestroy(p.done);
+        }
+        if (start_event_) cudaEventDestroy(start_event_);
+        layers_.clear();
+        if (stream_) cudaStreamDestroy(stream_);
+    }
+
+    double identity_mse() const override { return identity_mse_; }
+
+    void step() override {
+        if (!started_) {
+            MOEKIT_CUDA_CHECK(cudaEventRecord(start_event_, stream_));
+            last_event_ = start_event_, started_ = true;
+        }
+        if (train_graph_) {
+            MOEKIT_CUDA_CHECK(cudaGraphLaunch(train_graph_, stream_));
+        } else {
+            enqueue_iteration();
+        }
+        ++host_step_;
+    }
+
+    void eval() override {
+        if (eval_graph_) {
+            MOEKIT_CUDA_CHECK(cudaGraphLaunch(eval_graph_, stream_));
+        } else {
+            enqueue_eval();
+        }
+    }
+
+    std::vector<StepRecord> collect(bool wait) override {
+        std::vector<StepRecord> out;
+        if (host_step_ > copied_step_) {
+            // Copy the ring asynchronously into the pinned buffer not holding the pending copy.
+            PinnedRing& p = pinned_[next_pinned_];
+            next_pinned_ ^= 1;
+            MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p.scalars, ring_scalars_.get(), ring_scalars_.bytes(),
+                                              cudaMemcpyDeviceToHost, stream_));
+            MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p.counts, ring_counts_.get(), ring_counts_.bytes(),
+                                              cudaMemcpyDeviceToHost, stream_));
+            MOEKIT_CUDA_CHECK(cudaEventRecord(p.done, stream_));
+            p.first_step = copied_step_ + 1, p.last_step = host_step_;
+            copied_step_ = host_step_;
+            pending_.push_back(&p);
+        }
+        // Hand over every copy but the newest (long finished: the GPU is at most one interval behind), or all.
+        while (pending_.size() > (wait ? 0u : 1u)) {
+            PinnedRing& p = *pending_.front();
+            pending_.erase(pending_.begin());
+            MOEKIT_CUDA_CHECK(cudaEventSynchronize(p.done));
+            float ms = 0;
+            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, last_event_, p.done));
+            last_event_ = p.done;
+            const double tokens_per_s = double(T_) * double(p.last_step - p.first_step + 1) / std::max(ms * 1e-3, 1e-12);
+            for (int64_t s = p.first_step; s <= p.last_step; ++s) out.push_back(record_of(p, s, tokens_per_s));
+        }
+        return out;
+    }
+
+    TrainState state() override {
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        TrainState s;
+        s.step = download(&counters_.get()->completed, 1)[0];
+        const std::vector<float> master = master_.download(), m = m_.download(), v = v_.download();
+        auto slice = [&](const std::vector<float>& flat, int64_t offset, int64_t n) {
+            return std::vector<float>(flat.begin() + offset, flat.begin() + offset + n);
+        };
+        for (int64_t l = 0; l < L_; ++l) {
+            MoeWeights<float> w = train::zero_weights(o_.config);
+            auto fill = [&](Matrix<float>& mat, int64_t offset) {
+                std::copy(master.begin() + offset, master.begin() + offset + mat.size(), mat.data.begin());
+            };
+            const auto& sl = slots_[size_t(l)];
+            fill(w.router_weight, sl[kRouter].offset);
+            for (int64_t e = 0; e < E_; ++e) {
+                fill(w.fc1[size_t(e)], sl[kFc1].offset + e * w.fc1[size_t(e)].size());
+                fill(w.fc2[size_t(e)], sl[kFc2].offset + e * w.fc2[size_t(e)].size());
+            }
+            if (sl[kSharedFc1].numel) fill(w.shared_fc1, sl[kSharedFc1].offset), fill(w.shared_fc2, sl[kSharedFc2].offset);
+            if (sl[kSharedGate].numel) fill(w.shared_gate, sl[kSharedGate].offset);
+            if (o_.config.moe_router_enable_expert_bias) w.expert_bias = download_bias(l);
+            if (s.step > 0) {
+                // Adam's slots: one per tensor in for_each_parameter order (experts one by one).
+                auto push = [&](int64_t offset, int64_t n) {
+                    s.adam_m.push_back(slice(m, offset, n)), s.adam_v.push_back(slice(v, offset, n));
+                };
+                push(sl[kRouter].offset, sl[kRouter].numel);
+                for (int64_t e = 0; e < E_; ++e) push(sl[kFc1].offset + e * (sl[kFc1].numel / E_), sl[kFc1].numel / E_);
+                for (int64_t e = 0; e < E_; ++e) push(sl[kFc2].offset + e * (sl[kFc2].numel / E_), sl[kFc2].numel / E_);
+                for (Tensor t : {kSharedFc1, kSharedFc2, kSharedGate})
+                    if (sl[t].numel) push(sl[t].offset, sl[t].numel);
+            }
+            s.weights.push_back(std::move(w));
+        }
+        return s;
+    }
+
+    void load_state(const TrainState& s) override {
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        upload_weights(s.weights, /*teacher=*/false);
+        std::vector<float> m(size_t(total_), 0.0f), v(size_t(total_), 0.0f);
+        if (!s.adam_m.empty()) {
+            size_t slot = 0;
+            for (int64_t l = 0; l < L_; ++l) {
+                const auto& sl = slots_[size_t(l)];
+                auto put = [&](int64_t offset) {
+                    MOEKIT_CHECK(slot < s.adam_m.size(), "checkpoint has ", s.adam_m.size(), " Adam slots, too few");
+                    std::copy(s.adam_m[slot].begin(), s.adam_m[slot].end(), m.begin() + offset);
+                    std::copy(s.adam_v[slot].begin(), s.adam_v[slot].end(), v.begin() + offset);
+                    ++slot;
+                };
+                put(sl[kRouter].offset);
+                for (int64_t e = 0; e < E_; ++e) put(sl[kFc1].offset + e * (sl[kFc1].numel / E_));
+                for (int64_t e = 0; e < E_; ++e) put(sl[kFc2].offset + e * (sl[kFc2].numel / E_));
+                for (Tensor t : {kSharedFc1, kSharedFc2, kSharedGate})
+                    if (sl[t].numel) put(sl[t].offset);
+            }
+        }
+        m_.upload(m), v_.upload(v);
+        to_bf16(master_.get(), model_.get(), total_, stream_);
+        const StepCounters c{s.step, s.step};
+        MOEKIT_CUDA_CHECK(cudaMemcpyAsync(counters_.get(), &c, sizeof c, cudaMemcpyHostToDevice, stream_));
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        host_step_ = copied_step_ = s.step;
+    }
+
+    train::EngineReport report() override;
+
+private:
+    // ---- layout and set-up ----
+    void layout() {
+        const MoeConfig& c = o_.config;
+        const int64_t F = c.expert_ffn(), F1 = c.fc1_rows(), Fs = c.shared_ffn(), Fs1 = Fs * (c.gated_linear_unit ? 2 : 1);
+        const bool gate = Fs > 0 && c.moe_shared_expert_gate;
+        const std::array<int64_t, kNumTensors> numel{E_ * H_, E_ * F1 * H_, E_ * H_ * F, Fs1 * H_, H_ * Fs, gate ? H_ : 0};
+        for (int64_t l = 0; l < L_; ++l) {
+            std::array<Slot, kNumTensors> sl{};
+            for (int t = 0; t < kNumTensors; ++t) {
+                sl[size_t(t)] = Slot{total_, numel[size_t(t)]};
+                total_ = align_up(total_ + numel[size_t(t)], kAlign);
+            }
+            slots_.push_back(sl);
+        }
+    }
+
+    void allocate() {
+        master_.resize(total_), m_.resize(total_), v_.resize(total_), grads_.resize(total_);
+        model_.resize(total_), teacher_.resize(total_);
+        const int64_t n = T_ * H_;
+        x_.resize(n), y_.resize(n), h_.resize(n), g_.resize(n), eval_x_.resize(n), eval_y_.resize(n);
+        out_.resize(n), gb_.resize(n);
+        xb_.resize(size_t(L_));
+        for (auto& b : xb_) b.resize(n);
+        for (int64_t l = 0; l < L_; ++l) {
+            bias32_.emplace_back(router_fp64_ ? 0 : E_);
+            bias64_.emplace_back(router_fp64_ ? E_ : 0);
+        }
+        teacher_bias32_.resize(router_fp64_ ? 0 : E_), teacher_bias64_.resize(router_fp64_ ? E_ : 0);
+        scalars_.resize(4), partials_.resize(kReduceBlocks), counters_.resize(1), nonfinite_.resize(1);
+        // The record ring: one slot per step of a logging interval.
+        ring_.capacity = std::max<int64_t>(o_.log_interval, 1);
+        ring_.num_layers = int(L_), ring_.num_experts = int(E_), ring_.router_fp64 = router_fp64_;
+        ring_scalars_.resize(ring_.capacity * kRecordScalars), ring_counts_.resize(ring_.capacity * L_ * E_);
+        std::vector<const int32_t*> counts;
+        std::vector<const void*> losses;
+        for (auto& layer : layers_) {
+            counts.push_back(layer->results().tokens_per_expert.as<const int32_t>());
+            losses.push_back(layer->results().losses.data);
+        }
+        layer_counts_.resize(L_), layer_losses_.resize(L_);
+        layer_counts_.upload(counts), layer_losses_.upload(losses);
+        ring_.scalars = ring_scalars_.get(), ring_.counts = ring_counts_.get();
+        ring_.layer_counts = layer_counts_.get(), ring_.layer_losses = layer_losses_.get();
+        for (PinnedRing& p : pinned_) {
+            MOEKIT_CUDA_CHECK(cudaMallocHost(&p.scalars, ring_scalars_.bytes()));
+            MOEKIT_CUDA_CHECK(cudaMallocHost(&p.counts, ring_counts_.bytes()));
+            MOEKIT_CUDA_CHECK(cudaEventCreate(&p.done));
+        }
+    }
+
+    void upload_weights(const std::vector<MoeWeights<float>>& ws, bool teacher) {
+        MOEKIT_CHECK(int64_t(ws.size()) == L_, ws.size(), " layers of weights for ", L_, " layers");
+        std::vector<float> flat(size_t(total_), 0.0f);
+        for (int64_t l = 0; l < L_; ++l) {
+            const MoeWeights<float>& w = ws[size_t(l)];
+            const auto& sl = slots_[size_t(l)];
+            auto put = [&](const Matrix<float>& m, int64_t offset) { std::copy(m.data.begin(), m.data.end(), flat.begin() + offset); };
+            put(w.router_weight, sl[kRouter].offset);
+            for (int64_t e = 0; e < E_; ++e) {
+                put(w.fc1[size_t(e)], sl[kFc1].offset + e * w.fc1[size_t(e)].size());
+                put(w.fc2[size_t(e)], sl[kFc2].offset + e * w.fc2[size_t(e)].size());
+            }
+            if (sl[kSharedFc1].numel) put(w.shared_fc1, sl[kSharedFc1].offset), put(w.shared_fc2, sl[kSharedFc2].offset);
+            if (sl[kSharedGate].numel) put(w.shared_gate, sl[kSharedGate].offset);
+            if (!teacher && o_.config.moe_router_enable_expert_bias) {
+                MOEKIT_CHECK(int64_t(w.expert_bias.size()) == E_, "expert_bias of layer ", l);
+                if (router_fp64_) {
+                    bias64_[size_t(l)].upload(w.expert_bias);
+                } else {
+                    bias32_[size_t(l)].upload(std::vector<float>(w.expert_bias.begin(), w.expert_bias.end()));
+                }
+            }
+        }
+        if (teacher) {
+            std::vector<bf16> b(flat.size());
+            for (size_t i = 0; i < flat.size(); ++i) b[i] = __nv_bfloat16_raw{float_to_bf16_bits(flat[i])};
+            teacher_.upload(b);
+        } else {
+            master_.upload(flat);
+        }
+    }
+
+    std::vector<double> download_bias(int64_t l) const {
+        if (router_fp64_) return bias64_[size_t(l)].download();
+        const std::vector<float> b = bias32_[size_t(l)].download();
+        return std::vector<double>(b.begin(), b.end());
+    }
+
+    // ---- views ----
+    TensorView dev(void* p, DType d, std::initializer_list<int64_t> dims) const {
+        return TensorView(p, d, dims, Backend::cuda, device_);
+    }
+    LayerParams params(int64_t l, bool teacher) {
+        const MoeConfig& c = o_.config;
+        const int64_t F = c.expert_ffn(), F1 = c.fc1_rows();
+        const auto& sl = slots_[size_t(l)];
+        bf16* base = teacher ? teacher_.get() : model_.get();
+        LayerParams p;
+        p.router_weight = dev(base + sl[kRouter].offset, DType::bf16, {E_, H_});
+        p.fc1 = dev(base + sl[kFc1].offset, DType::bf16, {E_, F1, H_});
+        p.fc2 = dev(base + sl[kFc2].offset, DType::bf16, {E_, H_, F});
+        if (sl[kSharedFc1].numel) {
+            p.shared_fc1 = dev(base + sl[kSharedFc1].offset, DType::bf16, {sl[kSharedFc1].numel / H_, H_});
+            p.shared_fc2 = dev(base + sl[kSharedFc2].offset, DType::bf16, {H_, sl[kSharedFc2].numel / H_});
+        }
+        if (sl[kSharedGate].numel) p.shared_gate = dev(base + sl[kSharedGate].offset, DType::bf16, {1, H_});
+        if (c.moe_router_enable_expert_bias) p.expert_bias = bias_view(l, teacher);
+        return p;
+    }
+    TensorView bias_view(int64_t l, bool teacher) {
+        if (router_fp64_) return dev(teacher ? teacher_bias64_.get() : bias64_[size_t(l)].get(), DType::f64, {E_});
+        return dev(teacher ? teacher_bias32_.get() : bias32_[size_t(l)].get(), DType::f32, {E_});
+    }
+    LayerGrads grads(int64_t l) {
+        const LayerParams p = params(l, false);
+        auto as_grad = [&](const TensorView& v) {
+            if (v.empty()) return TensorView();
+            TensorView g = v;
+            g.data = grads_.get() + (v.as<bf16>() - model_.get()), g.dtype = DType::f32;
+            return g;
+        };
+        LayerGrads g;
+        g.router_weight = as_grad(p.router_weight), g.fc1 = as_grad(p.fc1), g.fc2 = as_grad(p.fc2);
+        g.shared_fc1 = as_grad(p.shared_fc1), g.shared_fc2 = as_grad(p.shared_fc2), g.shared_gate = as_grad(p.shared_gate);
+        return g;
+    }
+
+    // ---- the iteration ----
+    // out = in + sum of the teacher's layers (residual stream in fp32, each layer's input rounded to bf16).
+    void teacher_forward(const float* in, float* out) {
+        const int64_t n = T_ * H_;
+        MOEKIT_CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+        for (int64_t l = 0; l < L_; ++l) layer_forward(l, /*teacher=*/true, out, /*training=*/false);
+    }
+    void student_forward(const float* in, bool training) {
+        const int64_t n = T_ * H_;
+        MOEKIT_CUDA_CHECK(cudaMemcpyAsync(h_.get(), in, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+        for (int64_t l = 0; l < L_; ++l) layer_forward(l, /*teacher=*/false, h_.get(), training);
+    }
+    void layer_forward(int64_t l, bool teacher, float* h, bool training) {
+        const int64_t n = T_ * H_;
+        to_bf16(h, xb_[size_t(l)].get(), n, stream_);
+        ForwardArgs a;
+        a.input = dev(xb_[size_t(l)].get(), DType::bf16, {T_, H_});
+        a.output = dev(out_.get(), DType::bf16, {T_, H_});
+        a.jitter_seed = dev(&counters_.get()->current, DType::i64, {1});  // the host loop's step number
+        a.training = training;
+        layers_[size_t(l)]->forward(params(l, teacher), a, Stream{stream_});
+        add_bf16(h, out_.get(), n, stream_);
+    }
+    void student_backward() {
+        const int64_t n = T_ * H_;
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_));
+        for (int64_t l = L_ - 1; l >= 0; --l) {
+            to_bf16(g_.get(), gb_.get(), n, stream_);
+            BackwardArgs a;
+            a.grad_output = dev(gb_.get(), DType::bf16, {T_, H_});
+            a.grad_input = dev(g_.get(), DType::f32, {T_, H_});
+            a.accumulate_grad_input = true;  // d/dh_l = d/dh_{l+1} + MoE_l'ᵀ d/dh_{l+1}
+            layers_[size_t(l)]->backward(params(l, false), grads(l), a, Stream{stream_});
+        }
+    }
+    void loss_and_grad() {
+        const int64_t n = T_ * H_;
+        mean_squared_error(x_.get(), y_.get(), n, nullptr, partials_.get(), scalars_.get() + 0, stream_);
+        mean_squared_error(h_.get(), y_.get(), n, scalars_.get() + 0, partials_.get(), scalars_.get() + 1, stream_);
+        mse_grad(h_.get(), y_.get(), n, scalars_.get() + 0, g_.get(), stream_);
+    }
+    void optimizer() {
+        const train::AdamOptions& a = o_.adam;
+        adam_step(AdamArgs{a.lr, a.beta1, a.beta2, a.eps}, counters_.get(), master_.get(), m_.get(), v_.get(),
+                  grads_.get(), model_.get(), total_, nonfinite_.get(), stream_);
+        for (int64_t l = 0; l < L_; ++l) {
+            layers_[size_t(l)]->update_expert_bias(bias_view(l, false), Stream{stream_});
+            layers_[size_t(l)]->reset_global_aux_loss_tracker(Stream{stream_});
+        }
+    }
+    void enqueue_iteration() {
+        begin_step(counters_.get(), stream_);
+        generate_tokens(x_.get(), T_ * H_, o_.seed, counters_.get(), 0, stream_);
+        teacher_forward(x_.get(), y_.get());
+        student_forward(x_.get(), /*training=*/true);
+        loss_and_grad();
+        student_backward();
+        optimizer();
+        record_step(ring_, counters_.get(), scalars_.get() + 1, nonfinite_.get(), stream_);
+    }
+    void enqueue_eval() {
+        student_forward(eval_x_.get(), /*training=*/false);
+        mean_squared_error(h_.get(), eval_y_.get(), T_ * H_, scalars_.get() + 3, partials_.get(), scalars_.get() + 2,
+                           stream_);
+        record_eval(ring_, counters_.get(), scalars_.get() + 2, stream_);
+    }
+
+    // Captures fn's work on the stream in global mode (any host sync inside fails the capture).
+    template <typename Fn>
+    cudaGraphExec_t capture(Fn&& fn) {
+        cudaGraph_t graph = nullptr;
+        MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+        try {
+            fn();
+        } catch (...) {
+            cudaStreamEndCapture(stream_, &graph);
+            if (graph) cudaGraphDestroy(graph);
+            throw;
+        }
+        MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+        cudaGraphExec_t exec = nullptr;
+        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+        return exec;
+    }
+
+    StepRecord record_of(const PinnedRing& p, int64_t step, double tokens_per_s) const {
+        const int64_t slot = (step - 1) % ring_.capacity;
+        const double* s = p.scalars + slot * kRecordScalars;
+        MOEKIT_CHECK(int64_t(s[kRecStep]) == step, "record ring slot ", slot, " holds step ", s[kRecStep], ", not ", step);
+        StepRecord r;
+        r.step = step, r.loss = s[kRecLoss], r.eval_loss = s[kRecEval], r.aux_loss = s[kRecAux], r.z_loss = s[kRecZ];
+        r.grads_finite = s[kRecFinite] != 0.0, r.tokens_per_s = tokens_per_s;
+        const int32_t* c = p.counts + slot * L_ * E_;
+        for (int64_t l = 0; l < L_; ++l) r.tokens_per_expert.emplace_back(c + l * E_, c + (l + 1) * E_);
+        return r;
+    }
+
+    int64_t owned_bytes() const {
+        int64_t n = 0;
+        auto add = [&](const auto&... b) { ((n += int64_t(b.bytes())), ...); };
+        add(master_, m_, v_, grads_, model_, teacher_, x_, y_, h_, g_, eval_x_, eval_y_, out_, gb_);
+        add(scalars_, partials_, counters_, nonfinite_, ring_scalars_, ring_counts_, teacher_bias32_, teacher_bias64_);
+        for (const auto& b : xb_) n += int64_t(b.bytes());
+        for (int64_t l = 0; l < L_; ++l) n += int64_t(bias32_[size_t(l)].bytes() + bias64_[size_t(l)].bytes());
+        for (const auto& layer : layers_) n += layer->memory().workspace_bytes;
+        return n;
+    }
+
+    TrainOptions o_;
+    int64_t L_ = 0, T_ = 0, H_ = 0, E_ = 0, total_ = 0;
+    int device_ = 0;
+    bool router_fp64_ = false;
+    cudaStream_t stream_ = nullptr;
+    std::vector<std::unique_ptr<CudaLayer>> layers_;
+    std::vector<std::array<Slot, kNumTensors>> slots_;
+    DeviceBuffer<float> master_, m_, v_, grads_, x_, y_, h_, g_, eval_x_, eval_y_;
+    DeviceBuffer<bf16> model_, teacher_, out_, gb_;
+    std::vector<DeviceBuffer<bf16>> xb_;
+    std::vector<DeviceBuffer<float>> bias32_;
+    std::vector<DeviceBuffer<double>> bias64_;
+    DeviceBuffer<float> teacher_bias32_;
+    DeviceBuffer<double> teacher_bias64_;
+    DeviceBuffer<double> scalars_, partials_;  // scalars: x_to_y, loss, eval loss, identity MSE
+    DeviceBuffer<StepCounters> counters_;
+    DeviceBuffer<int32_t> nonfinite_;
+    RecordRing ring_;
+    DeviceBuffer<double> ring_scalars_;
+    DeviceBuffer<int32_t> ring_counts_;
+    DeviceBuffer<const int32_t*> layer_counts_;
+    DeviceBuffer<const void*> layer_losses_;
+    std::array<PinnedRing, 2> pinned_{};
+    std::vector<PinnedRing*> pending_;
+    int next_pinned_ = 0;
+    cudaEvent_t start_event_ = nullptr, last_event_ = nullptr;
+    bool started_ = false;
+    int64_t host_step_ = 0, copied_step_ = 0, used_bytes_ = 0;
+    cudaGraphExec_t train_graph_ = nullptr, eval_graph_ = nullptr;
+    double identity_mse_ = 0;
+};
+
+// Measures, after the run: the iteration replayed alone, its parts each timed alone, the expert GEMMs
+// through the layers' stage timing, and a dense cuBLAS GEMM of the same shape. It runs steps, so it
+// comes last (the trainer calls it after the final checkpoint).
+train::EngineReport CudaTrainEngine::report() {
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    train::EngineReport r;
+    r.device_bytes = owned_bytes();
+    r.device_used_bytes = used_bytes_;
+    r.layer_workspace_bytes = layers_[0]->memory().workspace_bytes;
+    r.saved_bytes_per_token = layers_[0]->memory().saved_bytes_per_token();
+    if (!train_graph_) return r;
+    using bench::time_ms;
+    const int warm = 2, iters = 10;
+    r.iteration_ms = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(train_graph_, stream_)); }, stream_, warm, iters);
+    const double data_teacher = time_ms([&] {
+        generate_tokens(x_.get(), T_ * H_, o_.seed, counters_.get(), 0, stream_);
+        teacher_forward(x_.get(), y_.get());
+    }, stream_, warm, iters);
+    const double fwd = time_ms([&] { student_forward(x_.get(), true); }, stream_, warm, iters);
+    const double loss = time_ms([&] { loss_and_grad(); }, stream_, warm, iters);
+    const double bwd = time_ms([&] { student_backward(); }, stream_, warm, iters);
+    const double opt = time_ms([&] { optimizer(); }, stream_, warm, iters);
+    r.parts_ms = data_teacher + fwd + loss + bwd + opt;
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "data+teacher fwd %.3f, student fwd %.3f, loss %.3f, student bwd %.3f, adam+bias %.3f ms",
+                  data_teacher, fwd, loss, bwd, opt);
+    r.parts = buf;
+
+    // Expert GEMMs (fc1 and fc2, forward and backward) of every student layer, from the stage events.
+    for (auto& layer : layers_) layer->inner().enable_stage_timing(true);
+    student_forward(x_.get(), true);
+    loss_and_grad();
+    student_backward();
+    for (auto& layer : layers_) {
+        const StageTimesMs f = layer->inner().forward_times_ms(), b = layer->inner().backward_times_ms();
+        for (LayerStage s : {LayerStage::fc1, LayerStage::fc2}) r.expert_gemm_ms += f[size_t(s)] + b[size_t(s)];
+        layer->inner().enable_stage_timing(false);
+    }
+    const MoeConfig& c = o_.config;
+    const int64_t rows = T_ * c.moe_router_topk, F = c.expert_ffn(), F1 = c.fc1_rows();
+    const double fwd_flops = 2.0 * double(rows) * double(F1 * H_ + H_ * F);  // one layer's expert GEMMs, forward
+    r.expert_gemm_tflops = 3.0 * fwd_flops * double(L_) / (r.expert_gemm_ms * 1e-3) / 1e12;
+    r.model_tflops = 4.0 * fwd_flops * double(L_) / (r.iteration_ms * 1e-3) / 1e12;  // student 3x + teacher 1x
+
+    // The dense floor: cuBLAS bf16 GEMMs of the expert shapes with all rows in one group.
+    {
+        bench::DevBuf<bf16> a(size_t(rows * std::max(H_, F))), w1(size_t(F1 * H_)), w2(size_t(H_ * F));
+        bench::DevBuf<bf16> c1(size_t(rows * std::max(F1, H_)));
+        bench::fill_uniform(a.ptr, size_t(rows * std::max(H_, F)), 1.f, 5), bench::fill_uniform(w1.ptr, size_t(F1 * H_), 0.02f, 6);
+        bench::fill_uniform(w2.ptr, size_t(H_ * F), 0.02f, 7);
+        const double dense = time_ms([&] {
+            bench::dense_gemm(gemm_detail::Op::kNT, rows, F1, H_, a.ptr, w1.ptr, c1.ptr, stream_);
+            bench::dense_gemm(gemm_detail::Op::kNT, rows, H_, F, a.ptr, w2.ptr, c1.ptr, stream_);
+        }, stream_, warm, iters);
+        r.dense_cublas_tflops = fwd_flops / (dense * 1e-3) / 1e12;
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    return r;
+}
+
+}  // namespace
+
+std::unique_ptr<train::TrainEngine> make_cuda_train_engine(const TrainOptions& options) {
+    return std::make_unique<CudaTrainEngine>(options);
+}
+
+}  // namespace moekit::cuda

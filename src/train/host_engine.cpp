@@ -1,0 +1,181 @@
+// The host training loop (train_engine.h): a student stack of LayerRunners on any device, the teacher as a
+// second stack, data, loss and Adam on the host. The CPU reference run of `moekit train`, and with
+// --host-loop the old CUDA path (weights and activations cross the bus every call) kept for comparison.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+
+#include "core/rng.h"
+#include "moekit/error.h"
+#include "moekit/layer.h"
+#include "moekit/weights.h"
+#include "train/adam.h"
+#include "train/train_engine.h"
+#include "train/train_task.h"
+
+namespace moekit::train {
+namespace {
+
+// A stack of residual MoE layers on one device.
+struct MoeStack {
+    std::vector<MoeWeights<float>> weights;
+    std::vector<std::unique_ptr<LayerRunner>> layers;
+
+    MoeStack(const MoeConfig& config, const std::string& device, std::vector<MoeWeights<float>> w)
+        : weights(std::move(w)) {
+        for (size_t l = 0; l < weights.size(); ++l) layers.push_back(make_layer_runner(config, device));
+    }
+
+    // h <- h + MoE_l(h) for every layer.
+    Matrix<float> forward(LayerInput<float> in) {
+        for (size_t l = 0; l < layers.size(); ++l) {
+            Matrix<float> out = layers[l]->forward(weights[l], in);
+            for (size_t i = 0; i < out.data.size(); ++i) in.hidden.data[i] += out.data[i];
+        }
+        return in.hidden;
+    }
+
+    // d/dh_l = d/dh_{l+1} + MoE_l'ᵀ d/dh_{l+1}, from the last layer down; grads accumulate.
+    void backward(Matrix<float> grad, std::vector<MoeWeights<float>>& grads) {
+        for (size_t l = layers.size(); l-- > 0;) {
+            Matrix<float> through = layers[l]->backward(weights[l], grad, grads[l]);
+            for (size_t i = 0; i < grad.data.size(); ++i) grad.data[i] += through.data[i];
+        }
+    }
+};
+
+Matrix<float> random_tokens(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
+    Matrix<float> x(rows, cols);
+    for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = float(normal01(seed, stream, i));
+    return x;
+}
+
+double mse(const Matrix<float>& a, const Matrix<float>& b) {
+    double s = 0;
+    for (size_t i = 0; i < a.data.size(); ++i) s += double(a.data[i] - b.data[i]) * (a.data[i] - b.data[i]);
+    return s / double(std::max<size_t>(a.data.size(), 1));
+}
+
+bool all_finite(const std::vector<MoeWeights<float>>& grads) {
+    for (const auto& g : grads)
+        for (const Matrix<float>* m : {&g.router_weight, &g.shared_fc1, &g.shared_fc2, &g.shared_gate})
+            for (float v : m->data)
+                if (!std::isfinite(v)) return false;
+    for (const auto& g : grads)
+        for (const auto* ms : {&g.fc1, &g.fc2})
+            for (const auto& m : *ms)
+                for (float v : m.data)
+                    if (!std::isfinite(v)) return false;
+    return true;
+}
+
+class HostEngine final : public TrainEngine {
+public:
+    explicit HostEngine(const TrainOptions& o)
+        : o_(o),
+          teacher_(o.config, o.device, teacher_weights(o)),
+          student_(o.config, o.device, student_weights(o)),
+          adam_(o.adam) {
+        const int64_t T = o.config.seq_length * o.config.micro_batch_size;
+        eval_x_ = random_tokens(T, o.config.hidden_size, o.seed, kEvalStream);
+        eval_y_ = teacher_.forward(input(eval_x_, false));
+        identity_mse_ = mse(eval_x_, eval_y_);
+        MOEKIT_CHECK(identity_mse_ > 0, "the teacher must not be the identity");
+    }
+
+    double identity_mse() const override { return identity_mse_; }
+
+    void step() override {
+        step_start_ = std::chrono::steady_clock::now();
+        const int64_t step = ++step_;
+        const Matrix<float> x = random_tokens(eval_x_.rows, eval_x_.cols, o_.seed, uint64_t(step));
+        const Matrix<float> y = teacher_.forward(input(x, false));
+        const double x_to_y = mse(x, y);
+
+        LayerInput<float> in = input(x, true);
+        in.jitter_seed = uint64_t(step);
+        const Matrix<float> pred = student_.forward(std::move(in));
+        StepRecord rec;
+        rec.step = step;
+        rec.loss = mse(pred, y) / x_to_y;
+        for (auto& layer : student_.layers) {
+            RoutingSummary s = layer->summary();
+            rec.tokens_per_expert.push_back(s.tokens_per_expert);
+            rec.aux_loss += s.losses.aux_loss + s.losses.seq_aux_loss + s.losses.global_aux_loss;
+            rec.z_loss += s.losses.z_loss;
+        }
+
+        // d MSE / d pred, on the normalised loss so the step size does not depend on the teacher's scale.
+        Matrix<float> grad(pred.rows, pred.cols);
+        const double scale = 2.0 / (double(pred.data.size()) * x_to_y);
+        for (size_t i = 0; i < grad.data.size(); ++i) grad.data[i] = float(scale * (pred.data[i] - y.data[i]));
+        std::vector<MoeWeights<float>> grads;
+        for (auto& w : student_.weights) grads.push_back(zeros_like(w));
+        student_.backward(std::move(grad), grads);
+        rec.grads_finite = all_finite(grads);
+        adam_.step(student_.weights, grads);
+        for (size_t l = 0; l < student_.layers.size(); ++l) {
+            student_.layers[l]->update_expert_bias(student_.weights[l]);
+            student_.layers[l]->reset_global_aux_loss_tracker();
+        }
+        records_.push_back(std::move(rec));
+        time_last_record();
+    }
+
+    void eval() override {
+        MOEKIT_CHECK(!records_.empty(), "eval() records with the last step");
+        records_.back().eval_loss = mse(student_.forward(input(eval_x_, false)), eval_y_) / identity_mse_;
+        time_last_record();
+    }
+
+    std::vector<StepRecord> collect(bool) override { return std::exchange(records_, {}); }
+
+    TrainState state() override {
+        TrainState s;
+        s.step = step_;
+        s.weights = student_.weights;
+        s.adam_m = adam_.first_moments();
+        s.adam_v = adam_.second_moments();
+        return s;
+    }
+    void load_state(const TrainState& s) override {
+        MOEKIT_CHECK(s.weights.size() == student_.weights.size(), "checkpoint has ", s.weights.size(), " layers");
+        step_ = s.step;
+        student_.weights = s.weights;
+        adam_.restore(s.step, s.adam_m, s.adam_v);
+    }
+    EngineReport report() override { return {}; }
+
+private:
+    // Tokens per second of the last step, its evaluation included.
+    void time_last_record() {
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count();
+        records_.back().tokens_per_s = double(eval_x_.rows) / std::max(secs, 1e-9);
+    }
+    LayerInput<float> input(Matrix<float> x, bool training) const {
+        LayerInput<float> in;
+        in.hidden = std::move(x);
+        in.seq_length = o_.config.seq_length;
+        in.micro_batch_size = o_.config.micro_batch_size;
+        in.training = training;
+        return in;
+    }
+
+    TrainOptions o_;
+    MoeStack teacher_, student_;
+    Adam adam_;
+    Matrix<float> eval_x_, eval_y_;
+    double identity_mse_ = 0;
+    int64_t step_ = 0;
+    std::vector<StepRecord> records_;
+    std::chrono::steady_clock::time_point step_start_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_host_engine(const TrainOptions& options) {
+    return std::make_unique<HostEngine>(options);
+}
+
+}  // namespace moekit::train

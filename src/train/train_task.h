@@ -1,0 +1,22 @@
+// The training task's fixed parts, shared by every engine so they train the same model on the same data:
+// the student's and the teacher's initial weights, and the held-out data stream (trainer.h has the task).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "moekit/weights.h"
+#include "train/trainer.h"
+
+namespace moekit::train {
+
+constexpr uint64_t kEvalStream = 0xe7a1u;  // data stream of the held-out batch; step s uses stream s
+
+// All-zero weights of the configuration's shapes (expert_bias empty).
+MoeWeights<float> zero_weights(const MoeConfig& config);
+// Layer l of the student: Megatron's init with seed * 1000003 + l.
+std::vector<MoeWeights<float>> student_weights(const TrainOptions& o);
+// The teacher: same architecture, seed + 1, expert weights scaled by the gain and a 10x sharper router, so
+// its routing is far from the identity and its experts differ clearly.
+std::vector<MoeWeights<float>> teacher_weights(const TrainOptions& o);
+
+}  // namespace moekit::train
