@@ -184,6 +184,11 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                      {"sync_vs_floor", sb / floor_ms},
                      {"grouped_vs_sync", g / sb}};
     out["tflops"] = {{"grouped", flops / g / 1e9}, {"sync", flops / sb / 1e9}, {"floor", flops / floor_ms / 1e9}};
+    // Memory of one layer step, from the layer's own allocations (its I/O buffers included here).
+    const LayerMemory mem = layer->memory();
+    out["memory"] = {{"workspace_bytes", mem.workspace_bytes},
+                     {"saved_activation_bytes", mem.saved_activation_bytes},
+                     {"saved_activation_bytes_per_token", mem.saved_bytes_per_token()}};
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
     return out;
@@ -229,6 +234,12 @@ std::string format_layer_table(const nlohmann::json& r) {
                   r["ratios"]["sync_vs_floor"].get<double>(), r["ratios"]["grouped_vs_sync"].get<double>(),
                   g["kernel"].get<std::string>().c_str());
     out += line;
+    if (r.contains("memory")) {
+        std::snprintf(line, sizeof line, "  memory: layer %.1f MiB (I/O and parameters included), saved activations "
+                      "%.0f bytes/token\n", double(r["memory"]["workspace_bytes"].get<int64_t>()) / (1 << 20),
+                      r["memory"]["saved_activation_bytes_per_token"].get<double>());
+        out += line;
+    }
     return out;
 }
 

@@ -8,6 +8,7 @@
 // layer, not two. Twin: src/train/host_engine.cpp (same task, same order). Tests: tests/gpu/test_cuda_train.cu.
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 
 #include "core/bf16.h"
@@ -69,7 +70,9 @@ public:
         mean_squared_error(eval_x_.get(), eval_y_.get(), T_ * H_, nullptr, partials_.get(), scalars_.get() + 3, stream_);
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         identity_mse_ = download(scalars_.get() + 3, 1)[0];
-        MOEKIT_CHECK(identity_mse_ > 0, "the teacher must not be the identity");
+        MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
+                       ": the teacher's held-out outputs are not finite and different from the input (MSE ",
+                       identity_mse_, ")");
 
         if (o.use_graph) {
             train_graph_ = capture([&] { enqueue_iteration(); });

@@ -81,7 +81,9 @@ public:
         eval_x_ = random_tokens(T, o.config.hidden_size, o.seed, kEvalStream);
         eval_y_ = teacher_.forward(input(eval_x_, false));
         identity_mse_ = mse(eval_x_, eval_y_);
-        MOEKIT_CHECK(identity_mse_ > 0, "the teacher must not be the identity");
+        MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
+                       ": the teacher's held-out outputs are not finite and different from the input (MSE ",
+                       identity_mse_, ")");
     }
 
     double identity_mse() const override { return identity_mse_; }
