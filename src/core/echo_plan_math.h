@@ -1,7 +1,7 @@
 // ECHO planner maths, shared by the CPU executor (src/echo/planner.cpp) and the one-block CUDA
 // executor (src/cuda/echo_plan.cu): plain arrays, integers only, fixed orders, so both produce the
 // same plan bit for bit. counts [EP, E] int64 (source rank x expert; experts homed in order, E/EP per
-// rank); slots [EP*S] (slot j lives on rank j / S). Tests: tests/cpu/test_echo_plan.cpp,
+// rank); slots [EP*S] (slot j lives on rank j / S). Tests: tests/cpu/test_echo_planner.cpp,
 // tests/gpu/test_echo_plan.cu.
 #pragma once
 #include <cstdint>
@@ -120,6 +120,9 @@ MOEKIT_HD bool echo_walk(const EchoDims& d, bool strict, int64_t target, const i
     for (int64_t i = 0; i < d.num_experts; ++i) {
         const int64_t e = expert_order[i];
         int64_t left = echo_spill(d, expert_total, rank_load, ahead_sum, e, target);
+        // Both walk orders put every expert that spills before the first one whose rank is already at
+        // or under the target without it, so the walk can stop there (it visits only the spilling ones).
+        if (left == 0 && rank_load[d.home_rank(e)] - ahead_sum[e] <= target) break;
         while (left > 0) {
             if (recv >= d.ep || room <= 0 || d.slots_per_rank == 0) return false;  // ascending loads: none later
             const int64_t take = left < room ? left : room;

@@ -1,7 +1,7 @@
 // ECHO planner, CPU executor: global counts [EP, E] (source rank x expert, experts homed in order,
 // E/EP per rank) and S spare slots per rank -> which expert each slot clones and how many tokens of
 // each source rank go to each clone and to home. The maths is src/core/echo_plan_math.h; the CUDA
-// twin is src/cuda/echo_plan.cu (same plan bit for bit). No CUDA here. Tests: tests/cpu/test_echo_plan.cpp.
+// twin is src/cuda/echo_plan.cu (same plan bit for bit). No CUDA here. Tests: tests/cpu/test_echo_planner.cpp.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,4 +1,4 @@
-// Helpers of the ECHO planner tests (tests/cpu/test_echo_plan.cpp, tests/gpu/test_echo_plan.cu): seeded
+// Helpers of the ECHO planner tests (tests/cpu/test_echo_planner.cpp, tests/gpu/test_echo_plan.cu): seeded
 // count matrices of several kinds, and an independent check of every plan invariant.
 #pragma once
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// ECHO planner (src/echo/planner.cpp, maths in src/core/echo_plan_math.h): invariants over seeded random
+// ECHO planner, CPU executor (src/echo/planner.cpp, maths in src/core/echo_plan_math.h): invariants over seeded random
 // count matrices for both algorithms (tokens keep their expert, folding clones back reproduces the counts,
 // no clone on its home rank, max load never grows, determinism), and hand-checked small plans.
 #include <gtest/gtest.h>
