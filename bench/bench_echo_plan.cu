@@ -72,11 +72,16 @@ Row bench_one(const EchoDims& d, EchoAlgorithm alg, const std::vector<int64_t>& 
     MOEKIT_CUDA_CHECK(cudaEventDestroy(t0));
     MOEKIT_CUDA_CHECK(cudaEventDestroy(t1));
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
-    return {echo::algorithm_name(alg),   d.ep,
-            d.num_experts,               d.slots_per_rank,
-            cpu.num_clones,              cpu.max_over_mean_before(),
-            cpu.max_over_mean_after(),   1000.0 * ms_stream / iters,
-            1000.0 * ms_graph / iters,   same};
+    return {echo::algorithm_name(alg),
+            d.ep,
+            d.num_experts,
+            d.slots_per_rank,
+            cpu.num_clones,
+            cpu.max_over_mean_before(),
+            cpu.max_over_mean_after(),
+            1000.0 * ms_stream / iters,
+            1000.0 * ms_graph / iters,
+            same};
 }
 
 }  // namespace
@@ -100,12 +105,14 @@ int main(int argc, char** argv) {
             } else if (a == "--json") {
                 json_path = value();
             } else {
-                throw UsageError("unknown flag " + a + " (flags: --iters N, --algorithm waterfill|greedy|all, --json FILE)");
+                throw UsageError("unknown flag " + a +
+                                 " (flags: --iters N, --algorithm waterfill|greedy|all, --json FILE)");
             }
         }
-        std::printf("ECHO planner, one block on the GPU: Zipf 1.2, top-8, 4096 tokens per rank, E=256, S=2 per rank; "
-                    "%d plans per timing\n",
-                    iters);
+        std::printf(
+            "ECHO planner, one block on the GPU: Zipf 1.2, top-8, 4096 tokens per rank, E=256, S=2 per rank; "
+            "%d plans per timing\n",
+            iters);
         std::printf("%-10s %4s %4s %3s %16s %15s %7s %12s %12s %10s\n", "algorithm", "EP", "E", "S", "max/mean before",
                     "max/mean after", "clones", "us (stream)", "us (graph)", "= CPU plan");
         nlohmann::json rows = nlohmann::json::array();

@@ -105,45 +105,58 @@ int plan_main(const std::vector<std::string>& argv) {
     double sum_before = 0, sum_after = 0, worst_before = 0, worst_after = 0, sum_clones = 0, sum_bytes = 0;
     for (size_t i = 0; i < trace.steps.size(); ++i) {
         const echo::EchoPlan plan = echo::plan(dims, trace.steps[i].counts, algorithm);
-        StepResult r{int64_t(i), trace.steps[i].layer, plan.max_before(), plan.max_after(), plan.total_tokens(),
-                     plan.target, plan.num_clones, plan.num_clones * expert_bytes, plan.max_over_mean_before(),
+        StepResult r{int64_t(i),
+                     trace.steps[i].layer,
+                     plan.max_before(),
+                     plan.max_after(),
+                     plan.total_tokens(),
+                     plan.target,
+                     plan.num_clones,
+                     plan.num_clones * expert_bytes,
+                     plan.max_over_mean_before(),
                      plan.max_over_mean_after()};
         std::printf("%6lld %6lld %12lld %12lld %14.4f %13.4f %7lld %14lld\n", (long long)r.step, (long long)r.layer,
                     (long long)r.max_before, (long long)r.max_after, r.before, r.after, (long long)r.clones,
                     (long long)r.weight_bytes);
-        sum_before += r.before, sum_after += r.after, sum_clones += double(r.clones), sum_bytes += double(r.weight_bytes);
+        sum_before += r.before, sum_after += r.after, sum_clones += double(r.clones),
+            sum_bytes += double(r.weight_bytes);
         worst_before = std::max(worst_before, r.before), worst_after = std::max(worst_after, r.after);
         results.push_back(r);
     }
     const double n = double(results.size());
-    std::printf("overall (mean over %zu steps): max/mean before %.4f (worst %.4f), after %.4f (worst %.4f), "
-                "clones %.2f, weight bytes %.0f per step and layer\n",
-                results.size(), sum_before / n, worst_before, sum_after / n, worst_after, sum_clones / n,
-                sum_bytes / n);
+    std::printf(
+        "overall (mean over %zu steps): max/mean before %.4f (worst %.4f), after %.4f (worst %.4f), "
+        "clones %.2f, weight bytes %.0f per step and layer\n",
+        results.size(), sum_before / n, worst_before, sum_after / n, worst_after, sum_clones / n, sum_bytes / n);
 
     if (!a.json.empty()) {
         nlohmann::json steps = nlohmann::json::array();
         for (const auto& r : results)
-            steps.push_back({{"step", r.step}, {"layer", r.layer}, {"max_load_before", r.max_before},
-                             {"max_load_after", r.max_after}, {"total_tokens", r.total}, {"target", r.target},
-                             {"max_over_mean_before", r.before}, {"max_over_mean_after", r.after},
-                             {"clones", r.clones}, {"weight_bytes", r.weight_bytes}});
-        const nlohmann::json out = {
-            {"source", source},
-            {"algorithm", echo::algorithm_name(algorithm)},
-            {"num_experts", dims.num_experts},
-            {"expert_model_parallel_size", dims.ep},
-            {"moe_num_echo_experts", a.num_echo_experts},
-            {"slots_per_rank", dims.slots_per_rank},
-            {"topk", trace.topk},
-            {"expert_weight_bytes", expert_bytes},
-            {"max_over_mean_before", sum_before / n},
-            {"max_over_mean_after", sum_after / n},
-            {"max_over_mean_before_worst", worst_before},
-            {"max_over_mean_after_worst", worst_after},
-            {"clones_per_step", sum_clones / n},
-            {"weight_bytes_per_step", sum_bytes / n},
-            {"steps", steps}};
+            steps.push_back({{"step", r.step},
+                             {"layer", r.layer},
+                             {"max_load_before", r.max_before},
+                             {"max_load_after", r.max_after},
+                             {"total_tokens", r.total},
+                             {"target", r.target},
+                             {"max_over_mean_before", r.before},
+                             {"max_over_mean_after", r.after},
+                             {"clones", r.clones},
+                             {"weight_bytes", r.weight_bytes}});
+        const nlohmann::json out = {{"source", source},
+                                    {"algorithm", echo::algorithm_name(algorithm)},
+                                    {"num_experts", dims.num_experts},
+                                    {"expert_model_parallel_size", dims.ep},
+                                    {"moe_num_echo_experts", a.num_echo_experts},
+                                    {"slots_per_rank", dims.slots_per_rank},
+                                    {"topk", trace.topk},
+                                    {"expert_weight_bytes", expert_bytes},
+                                    {"max_over_mean_before", sum_before / n},
+                                    {"max_over_mean_after", sum_after / n},
+                                    {"max_over_mean_before_worst", worst_before},
+                                    {"max_over_mean_after_worst", worst_after},
+                                    {"clones_per_step", sum_clones / n},
+                                    {"weight_bytes_per_step", sum_bytes / n},
+                                    {"steps", steps}};
         io::write_file_atomically(a.json, out.dump(1) + "\n");
         std::printf("wrote %s\n", a.json.c_str());
     }

@@ -21,9 +21,8 @@ size_t shared_bytes(const EchoDims& d) {
            kEchoSearchWays;
 }
 
-__global__ void __launch_bounds__(kEchoThreads) echo_plan_kernel(EchoDims d, EchoAlgorithm algorithm,
-                                                                 const int64_t* __restrict__ counts,
-                                                                 EchoDevicePlan out) {
+__global__ void __launch_bounds__(kEchoThreads)
+    echo_plan_kernel(EchoDims d, EchoAlgorithm algorithm, const int64_t* __restrict__ counts, EchoDevicePlan out) {
     extern __shared__ int64_t smem[];
     const int64_t E = d.num_experts, EP = d.ep, slots = d.num_slots();
     int64_t* total = smem;
@@ -72,8 +71,8 @@ __global__ void __launch_bounds__(kEchoThreads) echo_plan_kernel(EchoDims d, Ech
             if (h - l <= 1 || stop) break;
             for (int64_t i = tid; i < kEchoSearchWays; i += nt) {
                 const int64_t cand = echo_search_candidate(l, h, i, kEchoSearchWays);
-                feasible[i] = cand >= 0 && echo_walk(d, true, cand, total, load, ahead, expert_order, rank_order,
-                                                     nullptr, nullptr);
+                feasible[i] = cand >= 0 &&
+                              echo_walk(d, true, cand, total, load, ahead, expert_order, rank_order, nullptr, nullptr);
             }
             __syncthreads();
             if (tid == 0) {

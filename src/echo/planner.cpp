@@ -25,9 +25,7 @@ void validate(const EchoDims& d) {
     MOEKIT_REQUIRE(d.slots_per_rank >= 0, "ECHO planner: S=", d.slots_per_rank, " spare slots per rank must be >= 0");
 }
 
-std::string to_string(const EchoDims& d) {
-    return str("EP=", d.ep, " E=", d.num_experts, " S=", d.slots_per_rank);
-}
+std::string to_string(const EchoDims& d) { return str("EP=", d.ep, " E=", d.num_experts, " S=", d.slots_per_rank); }
 
 int64_t EchoPlan::max_before() const {
     return rank_load_before.empty() ? 0 : *std::max_element(rank_load_before.begin(), rank_load_before.end());
@@ -124,8 +122,8 @@ std::string plan_bytes(const EchoPlan& p) {
     std::string out;
     auto put = [&](const void* data, size_t n) { out.append(static_cast<const char*>(data), n); };
     auto vec = [&](const auto& v) { put(v.data(), v.size() * sizeof(v[0])); };
-    const int64_t head[6] = {p.dims.ep, p.dims.num_experts, p.dims.slots_per_rank, int64_t(p.algorithm), p.target,
-                             p.num_clones};
+    const int64_t head[6] = {p.dims.ep, p.dims.num_experts, p.dims.slots_per_rank, int64_t(p.algorithm),
+                             p.target,  p.num_clones};
     put(head, sizeof(head));
     vec(p.slot_expert), vec(p.slot_tokens), vec(p.clone_tokens), vec(p.home_tokens), vec(p.rank_load_before),
         vec(p.rank_load_after);

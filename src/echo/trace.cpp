@@ -33,8 +33,8 @@ void validate(const RoutingTrace& t, const std::string& source) {
     MOEKIT_REQUIRE(t.ep >= 1, source, ": expert_model_parallel_size=", t.ep, " must be >= 1");
     MOEKIT_REQUIRE(t.num_experts % t.ep == 0, source, ": num_experts=", t.num_experts,
                    " must be divisible by expert_model_parallel_size=", t.ep, " (experts are homed E/EP per rank)");
-    MOEKIT_REQUIRE(t.topk >= 1 && t.topk <= t.num_experts, source, ": topk=", t.topk, " must be in [1, num_experts=",
-                   t.num_experts, "]");
+    MOEKIT_REQUIRE(t.topk >= 1 && t.topk <= t.num_experts, source, ": topk=", t.topk,
+                   " must be in [1, num_experts=", t.num_experts, "]");
     for (size_t i = 0; i < t.steps.size(); ++i) {
         const auto& s = t.steps[i];
         MOEKIT_REQUIRE(int64_t(s.counts.size()) == t.ep * t.num_experts, source, ": steps[", i, "].counts has ",
@@ -50,15 +50,16 @@ nlohmann::json to_json(const RoutingTrace& t) {
     for (const auto& s : t.steps) {
         nlohmann::json rows = nlohmann::json::array();
         for (int64_t r = 0; r < t.ep; ++r)
-            rows.push_back(std::vector<int64_t>(s.counts.begin() + r * t.num_experts,
-                                                s.counts.begin() + (r + 1) * t.num_experts));
+            rows.push_back(
+                std::vector<int64_t>(s.counts.begin() + r * t.num_experts, s.counts.begin() + (r + 1) * t.num_experts));
         steps.push_back({{"layer", s.layer}, {"counts", rows}});
     }
     return {{"num_experts", t.num_experts}, {"expert_model_parallel_size", t.ep}, {"topk", t.topk}, {"steps", steps}};
 }
 
 RoutingTrace trace_from_json(const nlohmann::json& j, const std::string& source) {
-    MOEKIT_REQUIRE(j.is_object(), source, ": a routing trace must be a JSON object with num_experts, "
+    MOEKIT_REQUIRE(j.is_object(), source,
+                   ": a routing trace must be a JSON object with num_experts, "
                    "expert_model_parallel_size, topk and steps");
     RoutingTrace t;
     t.num_experts = get_int(j, "num_experts", "", source);

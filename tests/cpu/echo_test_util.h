@@ -17,11 +17,16 @@ namespace moekit::test {
 enum class CountKind { uniform, zipf, sparse, zeros, one_expert };
 inline const char* kind_name(CountKind k) {
     switch (k) {
-        case CountKind::uniform: return "uniform";
-        case CountKind::zipf: return "zipf";
-        case CountKind::sparse: return "sparse";
-        case CountKind::zeros: return "zeros";
-        case CountKind::one_expert: return "one_expert";
+        case CountKind::uniform:
+            return "uniform";
+        case CountKind::zipf:
+            return "zipf";
+        case CountKind::sparse:
+            return "sparse";
+        case CountKind::zeros:
+            return "zeros";
+        case CountKind::one_expert:
+            return "one_expert";
     }
     return "?";
 }
@@ -40,11 +45,21 @@ inline std::vector<int64_t> random_counts(const EchoDims& d, CountKind kind, uin
         for (int64_t e = 0; e < E; ++e) {
             int64_t& v = c[s * E + e];
             switch (kind) {
-                case CountKind::uniform: v = rng.below(201); break;
-                case CountKind::zipf: v = int64_t(4000.0 * rng.uniform() / std::pow(double(perm[e] + 1), 1.2)); break;
-                case CountKind::sparse: v = rng.uniform() < 0.8 ? 0 : rng.below(1000); break;
-                case CountKind::zeros: v = 0; break;
-                case CountKind::one_expert: v = e == star ? 1 + rng.below(5000) : 0; break;
+                case CountKind::uniform:
+                    v = rng.below(201);
+                    break;
+                case CountKind::zipf:
+                    v = int64_t(4000.0 * rng.uniform() / std::pow(double(perm[e] + 1), 1.2));
+                    break;
+                case CountKind::sparse:
+                    v = rng.uniform() < 0.8 ? 0 : rng.below(1000);
+                    break;
+                case CountKind::zeros:
+                    v = 0;
+                    break;
+                case CountKind::one_expert:
+                    v = e == star ? 1 + rng.below(5000) : 0;
+                    break;
             }
         }
     if (kind == CountKind::sparse) c[rng.below(EP * E)] += 1 + rng.below(1000);  // never all zero
@@ -78,7 +93,8 @@ inline void expect_plan_invariants(const EchoDims& d, const std::vector<int64_t>
         ASSERT_LT(e, E) << "slot " << j;
         EXPECT_NE(e / L, r) << "slot " << j << " on rank " << r << " clones expert " << e << " homed there";
         EXPECT_GT(p.slot_tokens[j], 0) << "slot " << j << " clones expert " << e << " for no tokens";
-        for (int64_t i = r * S; i < j; ++i) EXPECT_NE(p.slot_expert[i], e) << "rank " << r << " clones " << e << " twice";
+        for (int64_t i = r * S; i < j; ++i)
+            EXPECT_NE(p.slot_expert[i], e) << "rank " << r << " clones " << e << " twice";
     }
     EXPECT_EQ(p.num_clones, clones);
     // Folding every clone column back into its home expert reproduces the counts exactly.
@@ -95,7 +111,8 @@ inline void expect_plan_invariants(const EchoDims& d, const std::vector<int64_t>
     for (int64_t r = 0; r < EP; ++r) {
         int64_t before = 0, after = 0;
         for (int64_t s = 0; s < EP; ++s) {
-            for (int64_t e = r * L; e < (r + 1) * L; ++e) before += counts[s * E + e], after += p.home_tokens[s * E + e];
+            for (int64_t e = r * L; e < (r + 1) * L; ++e)
+                before += counts[s * E + e], after += p.home_tokens[s * E + e];
             for (int64_t j = r * S; j < (r + 1) * S; ++j) after += p.clone_tokens[s * slots + j];
         }
         EXPECT_EQ(p.rank_load_before[r], before) << "rank " << r;

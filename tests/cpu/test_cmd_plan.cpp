@@ -68,8 +68,8 @@ TEST(CmdPlan, TraceJsonAgainstIndependentLoads) {
     auto r = run_tool("plan --trace " + trace + " --moe-num-echo-experts 8 --json " + out);
     ASSERT_EQ(r.status, 0) << r.output;
     const nlohmann::json j = read_json(out);
-    for (const char* key : {"max_over_mean_before", "max_over_mean_after", "clones_per_step", "weight_bytes_per_step",
-                            "steps"})
+    for (const char* key :
+         {"max_over_mean_before", "max_over_mean_after", "clones_per_step", "weight_bytes_per_step", "steps"})
         ASSERT_TRUE(j.contains(key)) << key;
     ASSERT_EQ(j["steps"].size(), 3u);
     const double expert_bytes = 3.0 * 2048 * 7168 * 2;  // defaults: H=7168, F=2048, gated, bf16
@@ -139,7 +139,8 @@ TEST(CmdPlan, BadTracesExit2NamingFileAndKey) {
          "num_experts=5 must be divisible by expert_model_parallel_size=2"},
         {R"({"num_experts": 4, "expert_model_parallel_size": 2, "topk": 1, "steps": [{"counts": [[1,2,3,4],[1,2,3,4]]}]})",
          "steps[0]: missing key 'layer'"},
-        {R"({"num_experts": 4, "expert_model_parallel_size": 2, "topk": "two", "steps": []})", "'topk' must be an integer"},
+        {R"({"num_experts": 4, "expert_model_parallel_size": 2, "topk": "two", "steps": []})",
+         "'topk' must be an integer"},
     };
     for (const auto& c : cases) {
         write_text(f, c.text);

@@ -17,8 +17,8 @@ namespace {
 using test::CountKind;
 
 const EchoDims kDims[] = {
-    {1, 5, 2},   {2, 2, 4},    {3, 111, 1}, {7, 91, 2},  {5, 35, 0},
-    {8, 64, 2},  {16, 48, 3},  {13, 39, 1}, {64, 256, 2}, {32, 32, 5},
+    {1, 5, 2},  {2, 2, 4},   {3, 111, 1}, {7, 91, 2},   {5, 35, 0},
+    {8, 64, 2}, {16, 48, 3}, {13, 39, 1}, {64, 256, 2}, {32, 32, 5},
 };
 const CountKind kKinds[] = {CountKind::uniform, CountKind::zipf, CountKind::sparse, CountKind::zeros,
                             CountKind::one_expert};
@@ -134,8 +134,8 @@ TEST(EchoPlan, RejectsBadShapesAndCounts) {
 // The ECHO flags in the MoE flag table and their rules (S_TOTAL divisible by EP; the layer refuses
 // --moe-enable-echo until the ECHO dispatch exists).
 TEST(EchoConfig, FlagsAndRules) {
-    const std::vector<std::string> base = {"--hidden-size", "8", "--num-experts", "8", "--expert-model-parallel-size",
-                                           "4"};
+    const std::vector<std::string> base = {
+        "--hidden-size", "8", "--num-experts", "8", "--expert-model-parallel-size", "4"};
     auto with = [&](std::vector<std::string> extra) {
         auto a = base;
         a.insert(a.end(), extra.begin(), extra.end());
@@ -153,14 +153,16 @@ TEST(EchoConfig, FlagsAndRules) {
         }
         return "";
     };
-    EXPECT_NE(error_of({"--moe-num-echo-experts", "6"}).find("--moe-num-echo-experts=6 must be divisible by "
-                                                             "--expert-model-parallel-size=4"),
+    EXPECT_NE(error_of({"--moe-num-echo-experts", "6"})
+                  .find("--moe-num-echo-experts=6 must be divisible by "
+                        "--expert-model-parallel-size=4"),
               std::string::npos);
     EXPECT_NE(error_of({"--moe-echo-algorithm", "ilp"}).find("--moe-echo-algorithm=ilp"), std::string::npos);
     EXPECT_NE(error_of({"--moe-enable-echo"}).find("--moe-enable-echo requires --moe-num-echo-experts"),
               std::string::npos);
-    EXPECT_NE(error_of({"--moe-enable-echo", "--moe-num-echo-experts", "8"}).find("--moe-enable-echo: not supported yet"),
-              std::string::npos);
+    EXPECT_NE(
+        error_of({"--moe-enable-echo", "--moe-num-echo-experts", "8"}).find("--moe-enable-echo: not supported yet"),
+        std::string::npos);
     EXPECT_NE(error_of({"--moe-echo-recompute-expert-dispatch"}).find("requires --moe-enable-echo"), std::string::npos);
 }
 

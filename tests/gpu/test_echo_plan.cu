@@ -17,8 +17,8 @@
 namespace moekit {
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                     \
-    if (::moekit::cuda::device_count() == 0)                   \
+#define SKIP_WITHOUT_GPU()                   \
+    if (::moekit::cuda::device_count() == 0) \
     GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or returned 0): GPU test skipped"
 
 using test::CountKind;
@@ -70,7 +70,7 @@ void expect_same_plan(const echo::EchoPlan& gpu, const echo::EchoPlan& cpu) {
     EXPECT_EQ(echo::plan_bytes(gpu), echo::plan_bytes(cpu));
 }
 
-const EchoDims kDims[] = {{1, 5, 2},  {2, 2, 4},   {3, 111, 1}, {7, 91, 2},  {5, 35, 0},
+const EchoDims kDims[] = {{1, 5, 2},  {2, 2, 4},   {3, 111, 1}, {7, 91, 2},   {5, 35, 0},
                           {8, 64, 2}, {16, 48, 3}, {13, 39, 1}, {64, 256, 2}, {32, 32, 5}};
 
 TEST(CudaEchoPlan, MatchesCpuBitwiseOnRandomCounts) {
@@ -78,8 +78,8 @@ TEST(CudaEchoPlan, MatchesCpuBitwiseOnRandomCounts) {
     uint64_t seed = 19000;
     for (const EchoDims& d : kDims) {
         DevicePlan dev(d);
-        for (CountKind kind : {CountKind::uniform, CountKind::zipf, CountKind::sparse, CountKind::zeros,
-                               CountKind::one_expert})
+        for (CountKind kind :
+             {CountKind::uniform, CountKind::zipf, CountKind::sparse, CountKind::zeros, CountKind::one_expert})
             for (EchoAlgorithm alg : {EchoAlgorithm::greedy, EchoAlgorithm::waterfill}) {
                 ++seed;
                 SCOPED_TRACE(echo::to_string(d) + " " + test::kind_name(kind) + " " + echo::algorithm_name(alg) +
