@@ -109,6 +109,11 @@ int main(int argc, char** argv) {
                                  " (flags: --iters N, --algorithm waterfill|greedy|all, --json FILE)");
             }
         }
+        int devices = 0;
+        if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+            std::fprintf(stderr, "bench_echo_plan: no CUDA device (cudaGetDeviceCount failed or returned 0)\n");
+            return 1;
+        }
         std::printf(
             "ECHO planner, one block on the GPU: Zipf 1.2, top-8, 4096 tokens per rank, E=256, S=2 per rank; "
             "%d plans per timing\n",

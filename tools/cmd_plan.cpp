@@ -47,7 +47,7 @@ int plan_main(const std::vector<std::string>& argv) {
     p.add("--seed", &a.seed, "seed of the synthetic trace (popularity permutation and draws)");
     p.add("--save-trace", &a.save_trace, "also write the (synthetic or re-homed) trace here");
     p.section("planner");
-    p.add("--moe-num-echo-experts", &a.num_echo_experts, "S_TOTAL spare slots over all ranks (divisible by EP)");
+    p.add("--moe-num-echo-experts", &a.num_echo_experts, "S_TOTAL spare slots over all ranks, divisible by EP (required)");
     p.add("--moe-echo-algorithm", &a.algorithm, "waterfill | greedy (MoE Echo's one-shot greedy)");
     p.section("expert size (weight bytes moved per clone)");
     p.add("--hidden-size", &a.hidden, "H");
