@@ -14,11 +14,12 @@ namespace {
 constexpr int kEchoThreads = kEchoSearchWays;  // one search candidate per thread
 constexpr size_t kMaxSharedBytes = 48 * 1024;  // without an opt-in attribute (not set inside a capture)
 
-// Dynamic shared memory: int64 total[E], load[EP], ahead[E], key[E]; int32 expert_order[E], rank_order[EP];
-// uint8 feasible[kEchoSearchWays].
+// Dynamic shared memory: int64 total[E], load[EP], ahead[E], key[E], slot_tokens[EP*S]; int32 expert_order[E],
+// rank_order[EP], slot_expert[EP*S]; uint8 feasible[kEchoSearchWays]. The slots are planned in shared memory
+// (the split reads them hundreds of times per thread) and copied out at the end.
 size_t shared_bytes(const EchoDims& d) {
-    return size_t(3 * d.num_experts + d.ep) * sizeof(int64_t) + size_t(d.num_experts + d.ep) * sizeof(int32_t) +
-           kEchoSearchWays;
+    return size_t(3 * d.num_experts + d.ep + d.num_slots()) * sizeof(int64_t) +
+           size_t(d.num_experts + d.ep + d.num_slots()) * sizeof(int32_t) + kEchoSearchWays;
 }
 
 __global__ void __launch_bounds__(kEchoThreads)
@@ -29,9 +30,11 @@ __global__ void __launch_bounds__(kEchoThreads)
     int64_t* load = total + E;
     int64_t* ahead = load + EP;
     int64_t* key = ahead + E;
-    int32_t* expert_order = reinterpret_cast<int32_t*>(key + E);
+    int64_t* slot_tokens = key + E;
+    int32_t* expert_order = reinterpret_cast<int32_t*>(slot_tokens + slots);
     int32_t* rank_order = expert_order + E;
-    uint8_t* feasible = reinterpret_cast<uint8_t*>(rank_order + EP);
+    int32_t* slot_expert = rank_order + EP;
+    uint8_t* feasible = reinterpret_cast<uint8_t*>(slot_expert + slots);
     __shared__ int64_t mean_floor, lo, hi;
     __shared__ bool stop;
     const int tid = threadIdx.x, nt = blockDim.x;
@@ -41,7 +44,7 @@ __global__ void __launch_bounds__(kEchoThreads)
     __syncthreads();
     for (int64_t r = tid; r < EP; r += nt) load[r] = echo_rank_load(d, total, r);
     for (int64_t e = tid; e < E; e += nt) ahead[e] = echo_ahead_sum(d, total, e);
-    for (int64_t j = tid; j < slots; j += nt) out.slot_expert[j] = -1, out.slot_tokens[j] = 0;
+    for (int64_t j = tid; j < slots; j += nt) slot_expert[j] = -1, slot_tokens[j] = 0;
     __syncthreads();
     if (tid == 0) {
         int64_t sum = 0, mx = 0;
@@ -62,8 +65,7 @@ __global__ void __launch_bounds__(kEchoThreads)
     if (algorithm == EchoAlgorithm::greedy) {
         if (tid == 0) {
             hi = mean_floor;
-            echo_walk(d, false, mean_floor, total, load, ahead, expert_order, rank_order, out.slot_expert,
-                      out.slot_tokens);
+            echo_walk(d, false, mean_floor, total, load, ahead, expert_order, rank_order, slot_expert, slot_tokens);
         }
     } else {
         while (true) {
@@ -82,30 +84,30 @@ __global__ void __launch_bounds__(kEchoThreads)
             }
             __syncthreads();
         }
-        if (tid == 0)
-            echo_walk(d, true, hi, total, load, ahead, expert_order, rank_order, out.slot_expert, out.slot_tokens);
+        if (tid == 0) echo_walk(d, true, hi, total, load, ahead, expert_order, rank_order, slot_expert, slot_tokens);
     }
-    __syncthreads();  // thread 0's global writes are visible to the block after this barrier
+    __syncthreads();
 
-    // Source split, loads after, summary.
+    // Source split, loads after, summary; the slots go out to global memory.
     for (int64_t e = tid; e < E; e += nt) {
-        const int64_t h = echo_home_tokens(d, total, out.slot_expert, out.slot_tokens, e);
+        const int64_t h = echo_home_tokens(d, total, slot_expert, slot_tokens, e);
         echo_fill_interval(d, counts, e, 0, h, out.home_tokens + e, E);
     }
     for (int64_t j = tid; j < slots; j += nt) {
-        const int64_t e = out.slot_expert[j];
+        const int64_t e = slot_expert[j];
         if (e < 0) {
             for (int64_t s = 0; s < EP; ++s) out.clone_tokens[s * slots + j] = 0;
         } else {
-            const int64_t b = echo_slot_begin(d, total, out.slot_expert, out.slot_tokens, j);
-            echo_fill_interval(d, counts, e, b, b + out.slot_tokens[j], out.clone_tokens + j, slots);
+            const int64_t b = echo_slot_begin(d, total, slot_expert, slot_tokens, j);
+            echo_fill_interval(d, counts, e, b, b + slot_tokens[j], out.clone_tokens + j, slots);
         }
+        out.slot_expert[j] = slot_expert[j], out.slot_tokens[j] = slot_tokens[j];
     }
     for (int64_t r = tid; r < EP; r += nt)
-        out.rank_load_after[r] = echo_rank_load_after(d, total, out.slot_expert, out.slot_tokens, r);
+        out.rank_load_after[r] = echo_rank_load_after(d, total, slot_expert, slot_tokens, r);
     if (tid == 0) {
         int64_t clones = 0;
-        for (int64_t j = 0; j < slots; ++j) clones += out.slot_expert[j] >= 0;
+        for (int64_t j = 0; j < slots; ++j) clones += slot_expert[j] >= 0;
         out.summary[0] = hi, out.summary[1] = clones;
     }
 }
