@@ -215,6 +215,21 @@ std::vector<std::string> MoeConfig::validation_errors() const {
             "--moe-shared-expert-overlap: not supported yet by moekit (the shared expert runs without overlap; "
             "the numbers are the same without the flag)");
     }
+    // ---- ECHO (MoE Echo's rules, megatron-moe.md §7.1) ----
+    if (moe_num_echo_experts && *moe_num_echo_experts < 0)
+        fail("--moe-num-echo-experts=", *moe_num_echo_experts, " must be >= 0");
+    else if (moe_num_echo_experts && ep >= 1 && *moe_num_echo_experts % ep != 0)
+        fail("--moe-num-echo-experts=", *moe_num_echo_experts, " must be divisible by --expert-model-parallel-size=",
+             ep, " (S_TOTAL / EP spare slots per rank)");
+    if (!one_of(moe_echo_algorithm, {"waterfill", "greedy"}))
+        fail("--moe-echo-algorithm=", moe_echo_algorithm, " must be waterfill or greedy");
+    if (moe_echo_recompute_expert_dispatch && !moe_enable_echo)
+        fail("--moe-echo-recompute-expert-dispatch requires --moe-enable-echo");
+    if (moe_enable_echo) {
+        if (!moe_num_echo_experts) fail("--moe-enable-echo requires --moe-num-echo-experts (spare slots over all ranks)");
+        fail("--moe-enable-echo: not supported yet by moekit (the ECHO token and weight dispatch needs the "
+             "expert-parallel dispatcher, issue 9); `moekit plan` replays the planner on routing traces");
+    }
     return errors;
 }
 
