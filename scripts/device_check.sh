@@ -34,6 +34,9 @@ S="timeout 120 compute-sanitizer --error-exitcode 9"
     $S --tool memcheck $B/test_cuda_graph --gtest_filter='-*Sinkhorn*'
     $S --tool memcheck $B/test_cuda_stages
     $S --tool racecheck $B/test_cuda_stages --gtest_filter='-*Sinkhorn*'
+    $S --tool memcheck $B/test_echo_plan
+    $S --tool racecheck $B/test_echo_plan --gtest_filter='*E256*:*GraphCapture*'
+    $S --tool synccheck $B/test_echo_plan --gtest_filter='*E256*'
 } >"$OUT/sanitizer.log" 2>&1
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$OUT/sanitizer.log" | tee -a "$OUT/summary.txt"
 
@@ -48,6 +51,9 @@ tail -9 "$B/train_demo_graph.log" | tee -a "$OUT/summary.txt"
 timeout 150 $B/moekit train --device cuda --host-loop $DEMO --out-dir $B/train_demo_host >"$B/train_demo_host.log" 2>&1
 tail -6 "$B/train_demo_host.log" | tee -a "$OUT/summary.txt"
 cp $B/train_demo_graph/report.json "$OUT/train_demo_graph.json" 2>/dev/null
+
+log "ECHO planner on the GPU (E=256, S=2 per rank)"
+timeout 60 $B/bench_echo_plan --json "$OUT/bench_echo_plan.json" 2>&1 | tee -a "$OUT/summary.txt" | tail -12
 
 if [ "$1" != quick ]; then
     log "moekit bench"
