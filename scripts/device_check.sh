@@ -12,7 +12,7 @@ export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
 B=build-dev
 log() { echo "== $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
-git log -1 --format='commit %h %ci' 2>/dev/null | tee -a "$OUT/summary.txt"
+echo "commit ${MOEKIT_COMMIT:-unknown}" | tee -a "$OUT/summary.txt"
 
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1

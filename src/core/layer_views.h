@@ -15,9 +15,14 @@ struct ViewRules {
     DType param = DType::f32, bias = DType::f64, activation = DType::f32, grad_input = DType::f32;
 };
 
-// Throws UsageError "<name>: ..." when the view is null (and required), or has another dtype, shape or memory.
+// Whether a view must be given, may be given, or must not be (the configuration has no such tensor).
+enum class Need { required, optional, absent };
+inline Need needed_if(bool condition) { return condition ? Need::required : Need::absent; }
+
+// Throws UsageError "<name>: ..." when the view is null but required, given but absent from the configuration,
+// or of another dtype, shape or memory.
 void check_view(const char* name, const TensorView& view, DType dtype, std::initializer_list<int64_t> shape,
-                const ViewRules& rules, bool required = true);
+                const ViewRules& rules, Need need = Need::required);
 
 void check_params(const MoeConfig& config, const LayerParams& p, const ViewRules& rules);
 void check_grads(const MoeConfig& config, const LayerGrads& g, const ViewRules& rules);

@@ -157,10 +157,15 @@ private:
                        " lives on cuda:", attr.device, ", but this layer runs on cuda:", device_);
         checked_.insert(v.data);
     }
+    // The stream's device, once per stream. NOTE: CUDA refuses cudaStreamGetDevice on a capturing stream, so a
+    // stream first seen while it captures is checked at its first eager use (a launch on another device's
+    // stream inside the capture fails there, with an error, not silently).
     void check_stream(Stream s) {
         if (s.handle == nullptr || checked_streams_.count(s.handle)) return;
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(cuda_stream(s), &capturing));
+        if (capturing != cudaStreamCaptureStatusNone) return;
         int dev = -1;
-        const RelaxedCapture relaxed;
         MOEKIT_CUDA_CHECK(cudaStreamGetDevice(cuda_stream(s), &dev));
         MOEKIT_REQUIRE(dev == device_, "stream: belongs to cuda:", dev, ", but this layer runs on cuda:", device_);
         checked_streams_.insert(s.handle);

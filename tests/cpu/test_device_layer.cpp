@@ -91,6 +91,9 @@ TEST(LayerApiCpu, MatchesTheReferenceLayerExactly) {
     cpu::MoeLayer<float> ref(c);
     LayerInput<float> in;
     in.hidden = x, in.seq_length = c.seq_length, in.micro_batch_size = c.micro_batch_size;
+    std::vector<uint8_t> mask(size_t(T), 0);
+    mask[3] = mask[17] = 1;  // two padding tokens: the optional mask view must be taken and honoured
+    in.padding_mask = mask;
     const Matrix<float> ref_out = ref.forward(w, in);
     MoeWeights<float> ref_grads = zeros_like(w);
     const Matrix<float> ref_gx = ref.backward(w, gy, ref_grads);
@@ -100,6 +103,9 @@ TEST(LayerApiCpu, MatchesTheReferenceLayerExactly) {
     std::vector<float> xin = x.data, out(size_t(T * H)), go = gy.data, gx(size_t(T * H), 7.0f);
     ForwardArgs fa;
     fa.input = host_view(xin.data(), {T, H}), fa.output = host_view(out.data(), {T, H});
+    fa.padding_mask = host_view(mask.data(), {T});
+    int64_t jitter_seed = 0;
+    fa.jitter_seed = TensorView(&jitter_seed, DType::i64, {1});
     layer->forward(p.views(c), fa, Stream{});
     EXPECT_EQ(out, ref_out.data);
     BackwardArgs ba;

@@ -104,7 +104,12 @@ TEST(CudaLayerApi, GradientsAccumulateLikeMainGrad) {
     expect_doubled(router_once, d.g_router.download(), "grad router.weight");
     expect_doubled(gate_once, d.g_gate.download(), "grad shared gate");
     expect_doubled(sfc2_once, d.g_sfc2.download(), "grad shared fc2");
-    expect_doubled(gx_once, d.gx.download(), "grad_input (accumulate_grad_input)");
+    // grad_input += routed + shared + router terms one after another: 2x up to float rounding of those sums.
+    const std::vector<float> gx_twice = d.gx.download();
+    double scale = 0;
+    for (float v : gx_once) scale = std::max(scale, double(std::abs(v)));
+    for (size_t i = 0; i < gx_once.size(); ++i)
+        ASSERT_NEAR(gx_twice[i], 2.0 * gx_once[i], 4e-7 * scale) << "grad_input (accumulate_grad_input) element " << i;
 }
 
 // The layer's first call happens while the caller captures in global mode: the view checks must not break
