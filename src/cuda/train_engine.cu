@@ -103,7 +103,7 @@ public:
     void step() override {
         if (!started_) {
             MOEKIT_CUDA_CHECK(cudaEventRecord(start_event_, stream_));
-            last_event_ = start_event_, started_ = true;
+            started_ = true;
         }
         if (train_graph_) {
             MOEKIT_CUDA_CHECK(cudaGraphLaunch(train_graph_, stream_));
@@ -141,9 +141,11 @@ public:
             PinnedRing& p = *pending_.front();
             pending_.erase(pending_.begin());
             MOEKIT_CUDA_CHECK(cudaEventSynchronize(p.done));
-            float ms = 0;
-            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, last_event_, p.done));
-            last_event_ = p.done;
+            // Times from the run's start event (never re-recorded): the pinned buffers' events are reused.
+            float since_start_ms = 0;
+            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&since_start_ms, start_event_, p.done));
+            const double ms = double(since_start_ms) - last_done_ms_;
+            last_done_ms_ = since_start_ms;
             const double tokens_per_s = double(T_) * double(p.last_step - p.first_step + 1) / std::max(ms * 1e-3, 1e-12);
             for (int64_t s = p.first_step; s <= p.last_step; ++s) out.push_back(record_of(p, s, tokens_per_s));
         }
@@ -482,7 +484,8 @@ private:
     std::array<PinnedRing, 2> pinned_{};
     std::vector<PinnedRing*> pending_;
     int next_pinned_ = 0;
-    cudaEvent_t start_event_ = nullptr, last_event_ = nullptr;
+    cudaEvent_t start_event_ = nullptr;
+    double last_done_ms_ = 0;
     bool started_ = false;
     int64_t host_step_ = 0, copied_step_ = 0, used_bytes_ = 0;
     cudaGraphExec_t train_graph_ = nullptr, eval_graph_ = nullptr;
