@@ -341,7 +341,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
         if (!is_float(t.dtype)) continue;
         const std::vector<double> v = t.to_double();
         const int64_t i = first_non_finite(v);
-        MOEKIT_REQUIRE(i < 0, "moekit layer: result '", name, "' is not finite (", v[size_t(i >= 0 ? i : 0)],
+        MOEKIT_REQUIRE(i < 0, "result '", name, "' is not finite (", v[size_t(i >= 0 ? i : 0)],
                        ") at index ", i, ": the input or weights overflow ", a.dtype,
                        " inside the layer (try smaller values or --dtype fp64); nothing was written");
     }
