@@ -8,6 +8,7 @@
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -351,6 +352,8 @@ void FlagParser::apply_json(const nlohmann::json& object, const std::string& sou
 }
 
 void FlagParser::apply_json_file(const std::string& path) {
+    std::error_code ec;
+    MOEKIT_REQUIRE(!std::filesystem::is_directory(path, ec), "--config ", path, ": is a directory, not a JSON file");
     std::ifstream in(path);
     MOEKIT_REQUIRE(in.good(), "--config ", path, ": cannot open the file");
     nlohmann::json object;
