@@ -230,6 +230,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
         meta["input"] = str("random N(0, 1), seed ", cfg.seed, " (written as 'input')");
     }
     cfg.seq_length = S, cfg.micro_batch_size = B;
+    require_fits_in_host_memory(cfg, S * B, 1, sizeof(T));  // the input file's tokens x E, k, F: before any step
 
     Matrix<T> grad_out;
     const std::vector<int64_t> sbh = {S, B, H};
