@@ -1,8 +1,9 @@
 // Router maths for one token row (Megatron topk_routing_with_score_function), shared by the CPU
 // reference (src/cpu/router.cpp) and the CUDA router kernels: score functions and derivatives,
-// top-k with the tie-break "higher value first, then lower expert index", group-limited top-k,
+// top-k with the tie-break "higher value first, then lower expert index" (NaN last), group-limited top-k,
 // the selected experts' probs and their backward, and the input-jitter factor.
-// Rows are E contiguous values of type T (float or double); tests: tests/cpu/test_router.cpp.
+// Rows are E contiguous values of type T (float or double); tests: tests/cpu/test_router.cpp,
+// tests/cpu/test_router_non_finite.cpp.
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Warp-level helpers of the CUDA router and loss kernels (one warp per token): reductions,
-// the top-k order (value descending, ties: lower expert index first, as the CPU reference) and
+// the top-k order (value descending, ties: lower expert index first, NaN last, as the CPU reference) and
 // the score functions. Internal to src/cuda/router.cu and src/cuda/losses.cu.
 #pragma once
 #include <cuda_runtime.h>
