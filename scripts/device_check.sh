@@ -33,6 +33,8 @@ S="timeout 120 compute-sanitizer --error-exitcode 9"
     $S --tool memcheck $B/test_cuda_layer --gtest_filter='*softmax_post*:*shared_gate*:*capacity_pad*:*padding_mask*'
     $S --tool memcheck $B/test_cuda_graph --gtest_filter='-*Sinkhorn*'
     $S --tool memcheck $B/test_cuda_stages
+    $S --tool memcheck $B/test_cuda_router_non_finite
+    $S --tool racecheck $B/test_grouped_gemm --gtest_filter='*Tiny*:*OffTheTileGrid*'
     $S --tool racecheck $B/test_cuda_stages --gtest_filter='-*Sinkhorn*'
     $S --tool memcheck $B/test_echo_plan
     $S --tool racecheck $B/test_echo_plan --gtest_filter='*E256*:*GraphCapture*'

@@ -5,12 +5,17 @@
 // File contract: docs/usage.md. Tests: tests/cpu/test_cmd_layer.cpp, tests/gpu/test_cuda_cmd_layer.cpp (cpu vs cuda).
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <type_traits>
 
 #include "command.h"
+#include "core/finite.h"
 #include "core/flags.h"
+#include "core/host_memory.h"
 #include "core/rng.h"
 #include "io/safetensors.h"
 #include "moekit/error.h"
@@ -99,6 +104,57 @@ void refuse_unknown(const SafetensorsFile& f, const std::string& path, std::init
     }
 }
 
+// Every float tensor of a file must hold finite values that fit the compute dtype T: a NaN/Inf (or a 3e38
+// that overflows the router's logits) would otherwise come out as NaN results with exit 0.
+// Only tensors under `prefix` (the layer read from a multi-layer file).
+template <typename T>
+void refuse_non_finite(const SafetensorsFile& f, const std::string& path, const std::string& prefix = "") {
+    for (const auto& [name, t] : f.tensors) {
+        if (!is_float(t.dtype) || name.compare(0, prefix.size(), prefix) != 0) continue;
+        const std::vector<double> v = t.to_double();
+        const int64_t i = first_non_finite(v);
+        MOEKIT_REQUIRE(i < 0, path, ": tensor '", name, "' holds a non-finite value (", v[size_t(i >= 0 ? i : 0)],
+                       ") at index ", i, " ", HostTensor{DType::f32, unflatten_index(i, t.shape), {}}.shape_string(),
+                       ": moekit refuses NaN and Inf inputs");
+        // A finite value beyond the compute dtype becomes Inf on conversion: same refusal, naming the dtype.
+        for (size_t j = 0; j < v.size(); ++j)
+            MOEKIT_REQUIRE(std::abs(v[j]) <= double(std::numeric_limits<T>::max()), path, ": tensor '", name,
+                           "' holds ", v[j], " at index ", j, ", beyond the range of the compute dtype ",
+                           sizeof(T) == 8 ? "fp64" : "fp32");
+    }
+}
+
+// Inputs and outputs are different files: an output path equal to an input (same file by canonical path,
+// or a hard link to it) would overwrite the input with results. Outputs must not be folders either, and
+// their folder must exist: checked before any work, so a typo costs nothing.
+void check_paths(const LayerArgs& a) {
+    namespace fs = std::filesystem;
+    const std::pair<const char*, const std::string*> inputs[] = {
+        {"--weights", &a.weights}, {"--input", &a.input}, {"--grad-output", &a.grad_output}};
+    const std::pair<const char*, const std::string*> outputs[] = {{"--out", &a.out}, {"--save-weights", &a.save_weights}};
+    auto same = [](const std::string& x, const std::string& y) {
+        std::error_code ec1, ec2, ec3;
+        if (fs::weakly_canonical(x, ec1) == fs::weakly_canonical(y, ec2) && !ec1 && !ec2) return true;
+        return fs::exists(x, ec1) && fs::exists(y, ec2) && fs::equivalent(x, y, ec3) && !ec3;
+    };
+    for (size_t o = 0; o < std::size(outputs); ++o) {
+        const auto& [oflag, opath] = outputs[o];
+        if (opath->empty()) continue;
+        std::error_code ec;
+        MOEKIT_REQUIRE(!fs::is_directory(*opath, ec), oflag, " ", *opath, ": is a directory; give a file name");
+        const fs::path parent = fs::path(*opath).parent_path();
+        MOEKIT_REQUIRE(parent.empty() || fs::is_directory(parent, ec), oflag, " ", *opath, ": the folder ",
+                       parent.string(), " does not exist");
+        for (const auto& [iflag, ipath] : inputs)
+            MOEKIT_REQUIRE(ipath->empty() || !same(*opath, *ipath), oflag, " and ", iflag, " name the same file (",
+                           *opath, "): the ", oflag == std::string("--out") ? "results" : "weights",
+                           " would overwrite an input; give another ", oflag);
+        for (size_t p = o + 1; p < std::size(outputs); ++p)
+            MOEKIT_REQUIRE(outputs[p].second->empty() || !same(*opath, *outputs[p].second), oflag, " and ",
+                           outputs[p].first, " name the same file (", *opath, "): one would overwrite the other");
+    }
+}
+
 template <typename T>
 Matrix<T> as_matrix(const HostTensor& t, int64_t rows, int64_t cols) {
     Matrix<T> m(rows, cols);
@@ -142,6 +198,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     if (!a.input.empty()) {
         in_file = read_safetensors(a.input);
         refuse_unknown(in_file, a.input, {"input", "padding_mask", "grad_output"});
+        refuse_non_finite<T>(in_file, a.input);
         const HostTensor& x = require_tensor(in_file, a.input, "input", {}, str("[S, B, ", H, "]"));
         MOEKIT_REQUIRE(x.shape.size() == 3 && x.shape[2] == H, a.input, ": tensor 'input' has shape ", x.shape_string(),
                        ", expected [S, B, ", H, "] (--hidden-size=", H, ")");
@@ -173,6 +230,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
         meta["input"] = str("random N(0, 1), seed ", cfg.seed, " (written as 'input')");
     }
     cfg.seq_length = S, cfg.micro_batch_size = B;
+    require_fits_in_host_memory(cfg, S * B, 1, sizeof(T));  // the input file's tokens x E, k, F: before any step
 
     Matrix<T> grad_out;
     const std::vector<int64_t> sbh = {S, B, H};
@@ -180,6 +238,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     if (!a.grad_output.empty()) {
         const SafetensorsFile g = read_safetensors(a.grad_output);
         refuse_unknown(g, a.grad_output, {"grad_output"});
+        refuse_non_finite<T>(g, a.grad_output);
         grad_out = as_matrix<T>(require_tensor(g, a.grad_output, "grad_output", sbh, sbh_text), S * B, H);
         meta["grad_output"] = a.grad_output;
     } else if (in_file.tensors.count("grad_output")) {
@@ -202,6 +261,14 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     } else {
         w = init_weights<T>(cfg, cfg.seed);
         meta["weights"] = str("random init (Megatron's), seed ", cfg.seed);
+        SafetensorsFile init;
+        init.tensors = weights_to_tensors(w, kDtype);
+        try {
+            refuse_non_finite<T>(init, "--init random");
+        } catch (const UsageError& e) {
+            throw UsageError(str(e.what(), " (--init-method-std=", cfg.init_method_std, " is too large for ", a.dtype,
+                                 ")"));
+        }
     }
     if (!a.save_weights.empty()) {
         // The compute dtype, so that reloading reproduces this run bit for bit.
@@ -270,6 +337,16 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
                                                                {"z_loss", l.z_loss}})
         out["loss." + name] = HostTensor::from_double({v}, {}, kDtype);
 
+    // Finite inputs can still overflow inside the layer (fp32 logits of large inputs): refuse, not write NaN.
+    for (const auto& [name, t] : out) {
+        if (!is_float(t.dtype)) continue;
+        const std::vector<double> v = t.to_double();
+        const int64_t i = first_non_finite(v);
+        MOEKIT_REQUIRE(i < 0, "result '", name, "' is not finite (", v[size_t(i >= 0 ? i : 0)],
+                       ") at index ", i, ": the input or weights overflow ", a.dtype,
+                       " inside the layer (try smaller values or --dtype fp64); nothing was written");
+    }
+
     std::string command = "moekit layer";
     for (const auto& s : argv) command += " " + s;
     meta["command"] = command;
@@ -329,6 +406,7 @@ int layer_main(const std::vector<std::string>& argv) {
     MOEKIT_REQUIRE(a.device == "cpu" || a.device == "cuda", "--device=", a.device, ": must be cpu or cuda");
     if (!a.device_given && a.dtype == "fp64") a.device = "cpu";  // fp64 is the CPU reference's alone
     MOEKIT_REQUIRE(a.device == "cpu" || a.dtype == "fp32", "--dtype fp64 runs on --device cpu only");
+    check_paths(a);
     // An asked-for cuda that cannot run says why (no CUDA build / no GPU) before any file is read.
     if (a.device == "cuda" && !have_gpu) (void)make_layer_runner(cfg, a.device);
     if (!a.device_given)
@@ -342,10 +420,17 @@ int layer_main(const std::vector<std::string>& argv) {
     if (!a.weights.empty()) {
         weight_file = read_safetensors(a.weights);
         prefix = find_prefix(weight_file->tensors, a.weights_prefix);
+        if (a.dtype == "fp64")
+            refuse_non_finite<double>(*weight_file, a.weights, prefix);
+        else
+            refuse_non_finite<float>(*weight_file, a.weights, prefix);
         inferred = infer_shapes(cfg, p, weight_file->tensors, prefix);
     }
     cfg.normalize();
     cfg.validate();
+    // Input files bound their own size; a drawn input of --seq-length tokens and the weights are checked here.
+    require_fits_in_host_memory(cfg, a.input.empty() ? cfg.seq_length * cfg.micro_batch_size : 0, 1,
+                                a.dtype == "fp64" ? 8 : 4);
     const SafetensorsFile* wf = weight_file ? &*weight_file : nullptr;
     return a.dtype == "fp64" ? run_layer<double>(cfg, a, argv, inferred, wf, a.weights_prefix)
                              : run_layer<float>(cfg, a, argv, inferred, wf, a.weights_prefix);

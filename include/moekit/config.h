@@ -75,12 +75,20 @@ struct MoeConfig {
     int64_t shared_ffn() const { return moe_shared_expert_intermediate_size.value_or(0); }
     double aux_loss_coeff(const std::string& type) const;  // 0 for types not in the list
 
+    // Bytes one forward+backward of `tokens` tokens needs at least (fp32 weights, gradients and
+    // activations), nullopt when it does not fit in int64. validate() refuses more than kMaxLayerBytes.
+    std::optional<int64_t> memory_estimate_bytes(int64_t tokens) const;
+    static constexpr int64_t kMaxLayerBytes = int64_t(1) << 40;  // 1 TiB: more than any one host has
+
     // Megatron's __post_init__ rewrites: a negative capacity factor becomes None (dropless).
     void normalize();
     // Every violated rule, each naming the flag, the value and the rule; empty when valid.
     std::vector<std::string> validation_errors() const;
     // Throws UsageError listing all violations.
     void validate() const;
+
+   private:
+    void size_errors(std::vector<std::string>& errors) const;  // overflow and memory bounds of the shape
 };
 
 }  // namespace moekit

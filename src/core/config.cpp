@@ -8,6 +8,7 @@
 #include <cmath>
 #include <set>
 
+#include "core/checked_math.h"
 #include "moekit/error.h"
 
 namespace moekit {
@@ -40,13 +41,68 @@ const char* const kLoadBalancingTypes = "aux_loss, seq_aux_loss, global_aux_loss
 int64_t MoeConfig::expert_ffn() const {
     if (moe_ffn_hidden_size) return *moe_ffn_hidden_size;
     if (ffn_hidden_size) return *ffn_hidden_size;
-    return 4 * hidden_size;
+    // 4H saturates instead of wrapping: validation then reports the expert weights as too large.
+    return checked_mul(4, hidden_size).value_or(INT64_MAX);
 }
 
 double MoeConfig::aux_loss_coeff(const std::string& type) const {
     for (size_t i = 0; i < moe_router_load_balancing_type.size() && i < moe_aux_loss_coeff.size(); ++i)
         if (moe_router_load_balancing_type[i] == type) return moe_aux_loss_coeff[i];
     return 0.0;
+}
+
+std::optional<int64_t> MoeConfig::memory_estimate_bytes(int64_t tokens) const {
+    // fp32 values a forward+backward holds at least: weights and their gradients, and per token the
+    // input/output and their gradients [T, H], router logits/probs/map [T, E] and the k expert rows
+    // (fc1 out, activation, fc2 in/out and their gradients). A lower bound: fp64 doubles it.
+    const int64_t H = hidden_size, E = num_experts(), F = expert_ffn(), k = moe_router_topk;
+    const int64_t glu = gated_linear_unit ? 2 : 1, Fs = shared_ffn();
+    const auto fc1 = checked_mul(glu, F), shared_fc1 = checked_mul(glu, Fs);
+    const auto per_expert = checked_sum({checked_product({fc1, H}), checked_product({H, F}), 128 / 4});
+    const auto weights = checked_sum({checked_product({E, H}), checked_product({E, per_expert}),
+                                      checked_product({shared_fc1, H}), checked_product({H, Fs}), H});
+    const auto per_token =
+        checked_sum({checked_product({4, H}), checked_product({3, E}),
+                     checked_product({k, checked_sum({checked_product({2, fc1}), checked_product({2, F}),
+                                                      checked_product({2, H})})}),
+                     checked_product({2, checked_sum({shared_fc1, Fs})})});
+    return checked_product({4, checked_sum({checked_product({2, weights}), checked_product({tokens, per_token})})});
+}
+
+void MoeConfig::size_errors(std::vector<std::string>& errors) const {
+    auto fail = [&](auto&&... parts) { errors.push_back(str(parts...)); };
+    const int64_t H = hidden_size, E = num_experts(), F = expert_ffn(), Fs = shared_ffn();
+    // Only when every size is itself valid (the rules above name the bad ones).
+    if (H <= 0 || E <= 0 || F <= 0 || Fs < 0 || seq_length < 0 || micro_batch_size < 1 || moe_router_topk < 1) return;
+    const std::string e_flag = str("--num-experts=", E), h_flag = str("--hidden-size=", H);
+    const std::string f_flag = moe_ffn_hidden_size ? str("--moe-ffn-hidden-size=", F)
+                               : ffn_hidden_size   ? str("--ffn-hidden-size=", F)
+                                                   : str("the expert FFN size 4*H=", F);
+    const int64_t glu = gated_linear_unit ? 2 : 1;
+    int64_t tokens = 0;
+    if (seq_length > 0) {
+        const auto t = checked_product({seq_length, micro_batch_size, H});
+        if (!t) {
+            fail("--seq-length=", seq_length, " x --micro-batch-size=", micro_batch_size, " x ", h_flag,
+                 " overflows 64-bit sizes: the input [S, B, H] cannot be held");
+            return;
+        }
+        tokens = seq_length * micro_batch_size;
+    }
+    if (!checked_product({glu, F, H}) || !checked_product({E, glu, F, H}))
+        fail(e_flag, " x ", f_flag, " x ", h_flag, " overflows 64-bit sizes: the expert weights cannot be held");
+    if (Fs > 0 && !checked_product({glu, Fs, H}))
+        fail("--moe-shared-expert-intermediate-size=", Fs, " x ", h_flag,
+             " overflows 64-bit sizes: the shared expert's weights cannot be held");
+    if (!errors.empty()) return;
+    const auto bytes = memory_estimate_bytes(tokens);
+    if (!bytes || *bytes > kMaxLayerBytes) {
+        const std::string need = bytes ? str(*bytes / (int64_t(1) << 30), " GiB") : std::string("more than 2^63 bytes");
+        fail("the layer (", e_flag, ", ", h_flag, ", ", f_flag,
+             Fs > 0 ? str(", --moe-shared-expert-intermediate-size=", Fs) : std::string(),
+             tokens > 0 ? str(", ", tokens, " tokens") : std::string(), ") needs at least ", need,
+             " for one forward+backward in fp32; moekit refuses layers over ", kMaxLayerBytes >> 30, " GiB");
+    }
 }
 
 void MoeConfig::normalize() {
@@ -77,6 +133,9 @@ std::vector<std::string> MoeConfig::validation_errors() const {
     if (num_layers < 1) fail("--num-layers=", num_layers, " must be >= 1 (it scales the fc2 init std)");
     if (seq_length < 0) fail("--seq-length=", seq_length, " must be >= 0 (0 = taken from the input)");
     if (micro_batch_size < 1) fail("--micro-batch-size=", micro_batch_size, " must be >= 1");
+
+    // ---- sizes: every product that sizes an allocation, in checked 64-bit arithmetic ----
+    size_errors(errors);
 
     // ---- expert MLP ----
     if (!one_of(activation_func, {"gelu", "silu", "relu", "squared_relu"}))

@@ -8,7 +8,9 @@
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "moekit/error.h"
@@ -303,10 +305,22 @@ std::string FlagParser::nearest(const std::string& name) const {
 void FlagParser::apply(Flag& flag, const std::vector<std::string>& values, const std::string& where) {
     flag.set(values);
     set_flags_[flag.name] = where;
+    given_[flag.name] = values;
+}
+
+std::string FlagParser::where_set(const std::string& name) const {
+    auto it = set_flags_.find(name);
+    return it == set_flags_.end() ? "" : it->second;
+}
+
+const std::vector<std::string>* FlagParser::given(const std::string& name) const {
+    auto it = given_.find(name);
+    return it == given_.end() ? nullptr : &it->second;
 }
 
 void FlagParser::apply_json(const nlohmann::json& object, const std::string& source) {
     MOEKIT_REQUIRE(object.is_object(), source, ": expected a JSON object {\"flag-name\": value, ...}");
+    std::map<std::string, std::string> keys_of_flag;  // a flag named twice (field name and flag name)
     for (const auto& [key, value] : object.items()) {
         Flag* flag = lookup_key(key);
         if (!flag) {
@@ -314,6 +328,9 @@ void FlagParser::apply_json(const nlohmann::json& object, const std::string& sou
             throw UsageError(str(source, ": unknown key '", key, "'",
                                  near.empty() ? "" : str(" (did you mean '", field_of(near), "'?)")));
         }
+        if (auto [it, fresh] = keys_of_flag.emplace(flag->name, key); !fresh)
+            throw UsageError(str(source, ": keys '", it->second, "' and '", key, "' both set ", flag->name,
+                                 ": give it once"));
         // A refused Megatron flag at its inert value (false / null) asks for nothing moekit lacks.
         if (flag->kind == Kind::unsupported && (value.is_null() || (value.is_boolean() && !value.get<bool>())))
             continue;
@@ -335,14 +352,27 @@ void FlagParser::apply_json(const nlohmann::json& object, const std::string& sou
 }
 
 void FlagParser::apply_json_file(const std::string& path) {
+    std::error_code ec;
+    MOEKIT_REQUIRE(!std::filesystem::is_directory(path, ec), "--config ", path, ": is a directory, not a JSON file");
     std::ifstream in(path);
     MOEKIT_REQUIRE(in.good(), "--config ", path, ": cannot open the file");
     nlohmann::json object;
+    // nlohmann keeps the last of two equal keys silently: catch a repeated key while parsing.
+    std::string repeated;
+    std::set<std::string> keys;
+    nlohmann::json::parser_callback_t on_event = [&](int depth, nlohmann::json::parse_event_t event,
+                                                     nlohmann::json& parsed) {
+        if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string() &&
+            !keys.insert(parsed.get<std::string>()).second && repeated.empty())
+            repeated = parsed.get<std::string>();
+        return true;
+    };
     try {
-        object = nlohmann::json::parse(in);
+        object = nlohmann::json::parse(in, on_event);
     } catch (const nlohmann::json::exception& e) {
         throw UsageError(str("--config ", path, ": not valid JSON: ", e.what()));
     }
+    MOEKIT_REQUIRE(repeated.empty(), "--config ", path, ": key '", repeated, "' appears twice: give it once");
     apply_json(object, path);
 }
 
@@ -364,6 +394,7 @@ bool FlagParser::parse(const std::vector<std::string>& args) {
             rest.push_back(args[i]);
         }
     }
+    std::map<std::string, std::string> seen;  // flag -> how it was first given on the command line
     for (size_t i = 0; i < rest.size(); ++i) {
         const std::string& arg = rest[i];
         MOEKIT_REQUIRE(arg.rfind("-", 0) == 0, "unexpected argument '", arg, "' (flags start with --)");
@@ -386,6 +417,10 @@ bool FlagParser::parse(const std::vector<std::string>& args) {
             throw UsageError(str("unknown flag ", name, near.empty() ? "" : str(" (did you mean ", near, "?)")));
         }
         if (flag->kind == Kind::unsupported) flag->set({});
+        if (auto [it, fresh] = seen.emplace(flag->name, name); !fresh)
+            throw UsageError(str(flag->name, " is given twice on the command line",
+                                 it->second != name ? str(" (as ", it->second, " and ", name, ")") : std::string(),
+                                 ": give it once (the last one would silently win)"));
         std::vector<std::string> values;
         if (negated) {
             MOEKIT_REQUIRE(!inline_value, name, ": takes no value");
@@ -406,6 +441,7 @@ bool FlagParser::parse(const std::vector<std::string>& args) {
         }
         apply(*flag, values, "command line");
     }
+    for (const auto& rule : rules_) rule(*this);
     return true;
 }
 

@@ -62,13 +62,22 @@ class FlagParser {
 
     // Parses flags: --name value, --name=value, --flag / --no-flag / --flag=true for booleans, one or more
     // values for lists (also comma-separated), --config FILE.json (applied first; explicit flags override it),
-    // --help. Throws UsageError naming the flag on any problem. Returns false when --help was printed.
+    // --help. A flag given twice on the command line (or twice in one --config file) is refused: the last one
+    // silently winning hides a mistake. Runs the add_rule() rules last. Throws UsageError naming the flag on any
+    // problem. Returns false when --help was printed.
     bool parse(const std::vector<std::string>& args);
     // Applies a JSON object {flag name without dashes | field name: value}; `source` names it in errors.
     void apply_json(const nlohmann::json& object, const std::string& source);
     void apply_json_file(const std::string& path);
 
     bool was_set(const std::string& name) const { return set_flags_.count(name) > 0; }
+    // Where a flag was last set ("command line" or a --config file), "" when it was not.
+    std::string where_set(const std::string& name) const;
+    // The values a flag was last given, as written (e.g. {"relu"}); nullptr when it was not set.
+    const std::vector<std::string>* given(const std::string& name) const;
+    // A rule run after parse() over the flags given (e.g. two flags that contradict each other);
+    // it throws UsageError naming both.
+    void add_rule(std::function<void(const FlagParser&)> rule) { rules_.push_back(std::move(rule)); }
     std::string help() const;
     nlohmann::json values() const;  // field -> value, for every flag bound to a variable
     const std::deque<Flag>& flags() const { return flags_; }
@@ -86,6 +95,8 @@ class FlagParser {
     std::deque<Flag> flags_;
     std::map<std::string, size_t> by_name_;
     std::map<std::string, std::string> set_flags_;  // name -> where it was set
+    std::map<std::string, std::vector<std::string>> given_;  // name -> values as given
+    std::vector<std::function<void(const FlagParser&)>> rules_;
 };
 
 // THE table of MoeConfig flags (Megatron spellings) and the Megatron MoE flags moekit refuses.

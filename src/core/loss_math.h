@@ -66,10 +66,16 @@ MOEKIT_HD void z_loss_row_backward(const T* logits, int64_t E, T weight, T* dlog
     for (int64_t e = 0; e < E; ++e) dlogits[e] += c * softmax_at(logits[e], st);
 }
 
+// Capacities at or above this mean "no limit": more rows than any tensor can hold (2^62).
+constexpr int64_t kCapacitySaturated = int64_t(1) << 62;
+
 // get_capacity(num_tokens, E, cf, min_capacity) = max(ceil(num_tokens / E * cf), min_capacity),
-// evaluated in double in Megatron's order.
+// evaluated in double in Megatron's order. A value beyond int64 (a huge factor such as 1e19; Python's
+// int has no limit) saturates to kCapacitySaturated: casting it would be undefined and wrapped to a
+// negative capacity that dropped every token (issue 11).
 MOEKIT_HD int64_t capacity_of(int64_t num_tokens, int64_t num_experts, double capacity_factor, int64_t min_capacity) {
     const double x = (double(num_tokens) / double(num_experts)) * capacity_factor;
+    if (!(x < double(kCapacitySaturated))) return kCapacitySaturated;  // also NaN
     int64_t c = int64_t(x);
     if (double(c) < x) ++c;  // ceil for x >= 0
     return c < min_capacity ? min_capacity : c;

@@ -2,6 +2,7 @@
 // moekit-only flags marked [moekit], and the Megatron MoE flags moekit refuses ("not supported yet").
 // to_json()/print_config() are derived from the same table, so every field is printed and accepted by
 // --config. Parser: src/core/flags.cpp. Validation: src/core/config.cpp. Tests: tests/cpu/test_config.cpp.
+#include <cctype>
 #include <memory>
 
 #include "core/flags.h"
@@ -37,6 +38,33 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add_action("--squared-relu", activation("--squared-relu", false, "squared_relu"), "squared-ReLU experts");
     p.add("--gated-linear-unit", &c.gated_linear_unit, "[moekit] gated experts (fc1 = [gate; up], 2F rows)");
     p.add("--activation-func", &c.activation_func, "[moekit] gelu | silu | relu | squared_relu");
+    // --swiglu --activation-func relu would run whichever came last; when both come from the same place
+    // (the command line, or one --config file) and disagree, that is a mistake: refuse naming both.
+    p.add_rule([](const FlagParser& parser) {
+        const struct {
+            const char* flag;
+            bool gated;
+            const char* func;
+        } actions[] = {{"--swiglu", true, "silu"}, {"--geglu", true, "gelu"}, {"--squared-relu", false, "squared_relu"}};
+        for (const auto& a : actions) {
+            if (!parser.was_set(a.flag)) continue;
+            const std::string where = parser.where_set(a.flag);
+            if (const auto* f = parser.given("--activation-func");
+                f && parser.where_set("--activation-func") == where && f->at(0) != a.func)
+                throw UsageError(str(a.flag, " conflicts with --activation-func=", f->at(0), " (", a.flag,
+                                     " means --activation-func=", a.func, "): give one of them"));
+            if (const auto* g = parser.given("--gated-linear-unit");
+                g && parser.where_set("--gated-linear-unit") == where) {
+                const std::string v = g->at(0);
+                std::string low = v;
+                for (auto& ch : low) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+                const bool on = low == "true" || low == "1" || low == "yes" || low == "on";
+                if (on != a.gated)
+                    throw UsageError(str(a.flag, " conflicts with --gated-linear-unit=", v, " (", a.flag, " means ",
+                                         a.gated ? "gated" : "not gated", " experts): give one of them"));
+            }
+        }
+    });
     p.add("--init-method-std", &c.init_method_std, "std of the normal init (fc2: std/sqrt(2*num_layers))");
     p.add_action(
         "--disable-bias-linear", [&c] { c.add_bias_linear = false; },
@@ -84,7 +112,8 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.section("moekit");
     p.add("--moe-loss-backward-scale", &c.moe_loss_backward_scale,
           "[moekit] gradient injected for the aux/z losses (Megatron's main_loss_backward_scale)");
-    p.add("--deterministic-mode", &c.deterministic_mode, "bitwise-reproducible runs");
+    p.add("--deterministic-mode", &c.deterministic_mode,
+          "bitwise-reproducible runs: accepted; every moekit path already is (fixed-order sums, no float atomics)");
     p.add("--seed", &c.seed, "random seed (weights init, jitter, random inputs)");
 
     // Megatron MoE flags that moekit does not implement: refused, never silently ignored.

@@ -1,8 +1,9 @@
 // Router maths for one token row (Megatron topk_routing_with_score_function), shared by the CPU
 // reference (src/cpu/router.cpp) and the CUDA router kernels: score functions and derivatives,
-// top-k with the tie-break "higher value first, then lower expert index", group-limited top-k,
+// top-k with the tie-break "higher value first, then lower expert index" (NaN last), group-limited top-k,
 // the selected experts' probs and their backward, and the input-jitter factor.
-// Rows are E contiguous values of type T (float or double); tests: tests/cpu/test_router.cpp.
+// Rows are E contiguous values of type T (float or double); tests: tests/cpu/test_router.cpp,
+// tests/cpu/test_router_non_finite.cpp.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -125,14 +126,34 @@ MOEKIT_HD T logsumexp(SoftmaxStats<T> st) {
 }
 
 // ---- top-k ordering ----
+// (v, i) ranks before (w, j): larger value first, then lower index; a NaN ranks after every number
+// (-inf included) and NaNs among themselves by index. `>` alone is no order once a NaN appears (a NaN
+// neither beats nor loses), and a selection walking such a row found no next entry and returned
+// index -1 (issue 11); with this rule every row is totally ordered, so a top-k always yields k valid,
+// distinct indices. Shared by the CPU reference and the CUDA warp top-k (src/cuda/router_warp.cuh).
+template <typename T, typename I>
+MOEKIT_HD bool value_ranks_before(T v, I i, T w, I j) {
+    const bool v_nan = v != v, w_nan = w != w;  // isnan without <cmath> on the device
+    if (v_nan != w_nan) return w_nan;
+    if (!v_nan && v != w) return v > w;
+    return i < j;
+}
+
 // Total order used by every selection: allowed entries first (a disallowed entry acts like
-// -inf, as Megatron's masked_fill), then larger value, then lower index.
+// -inf, as Megatron's masked_fill), then value_ranks_before.
 template <typename T>
 MOEKIT_HD bool ranks_before(const T* s, const uint8_t* allowed, int64_t a, int64_t b) {
     bool aa = !allowed || allowed[a], ab = !allowed || allowed[b];
     if (aa != ab) return aa;
-    if (s[a] != s[b]) return s[a] > s[b];
-    return a < b;
+    return value_ranks_before(s[a], a, s[b], b);
+}
+
+// Whether s[0..n) holds a value that is not finite (NaN or +-inf): the router counts such rows.
+template <typename T>
+MOEKIT_HD bool row_has_non_finite(const T* s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+        if (!(s[i] - s[i] == T(0))) return true;  // NaN - NaN and inf - inf are NaN
+    return false;
 }
 
 // The best entry of s[0..n) strictly after `prev` in the order (prev < 0: the best overall).

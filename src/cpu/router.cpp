@@ -72,8 +72,11 @@ std::vector<uint8_t> capacity_mask(const RouterContext<T>& ctx, const std::vecto
     std::vector<int64_t> order(valid);
     for (int64_t e = 0; e < E; ++e) {
         if (policy == "probs") {
-            std::stable_sort(order.begin(), order.end(),
-                             [&](int64_t a, int64_t b) { return ctx.probs(a, e) > ctx.probs(b, e); });
+            // value_ranks_before with equal indices: larger prob first, NaN last (a plain `>` is no
+            // strict weak order once a NaN appears); the stable sort breaks ties by token order.
+            std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+                return value_ranks_before(ctx.probs(a, e), 0, ctx.probs(b, e), 0);
+            });
         } else {
             std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
                 return ctx.routing_map[size_t(a * E + e)] > ctx.routing_map[size_t(b * E + e)];
@@ -180,6 +183,7 @@ void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, con
             select_row(params, ctx.logits.row(t), bias.empty() ? nullptr : bias.data(), keys.data(),
                        group_scores.data(), allowed.data(), idx);
         }
+        if (row_has_non_finite(ctx.logits.row(t), E)) ++ctx.non_finite_rows;
         row_probs(params, ctx.logits.row(t), idx, vals.data());
         for (int64_t j = 0; j < k; ++j) {
             ctx.probs(t, idx[j]) = vals[size_t(j)];

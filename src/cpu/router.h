@@ -40,6 +40,9 @@ struct RouterContext {
     double z_loss_weight = 0;                // d z-loss / d lse(row)^2 = coeff / valid rows (0 = none)
     int64_t valid_tokens = 0;                // rows with padding_mask 0
     int64_t capacity = -1;                   // expert capacity (-1 when dropless)
+    // Valid rows whose logits hold a NaN or +-inf (overflowing input or weights): they are still routed
+    // to k valid experts (NaN ranks last, core/router_math.h), but their probs are not numbers.
+    int64_t non_finite_rows = 0;
 };
 
 // Megatron TopKRouter.forward: jitter, gating linear, z-loss, score function + top-k (or

@@ -60,7 +60,7 @@ __device__ R top_m_sum(const R* sel, int lo, int hi, int m) {
     R sum = 0, prev_v = R(INFINITY);
     int prev_i = -1;
     for (int c = 0; c < m; ++c) {
-        R best_v = neg_inf<R>();
+        R best_v = no_value<R>();
         int best_i = INT32_MAX;
         for (int e = lo; e < hi; ++e)
             if (before(prev_v, prev_i, sel[e], e) && before(sel[e], e, best_v, best_i)) best_v = sel[e], best_i = e;
@@ -113,8 +113,10 @@ __global__ void route_kernel(RouterShape s, const R* __restrict__ logits, const 
         for (int g = lane; g < G; g += kWarp) gscore[g] = top_m_sum(sel, g * per_group, (g + 1) * per_group, m);
         __syncwarp();
         for (int c = 0; c < s.group_topk; ++c) warp_take_best(gscore, gtaken, G, lane);
+        // Experts of dropped groups are taken out (not set to -inf): a NaN score of a kept group must
+        // still win over them, as on the CPU (allowed entries first); the kept groups hold >= k experts.
         for (int e = lane; e < E; e += kWarp)
-            if (!gtaken[e / per_group]) sel[e] = neg_inf<R>();
+            if (!gtaken[e / per_group]) taken[e] = 1;
         __syncwarp();
     }
     // Top-k: lane j keeps the j-th pick (k <= 32, checked in validate()).
@@ -172,7 +174,7 @@ __global__ void capacity_kernel(RouterShape s, const uint8_t* __restrict__ paddi
             const R k = key[t];
             int64_t rank = 0;
             for (int64_t u = 0; u < T && rank < capacity; ++u)
-                rank += valid[u] && (key[u] > k || (key[u] == k && u < t));
+                rank += valid[u] && value_ranks_before(key[u], u, k, t);  // NaN last, as the CPU twin
             keep = rank < capacity;
         }
         const uint8_t routed = map[t * E + e];

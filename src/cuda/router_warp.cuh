@@ -1,5 +1,5 @@
 // Warp-level helpers of the CUDA router and loss kernels (one warp per token): reductions,
-// the top-k order (value descending, ties: lower expert index first, as the CPU reference) and
+// the top-k order (value descending, ties: lower expert index first, NaN last, as the CPU reference) and
 // the score functions. Internal to src/cuda/router.cu and src/cuda/losses.cu.
 #pragma once
 #include <cuda_runtime.h>
@@ -29,10 +29,18 @@ __device__ __forceinline__ R warp_max(R v) {
     return v;
 }
 
-// (v, i) precedes (w, j) in top-k order.
+// (v, i) precedes (w, j) in top-k order: the CPU's value_ranks_before (core/router_math.h), where a NaN
+// ranks after every number, so a row holding NaNs still yields k valid, distinct experts.
 template <typename R>
 __device__ __forceinline__ bool before(R v, int i, R w, int j) {
-    return v > w || (v == w && i < j);
+    return value_ranks_before(v, i, w, j);
+}
+
+// The "nothing yet" candidate of a search: ranks after every real entry, NaNs included (a NaN with
+// index INT32_MAX), so a row of NaNs still picks its lowest free index, never INT32_MAX.
+template <typename R>
+__device__ __forceinline__ R no_value() {
+    return R(NAN);
 }
 
 // Warp-wide best (v, i) in top-k order; every lane gets the winner.
@@ -45,10 +53,11 @@ __device__ __forceinline__ void warp_best(R& v, int& i) {
     }
 }
 
-// Best not-yet-taken entry of vals[0, n) (shared memory), marks it taken; returns its index.
+// Best not-yet-taken entry of vals[0, n) (shared memory), marks it taken; returns its index (in
+// [0, n) while an entry is free: callers take at most as many as are free).
 template <typename R>
 __device__ __forceinline__ int warp_take_best(const R* vals, uint8_t* taken, int n, int lane) {
-    R best_v = neg_inf<R>();
+    R best_v = no_value<R>();
     int best_i = INT32_MAX;
     for (int e = lane; e < n; e += kWarp)
         if (!taken[e] && before(vals[e], e, best_v, best_i)) best_v = vals[e], best_i = e;

@@ -1,16 +1,23 @@
 // safetensors reader and writer (format: src/io/safetensors.h). The reader rejects anything the format
-// forbids: short files, a header length beyond the file, bad or non-object JSON, duplicate names,
-// unknown dtypes, offsets outside the buffer, sizes that do not match shape x dtype, overlaps and holes.
+// forbids: short files, a header length beyond the file, a NUL in the header, bad or non-object JSON,
+// duplicate names, unknown dtypes, offsets outside the buffer, sizes that do not match shape x dtype
+// (checked 64-bit), overlaps and holes; from a path it checks the header before reading the body and
+// refuses folders and devices. The writer writes atomically (io/atomic_file.h).
 // Tests: tests/cpu/test_safetensors.cpp.
 #include "io/safetensors.h"
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
+#include <string_view>
 
+#include "core/checked_math.h"
+#include "io/atomic_file.h"
 #include "moekit/error.h"
 
 namespace moekit {
@@ -34,19 +41,40 @@ struct Span {
 
 }  // namespace
 
-SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::string& source) {
-    auto fail = [&](auto&&... parts) { return UsageError(str(source, ": ", parts...)); };
-    if (bytes.size() < 8)
-        throw fail("too short for a safetensors file (", bytes.size(),
-                   " bytes; it starts with an 8-byte header length)");
-    uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[size_t(i)];
-    if (header_len > bytes.size() - 8 || header_len > kMaxHeaderBytes)
-        throw fail("header length ", header_len, " exceeds the file (", bytes.size(),
-                   " bytes): truncated or not a "
-                   "safetensors file");
-    const char* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
+namespace {
 
+// One tensor of a checked header: dtype and shape in `tensor` (no bytes yet) and its byte span.
+struct Entry {
+    std::string name;
+    HostTensor tensor;
+    uint64_t begin = 0, end = 0;
+};
+
+struct Header {
+    std::vector<Entry> entries;
+    std::map<std::string, std::string> metadata;
+};
+
+// The header length from the first 8 bytes, checked against the file size before anything else is read.
+uint64_t header_length(const uint8_t* first8, uint64_t file_size, const std::string& source) {
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | first8[i];
+    if (header_len > file_size - 8 || header_len > kMaxHeaderBytes)
+        throw UsageError(str(source, ": header length ", header_len, " exceeds the file (", file_size,
+                             " bytes): truncated or not a safetensors file"));
+    return header_len;
+}
+
+// Parses and checks the JSON header against a data buffer of `data_size` bytes: every entry's dtype,
+// shape (numel x element size in checked arithmetic) and offsets, and that the tensors tile the buffer
+// exactly. Nothing here allocates more than the header itself, so a hostile header costs nothing.
+Header parse_header(const char* text, uint64_t header_len, uint64_t data_size, const std::string& source) {
+    auto fail = [&](auto&&... parts) { return UsageError(str(source, ": ", parts...)); };
+    // JSON text holds no NUL byte, and nlohmann's parser takes one as the end of input: bytes after it would be
+    // hidden from the checks below (a polyglot file), so a NUL anywhere in the header is refused.
+    if (const void* nul = std::memchr(text, 0, header_len))
+        throw fail("the header holds a NUL byte at offset ", static_cast<const char*>(nul) - text,
+                   " (a safetensors header is JSON text, padded with spaces only)");
     // Duplicate names are invalid, but nlohmann keeps the last one silently: catch them while parsing.
     std::string duplicate;
     std::set<std::string> names;
@@ -59,23 +87,22 @@ SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::
     };
     nlohmann::json header;
     try {
-        header = nlohmann::json::parse(header_begin, header_begin + header_len, on_event);
+        header = nlohmann::json::parse(text, text + header_len, on_event);
     } catch (const nlohmann::json::exception& e) {
         throw fail("the ", header_len, "-byte header is not valid JSON (", e.what(), ")");
     }
     if (!header.is_object()) throw fail("the header is not a JSON object");
     if (!duplicate.empty()) throw fail("tensor name '", duplicate, "' appears twice in the header");
 
-    SafetensorsFile file;
-    const uint64_t data_size = bytes.size() - 8 - header_len;
-    const uint8_t* data = bytes.data() + 8 + header_len;
-    std::vector<Span> spans;
-    for (const auto& [name, entry] : header.items()) {
+    Header out;
+    for (const auto& item : header.items()) {
+        const std::string& name = item.key();  // not a structured binding: clang 14 cannot capture those
+        const auto& entry = item.value();
         if (name == "__metadata__") {
             if (!entry.is_object()) throw fail("__metadata__ must be an object of strings");
             for (const auto& [key, value] : entry.items()) {
                 if (!value.is_string()) throw fail("__metadata__ value of '", key, "' is not a string: ", value.dump());
-                file.metadata[key] = value.get<std::string>();
+                out.metadata[key] = value.get<std::string>();
             }
             continue;
         }
@@ -87,7 +114,9 @@ SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::
         const auto& shape_j = entry["shape"];
         const auto& offsets_j = entry["data_offsets"];
         if (!dtype_j.is_string()) throw bad("dtype is not a string: ", dtype_j.dump());
-        HostTensor t;
+        Entry e;
+        e.name = name;
+        HostTensor& t = e.tensor;
         const std::string dtype_name = dtype_j.get<std::string>();
         if (!dtype_from_name(dtype_name, &t.dtype)) {
             if (is_spec_dtype(dtype_name))
@@ -95,58 +124,108 @@ SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::
             throw bad("unknown dtype '", dtype_name, "'");
         }
         if (!shape_j.is_array()) throw bad("shape is not an array: ", shape_j.dump());
-        uint64_t numel = 1;
+        // numel and numel x element size in checked int64 arithmetic: a shape whose byte size wraps (to 0,
+        // say) would otherwise pass the offsets check and reach the tensor code with no bytes.
+        std::optional<int64_t> nbytes = int64_t(dtype_size(t.dtype));
         for (const auto& d : shape_j) {
             if (!d.is_number_unsigned()) throw bad("shape ", shape_j.dump(), " must hold non-negative integers");
             const uint64_t dim = d.get<uint64_t>();
-            if (dim != 0 && numel > (uint64_t(1) << 62) / dim) throw bad("shape ", shape_j.dump(), " is too large");
-            numel *= dim;
+            if (dim > uint64_t(INT64_MAX)) throw bad("shape ", shape_j.dump(), " is too large");
+            nbytes = nbytes ? checked_mul(*nbytes, int64_t(dim)) : nbytes;
             t.shape.push_back(int64_t(dim));
         }
+        if (!nbytes)
+            throw bad("shape ", shape_j.dump(), " x ", dtype_name, " is too large (its byte size overflows 64 bits)");
         if (!offsets_j.is_array() || offsets_j.size() != 2 || !offsets_j[0].is_number_unsigned() ||
             !offsets_j[1].is_number_unsigned())
             throw bad("data_offsets must be [begin, end] (non-negative integers), got ", offsets_j.dump());
-        const uint64_t begin = offsets_j[0].get<uint64_t>(), end = offsets_j[1].get<uint64_t>();
-        if (begin > end) throw bad("data_offsets [", begin, ", ", end, "] end before they begin");
-        if (end > data_size)
-            throw bad("data_offsets [", begin, ", ", end, "] run past the data buffer (", data_size, " bytes)");
-        const uint64_t expected = numel * dtype_size(t.dtype);
-        if (end - begin != expected)
-            throw bad("data_offsets [", begin, ", ", end, "] hold ", end - begin, " bytes but shape ", t.shape_string(),
-                      " x ", dtype_name, " needs ", expected);
-        t.bytes.assign(data + begin, data + end);
-        if (t.dtype == DType::boolean)
-            for (uint8_t b : t.bytes)
-                if (b > 1) throw bad("BOOL value ", int(b), " is neither 0 nor 1");
-        auto [it, inserted] = file.tensors.emplace(name, std::move(t));
-        spans.push_back({begin, end, &it->first});
+        e.begin = offsets_j[0].get<uint64_t>(), e.end = offsets_j[1].get<uint64_t>();
+        if (e.begin > e.end) throw bad("data_offsets [", e.begin, ", ", e.end, "] end before they begin");
+        if (e.end > data_size)
+            throw bad("data_offsets [", e.begin, ", ", e.end, "] run past the data buffer (", data_size, " bytes)");
+        if (e.end - e.begin != uint64_t(*nbytes))
+            throw bad("data_offsets [", e.begin, ", ", e.end, "] hold ", e.end - e.begin, " bytes but shape ",
+                      t.shape_string(), " x ", dtype_name, " needs ", *nbytes);
+        out.entries.push_back(std::move(e));
     }
     // The buffer must be exactly tiled by the tensors: no overlaps (aliasing) and no holes (polyglot files).
+    std::vector<Span> spans;
+    for (const auto& e : out.entries) spans.push_back({e.begin, e.end, &e.name});
     std::sort(spans.begin(), spans.end(),
               [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
     uint64_t covered = 0;
     const std::string* previous = nullptr;
-    for (const auto& s : spans) {
-        if (s.begin < covered)
-            throw fail("tensors '", *previous, "' and '", *s.name, "' overlap in the data buffer (at byte ", s.begin,
+    for (const auto& sp : spans) {
+        if (sp.begin < covered)
+            throw fail("tensors '", *previous, "' and '", *sp.name, "' overlap in the data buffer (at byte ", sp.begin,
                        ")");
-        if (s.begin > covered)
-            throw fail("bytes [", covered, ", ", s.begin,
+        if (sp.begin > covered)
+            throw fail("bytes [", covered, ", ", sp.begin,
                        ") of the data buffer belong to no tensor (holes are invalid)");
-        covered = s.end;
-        previous = s.name;
+        covered = sp.end;
+        previous = sp.name;
     }
     if (covered != data_size)
         throw fail("bytes [", covered, ", ", data_size, ") at the end of the data buffer belong to no tensor");
+    return out;
+}
+
+// The checked header's tensors filled from the data buffer (size checked by parse_header).
+SafetensorsFile fill(Header header, const uint8_t* data, const std::string& source) {
+    SafetensorsFile file;
+    file.metadata = std::move(header.metadata);
+    for (auto& e : header.entries) {
+        HostTensor& t = e.tensor;
+        t.bytes.assign(data + e.begin, data + e.end);
+        if (t.dtype == DType::boolean)
+            for (uint8_t b : t.bytes)
+                if (b > 1) throw UsageError(str(source, ": tensor '", e.name, "': BOOL value ", int(b),
+                                                " is neither 0 nor 1"));
+        file.tensors.emplace(e.name, std::move(t));
+    }
     return file;
 }
 
+}  // namespace
+
+SafetensorsFile parse_safetensors(const std::vector<uint8_t>& bytes, const std::string& source) {
+    if (bytes.size() < 8)
+        throw UsageError(str(source, ": too short for a safetensors file (", bytes.size(),
+                             " bytes; it starts with an 8-byte header length)"));
+    const uint64_t header_len = header_length(bytes.data(), bytes.size(), source);
+    Header header = parse_header(reinterpret_cast<const char*>(bytes.data() + 8), header_len,
+                                 bytes.size() - 8 - header_len, source);
+    return fill(std::move(header), bytes.data() + 8 + header_len, source);
+}
+
 SafetensorsFile read_safetensors(const std::string& path) {
+    namespace fs = std::filesystem;
+    // A folder, a device (/dev/zero) or a pipe is no file to read: refused before reading, by its kind.
+    std::error_code ec;
+    const fs::file_status st = fs::status(path, ec);
+    MOEKIT_REQUIRE(!ec && fs::exists(st), path, ": cannot open (", ec ? ec.message() : "no such file", ")");
+    MOEKIT_REQUIRE(!fs::is_directory(st), path, ": is a directory, not a safetensors file");
+    MOEKIT_REQUIRE(fs::is_regular_file(st), path, ": is not a regular file (a device or a pipe); give a safetensors file");
     std::ifstream in(path, std::ios::binary);
     MOEKIT_REQUIRE(in.good(), path, ": cannot open (", std::strerror(errno), ")");
-    std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    MOEKIT_REQUIRE(!in.bad(), path, ": read error");
-    return parse_safetensors(bytes, path);
+    const uint64_t size = fs::file_size(path, ec);
+    MOEKIT_REQUIRE(!ec, path, ": cannot read its size (", ec.message(), ")");
+    auto read_exactly = [&](uint8_t* dst, uint64_t n) {
+        in.read(reinterpret_cast<char*>(dst), std::streamsize(n));
+        MOEKIT_REQUIRE(uint64_t(in.gcount()) == n, path, ": read error (the file changed or shrank while read)");
+    };
+    // Header first, checked against the file size; the body is read only once the header is known good.
+    MOEKIT_REQUIRE(size >= 8, path, ": too short for a safetensors file (", size,
+                   " bytes; it starts with an 8-byte header length)");
+    uint8_t first8[8];
+    read_exactly(first8, 8);
+    const uint64_t header_len = header_length(first8, size, path);
+    std::vector<char> text(header_len);
+    read_exactly(reinterpret_cast<uint8_t*>(text.data()), header_len);
+    Header header = parse_header(text.data(), header_len, size - 8 - header_len, path);
+    std::vector<uint8_t> data(size - 8 - header_len);
+    read_exactly(data.data(), data.size());
+    return fill(std::move(header), data.data(), path);
 }
 
 std::vector<uint8_t> serialize_safetensors(const std::map<std::string, HostTensor>& tensors,
@@ -178,11 +257,8 @@ std::vector<uint8_t> serialize_safetensors(const std::map<std::string, HostTenso
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
     const auto bytes = serialize_safetensors(tensors, metadata);
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    MOEKIT_REQUIRE(out.good(), path, ": cannot write (", std::strerror(errno), ")");
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-    out.close();
-    MOEKIT_REQUIRE(out.good(), path, ": write failed (disk full?)");
+    // Temp file + rename: a failed or interrupted write leaves the old file (or none), never half a file.
+    io::write_file_atomically(path, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
 }  // namespace moekit
