@@ -10,7 +10,7 @@ CMAKE_FLAGS ?=
 all: build
 
 # Debian packages the build needs; installed only when missing.
-DEB_PACKAGES := cmake g++ make libgtest-dev nlohmann-json3-dev
+DEB_PACKAGES := cmake g++ make libgtest-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
