@@ -453,8 +453,9 @@ Verdict check_ep_case(Communicator& world, const EpCase& k, bool virtual_twin) {
         compare_grads(v, ag.grads, aa.grads, layout, 0.0, 0.0);
         v.context = ctx;
     }
-    // global_aux_loss: the ranks' values sum to that of one run on the whole batch.
-    if (global_aux) {
+    // global_aux_loss: the ranks' values sum to that of one run on the whole batch (not with jitter:
+    // its draws are indexed by the token's row, which differs in the whole batch).
+    if (global_aux && !c.moe_input_jitter_eps) {
         double sum = runs[1][1].losses.global_aux_loss;  // alltoall, EP = N
         world.all_reduce(&sum, 1);
         MoeConfig whole = c;

@@ -1,7 +1,7 @@
 // moekit::Communicator: the one interface multi-rank code talks to (blocking collectives on host
 // buffers), with two transports: `local` (N virtual ranks, one thread each, in one process) and `mpi`
 // (one process per rank under mpirun). ProcessGroups carves Megatron's groups out of a world.
-// No MPI header here. Implementations: src/comm/. Tests: tests/mpi/test_ep_mpi.cpp, tests/cpu/test_comm.cpp.
+// No MPI header here. Implementations: src/comm/. Tests: tests/mpi/test_ep_mpi.cpp, tests/cpu/test_ep_virtual.cpp.
 #pragma once
 #include <cstdint>
 #include <functional>

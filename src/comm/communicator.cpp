@@ -1,6 +1,6 @@
 // The typed collectives of moekit::Communicator (include/moekit/comm.h), written once on top of the
 // transport primitives so every transport computes the same bits: reductions gather all ranks'
-// values and fold them in rank order. Also Megatron's process groups. Tests: tests/cpu/test_comm.cpp.
+// values and fold them in rank order. Also Megatron's process groups. Tests: tests/cpu/test_ep_virtual.cpp, tests/mpi/test_ep_mpi.cpp.
 #include <algorithm>
 #include <cstdlib>
 

@@ -2,7 +2,7 @@
 // A collective publishes each rank's buffer pointers in its group's slots, meets at a barrier, copies
 // from the peers' buffers directly, and meets again so no buffer is released while read. One mutex
 // and condition variable per job, so an abort wakes every waiting rank of every group. Interface:
-// include/moekit/comm.h; MPI twin: src/comm/mpi_comm.cpp. Tests: tests/cpu/test_comm.cpp.
+// include/moekit/comm.h; MPI twin: src/comm/mpi_comm.cpp. Tests: tests/cpu/test_ep_virtual.cpp (LocalComm.*).
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>

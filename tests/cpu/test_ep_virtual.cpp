@@ -29,8 +29,8 @@ void run_virtual_cases(int ranks, uint64_t first_seed, int cases) {
     }
 }
 
-TEST(EpVirtual, TwoRanksFp64) { run_virtual_cases<double>(2, 100, 8); }
-TEST(EpVirtual, ThreeRanksFp32) { run_virtual_cases<float>(3, 200, 6); }
+TEST(EpVirtual, TwoRanksFp64) { run_virtual_cases<double>(2, 100, 16); }
+TEST(EpVirtual, ThreeRanksFp32) { run_virtual_cases<float>(3, 200, 12); }
 
 TEST(EpVirtual, SingleRankPipelineIsMoeLayer) {
     // EP = 1 on one rank through the pipeline is cpu::MoeLayer itself (the same code): bit for bit.

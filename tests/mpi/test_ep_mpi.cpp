@@ -13,7 +13,7 @@
 namespace moekit::test {
 namespace {
 
-constexpr int kCases = 16;
+constexpr int kCases = 32;
 
 bool quiet_rank() { return comm::mpi_world().rank() != 0; }
 
