@@ -65,10 +65,6 @@ public:
     // Variable-length all-gather: every rank's vector, in rank order.
     template <typename T>
     std::vector<std::vector<T>> all_gather_v(const std::vector<T>& local);
-
-    // Throws moekit::Error on every rank when `ok` is false on any rank, naming the ranks that failed
-    // and their messages (the verdict is all-reduced first, so no rank is left waiting).
-    void check_all(bool ok, const std::string& what_failed);
 };
 
 template <typename T>
@@ -134,7 +130,6 @@ std::unique_ptr<Communicator> make_single_rank();
 void run_virtual_ranks(int n, const std::function<void(Communicator& world)>& fn);
 
 // ---- MPI (one process per rank) ----
-bool mpi_built();     // moekit was configured with MPI
 bool mpi_launched();  // this process was started by mpirun (OMPI_/PMI_/PMIX_ environment)
 // The MPI world; initialises MPI on first use and finalises it at exit. UsageError without MPI.
 Communicator& mpi_world();

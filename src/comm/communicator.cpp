@@ -31,16 +31,6 @@ void Communicator::all_reduce(double* data, int64_t count, ReduceOp op) { all_re
 void Communicator::all_reduce(float* data, int64_t count, ReduceOp op) { all_reduce_impl(*this, data, count, op); }
 void Communicator::all_reduce(int64_t* data, int64_t count, ReduceOp op) { all_reduce_impl(*this, data, count, op); }
 
-void Communicator::check_all(bool ok, const std::string& what_failed) {
-    const std::vector<std::vector<char>> messages =
-        all_gather_v(ok ? std::vector<char>() : std::vector<char>(what_failed.begin(), what_failed.end()));
-    std::string report;
-    for (size_t r = 0; r < messages.size(); ++r)
-        if (!messages[r].empty())
-            report += str(report.empty() ? "" : "; ", "rank ", r, ": ", std::string(messages[r].begin(), messages[r].end()));
-    if (!report.empty()) throw Error(report);
-}
-
 std::unique_ptr<ProcessGroups> make_process_groups(Communicator& world, int ep_size) {
     const int n = world.size(), r = world.rank();
     MOEKIT_REQUIRE(ep_size >= 1 && n % ep_size == 0, "--expert-model-parallel-size=", ep_size,

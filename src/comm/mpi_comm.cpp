@@ -131,14 +131,14 @@ void finalize_at_exit() {
 
 }  // namespace
 
-bool mpi_built() { return true; }
-
 Communicator& mpi_world() {
     if (!g_world) {
         int init = 0;
         MOEKIT_MPI_CHECK(MPI_Initialized(&init));
         if (!init) {
-            MOEKIT_MPI_CHECK(MPI_Init(nullptr, nullptr));
+            // FUNNELED: the CPU layer runs worker threads (src/cpu/parallel.h), but only this thread calls MPI.
+            int provided = MPI_THREAD_SINGLE;
+            MOEKIT_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
             std::atexit(finalize_at_exit);
         }
         g_world = new MpiCommunicator(MPI_COMM_WORLD, false);  // lives until exit (MPI_Finalize order)

@@ -7,8 +7,6 @@
 
 namespace moekit::comm {
 
-bool mpi_built() { return false; }
-
 Communicator& mpi_world() {
     throw UsageError(
         "this moekit was built without MPI, so it cannot run under mpirun (install libopenmpi-dev and "

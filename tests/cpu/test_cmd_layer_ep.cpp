@@ -1,8 +1,8 @@
 // `moekit layer` under expert parallelism, end to end (tools/cmd_layer.cpp, tools/layer_ep.cpp): with
 // --virtual-ranks N the results equal N separate single-rank runs on the micro-batches (columns of B)
 // with grads summed; mpirun -np N equals --virtual-ranks N bit for bit; bad layouts exit 2 and say
-// why; ranks started with different flags are refused; a rank killed with SIGKILL ends the job within
-// 60 s with an error naming it. The MPI cases skip in builds without MPI.
+// why; ranks started with different flags are refused; a rank that fails, or is killed with SIGKILL,
+// ends the job within 60 s with an error naming it. The MPI cases skip in builds without MPI.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -213,6 +213,20 @@ TEST_F(CmdLayerEp, RanksWithDifferentFlagsAreRefused) {
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("rank 1 has moe_router_topk=3 vs moe_router_topk=2 on rank 0"), std::string::npos)
         << r.output;
+}
+
+TEST_F(CmdLayerEp, ARankThatFailsEndsTheJobNamingIt) {
+    if (!MOEKIT_HAVE_MPI) GTEST_SKIP() << "built without MPI";
+    // Rank 1 cannot read its weights file and fails while rank 0 waits in the start-up collective.
+    const std::string base = kLayer + "--seq-length 3 --micro-batch-size 2 --expert-model-parallel-size 2 --out " + path("r");
+    const auto t0 = std::chrono::steady_clock::now();
+    const ToolResult r = run_shell("timeout 120 " + mpirun(1) + MOEKIT_BINARY + " " + base + " --init random : -np 1 " +
+                                   MOEKIT_BINARY + " " + base + " --weights " + path("missing.safetensors"));
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0);
+    EXPECT_NE(r.output.find("moekit layer: error on rank 1 of 2: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("missing.safetensors"), std::string::npos) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(path("r")));
 }
 
 TEST_F(CmdLayerEp, KilledRankEndsTheJobNamingIt) {
