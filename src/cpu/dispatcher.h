@@ -1,7 +1,8 @@
 // Dispatcher stage (Megatron MoETokenDispatcher, megatron-moe.md §1.3), CPU reference: permute a
 // rank's routed tokens, move them to the EP ranks that own their experts, and back (combine +
 // unpermute), with the backward of both. Implementations: dispatch_allgather.cpp, dispatch_alltoall.cpp;
-// at EP = 1 both are the single-rank permute/unpermute (no communication). Tests: tests/mpi/test_ep_mpi.cpp.
+// at EP = 1 both are the single-rank permute/unpermute (no communication). Tests: tests/cpu/test_dispatch.cpp,
+// tests/mpi/test_ep_mpi.cpp.
 #pragma once
 #include <cstdint>
 #include <memory>
