@@ -394,6 +394,7 @@ int layer_main(const std::vector<std::string>& argv) {
     if (!a.device_given && (!mpi || mpi->rank() == 0))
         std::printf("moekit layer: --device %s (default: %s)\n", a.device.c_str(),
                     a.dtype == "fp64" ? "--dtype fp64 runs on cpu only"
+                    : multi_rank      ? "expert parallelism runs on cpu only for now"
                     : have_gpu        ? "a GPU is present"
                                       : "no GPU found");
 
