@@ -228,7 +228,9 @@ void run_virtual_ranks(int n, const std::function<void(Communicator& world)>& fn
             } catch (...) {
                 errors[size_t(r)] = std::current_exception();
                 std::lock_guard<std::mutex> lock(job->mutex);
-                originated[size_t(r)] = !job->aborted;
+                // Its own failure, or its own abort(); not a rank woken by another's abort.
+                originated[size_t(r)] =
+                    !job->aborted || job->abort_reason.rfind(str("virtual rank ", r, ": "), 0) == 0;
                 if (!job->aborted) {
                     job->aborted = true;
                     job->abort_reason = str("virtual rank ", r, " failed");

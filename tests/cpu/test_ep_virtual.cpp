@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "ep_harness.h"
+#include "ep_checks.h"
 
 namespace moekit::test {
 namespace {
@@ -82,6 +82,18 @@ TEST(LocalComm, AFailingRankEndsTheJobNamingIt) {
         ADD_FAILURE() << "no error";
     } catch (const UsageError& e) {
         EXPECT_NE(std::string(e.what()).find("virtual rank 2: bad value on this rank"), std::string::npos) << e.what();
+    }
+    // An explicit abort() from rank 1 inside a sub-group wakes ranks waiting in the world group.
+    try {
+        comm::run_virtual_ranks(4, [](Communicator& world) {
+            auto pair = world.split(world.rank() / 2, world.rank());
+            if (world.rank() == 1) pair->abort("expert weights disagree");
+            world.barrier();
+        });
+        ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("virtual rank 1"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("expert weights disagree"), std::string::npos) << e.what();
     }
     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
 }

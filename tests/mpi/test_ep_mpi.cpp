@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "ep_harness.h"
+#include "ep_checks.h"
 
 namespace moekit::test {
 namespace {
