@@ -255,7 +255,9 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     if (world) {
         // Expert parallelism: micro-batch r on rank r, results back in the original order (layer_ep.h).
         const auto digest = [](const Matrix<T>& m) { return digest_bytes(m.data.data(), m.data.size() * sizeof(T)); };
-        uint64_t weights_digest = digest(w.router_weight) ^ digest(w.shared_fc1) ^ digest(w.shared_fc2);
+        uint64_t weights_digest = digest(w.router_weight) ^ digest(w.shared_fc1) ^ digest(w.shared_fc2) ^
+                                  digest(w.shared_gate) ^
+                                  digest_bytes(w.expert_bias.data(), w.expert_bias.size() * sizeof(double));
         for (size_t e = 0; e < w.fc1.size(); ++e) weights_digest = weights_digest * 31 + digest(w.fc1[e]) + digest(w.fc2[e]);
         std::string fingerprint;  // one "name=value" per line, so a mismatch names its field
         const nlohmann::json config_json = to_json(cfg);
