@@ -18,6 +18,8 @@
 #include "core/host_memory.h"
 #include "core/rng.h"
 #include "io/safetensors.h"
+#include "layer_ep.h"
+#include "moekit/comm.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
 #include "moekit/weights.h"
@@ -33,6 +35,7 @@ struct LayerArgs {
     bool device_given = false;  // else picked: cuda when a GPU is present (falls back to cpu if cuda refuses the config)
     bool eval = false;
     bool micro_batch_size_given = false;  // then it must match the input's B
+    int64_t virtual_ranks = 0;             // --virtual-ranks N: N ranks as threads of this process
 };
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::bf16 || d == DType::f16; }
@@ -185,7 +188,8 @@ HostTensor bool_tensor(const std::vector<uint8_t>& bytes, std::vector<int64_t> s
 
 template <typename T>
 int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv, const std::string& inferred,
-              const SafetensorsFile* weight_file, const std::string& weights_prefix) {
+              const SafetensorsFile* weight_file, const std::string& weights_prefix, Communicator* world) {
+    const bool rank0 = !world || world->rank() == 0;  // under EP every rank computes, rank 0 reports
     constexpr DType kDtype = sizeof(T) == 8 ? DType::f64 : DType::f32;
     std::map<std::string, std::string> meta;
 
@@ -231,6 +235,8 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     }
     cfg.seq_length = S, cfg.micro_batch_size = B;
     require_fits_in_host_memory(cfg, S * B, 1, sizeof(T));  // the input file's tokens x E, k, F: before any step
+    MOEKIT_REQUIRE(!world || B % world->size() == 0, "the input has B=", B, " sequences, not divisible by the ",
+                   world ? world->size() : 1, " ranks: the batch is split along B into one micro-batch per rank");
 
     Matrix<T> grad_out;
     const std::vector<int64_t> sbh = {S, B, H};
@@ -270,14 +276,14 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
                                  ")"));
         }
     }
-    if (!a.save_weights.empty()) {
+    if (!a.save_weights.empty() && rank0) {
         // The compute dtype, so that reloading reproduces this run bit for bit.
         write_safetensors(a.save_weights, weights_to_tensors(w, kDtype),
                           {{"format", "pt"}, {"moekit_config", to_json(cfg).dump()}});
     }
 
     // ---- one forward + backward ----
-    print_config(cfg);
+    if (rank0) print_config(cfg);
     LayerInput<T> in;
     in.hidden = hidden;
     in.seq_length = S;
@@ -313,7 +319,43 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     } else {
         MOEKIT_REQUIRE(a.device == "cpu", "--dtype fp64 runs on --device cpu only (got --device ", a.device, ")");
     }
-    if (a.device == "cpu") {
+    if (world) {
+        // Expert parallelism: micro-batch r on rank r, results back in the original order (layer_ep.h).
+        const auto digest = [](const Matrix<T>& m) { return digest_bytes(m.data.data(), m.data.size() * sizeof(T)); };
+        uint64_t weights_digest = digest(w.router_weight) ^ digest(w.shared_fc1) ^ digest(w.shared_fc2) ^
+                                  digest(w.shared_gate) ^
+                                  digest_bytes(w.expert_bias.data(), w.expert_bias.size() * sizeof(double));
+        for (size_t e = 0; e < w.fc1.size(); ++e) weights_digest = weights_digest * 31 + digest(w.fc1[e]) + digest(w.fc2[e]);
+        std::string fingerprint;  // one "name=value" per line, so a mismatch names its field
+        const nlohmann::json config_json = to_json(cfg);
+        for (const auto& [key, value] : config_json.items()) fingerprint += str(key, "=", value.dump(), "\n");
+        fingerprint +=
+            str("dtype=", a.dtype, "\neval=", a.eval, "\nweights=", weights_digest,
+                "\ninput=", digest(hidden), "\npadding_mask=", digest_bytes(padding.data(), padding.size()),
+                "\ngrad_output=", digest(grad_out), "\nranks=", world->size());
+        LayerResults<T> r = run_layer_ranks(*world, cfg, w, in, grad_out, fingerprint);
+        output = std::move(r.output);
+        grad_input = std::move(r.grad_input);
+        grads = std::move(r.grads);
+        summary.tokens_per_expert = r.tokens_per_expert;
+        out["probs"] = tensor_of(r.probs, {S * B, E}, kDtype);
+        out["routing_map"] = bool_tensor(r.routing_map, {S * B, E});
+        // Each rank's loss values: loss.<name> is [ranks], entry r from micro-batch r.
+        std::map<std::string, std::vector<double>> rank_losses;
+        for (const LossValues& l : r.rank_losses) {
+            rank_losses["aux_loss"].push_back(l.aux_loss);
+            rank_losses["seq_aux_loss"].push_back(l.seq_aux_loss);
+            rank_losses["global_aux_loss"].push_back(l.global_aux_loss);
+            rank_losses["z_loss"].push_back(l.z_loss);
+        }
+        for (const auto& [name, v] : rank_losses)
+            out["loss." + name] = HostTensor::from_double(v, {int64_t(v.size())}, kDtype);
+        summary.losses = r.rank_losses[0];
+        meta["ranks"] = str(world->size(), " (", world->transport(), "), --expert-model-parallel-size=",
+                            cfg.expert_model_parallel_size, ", micro-batch r = columns [r*", B / world->size(),
+                            ", (r+1)*", B / world->size(), ") of B");
+    }
+    if (a.device == "cpu" && !world) {
         cpu::MoeLayer<T> layer(cfg);
         output = layer.forward(w, in);
         grad_input = layer.backward(w, grad_out, grads);
@@ -335,7 +377,8 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
                                                                {"seq_aux_loss", l.seq_aux_loss},
                                                                {"global_aux_loss", l.global_aux_loss},
                                                                {"z_loss", l.z_loss}})
-        out["loss." + name] = HostTensor::from_double({v}, {}, kDtype);
+        if (!world) out["loss." + name] = HostTensor::from_double({v}, {}, kDtype);
+    if (!rank0) return 0;
 
     // Finite inputs can still overflow inside the layer (fp32 logits of large inputs): refuse, not write NaN.
     for (const auto& [name, t] : out) {
@@ -363,8 +406,9 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
                 meta["grad_output"].c_str());
     std::printf("  |output| = %.6g  |grad_input| = %.6g\n", norm(out["output"].to_double()),
                 norm(out["grad_input"].to_double()));
-    std::printf("  losses: aux %.6g  seq_aux %.6g  global_aux %.6g  z %.6g\n", l.aux_loss, l.seq_aux_loss,
-                l.global_aux_loss, l.z_loss);
+    std::printf("  losses%s: aux %.6g  seq_aux %.6g  global_aux %.6g  z %.6g\n", world ? " (rank 0)" : "", l.aux_loss,
+                l.seq_aux_loss, l.global_aux_loss, l.z_loss);
+    if (world) std::printf("  ranks: %s\n", meta["ranks"].c_str());
     std::printf("  tokens per expert:");
     for (auto n : summary.tokens_per_expert) std::printf(" %lld", (long long)n);
     std::printf("\n  wrote %zu tensors to %s%s%s\n", out.size(), a.out.c_str(),
@@ -393,6 +437,8 @@ int layer_main(const std::vector<std::string>& argv) {
     a.device = have_gpu ? "cuda" : "cpu";
     p.add("--device", &a.device, "cpu | cuda (default: cuda when a GPU is present, else cpu)");
     p.add("--eval", &a.eval, "forward in eval mode (no losses, no expert-bias counts)");
+    p.add("--virtual-ranks", &a.virtual_ranks,
+          "run N ranks as threads of this process (expert parallelism without mpirun; 0 = off)");
     if (!p.parse(argv)) return 0;
     a.micro_batch_size_given = p.was_set("--micro-batch-size");
     a.device_given = p.was_set("--device");
@@ -407,11 +453,28 @@ int layer_main(const std::vector<std::string>& argv) {
     if (!a.device_given && a.dtype == "fp64") a.device = "cpu";  // fp64 is the CPU reference's alone
     MOEKIT_REQUIRE(a.device == "cpu" || a.dtype == "fp32", "--dtype fp64 runs on --device cpu only");
     check_paths(a);
+    // Several ranks (expert parallelism): mpirun -np N, or --virtual-ranks N; the CPU backend only for now.
+    MOEKIT_REQUIRE(a.virtual_ranks >= 0, "--virtual-ranks=", a.virtual_ranks, " must be >= 0");
+    Communicator* mpi = comm::mpi_launched() ? &comm::mpi_world() : nullptr;
+    const int mpi_ranks = mpi ? mpi->size() : 1;
+    MOEKIT_REQUIRE(a.virtual_ranks == 0 || mpi_ranks == 1, "--virtual-ranks=", a.virtual_ranks,
+                   " cannot be combined with mpirun -np ", mpi_ranks, " (use one or the other)");
+    const int64_t ranks = a.virtual_ranks > 0 ? a.virtual_ranks : mpi_ranks;
+    const bool multi_rank = ranks > 1 || cfg.expert_model_parallel_size > 1;
+    MOEKIT_REQUIRE(cfg.expert_model_parallel_size == 1 || ranks > 1, "--expert-model-parallel-size=",
+                   cfg.expert_model_parallel_size, " needs that many ranks: start them with mpirun -np ",
+                   cfg.expert_model_parallel_size, " or add --virtual-ranks ", cfg.expert_model_parallel_size);
+    if (multi_rank) {
+        MOEKIT_REQUIRE(!a.device_given || a.device == "cpu", "--device=", a.device,
+                       ": expert parallelism (several ranks) runs on --device cpu only for now");
+        a.device = "cpu";
+    }
     // An asked-for cuda that cannot run says why (no CUDA build / no GPU) before any file is read.
     if (a.device == "cuda" && !have_gpu) (void)make_layer_runner(cfg, a.device);
-    if (!a.device_given)
+    if (!a.device_given && (!mpi || mpi->rank() == 0))
         std::printf("moekit layer: --device %s (default: %s)\n", a.device.c_str(),
                     a.dtype == "fp64" ? "--dtype fp64 runs on cpu only"
+                    : multi_rank      ? "expert parallelism runs on cpu only for now"
                     : have_gpu        ? "a GPU is present"
                                       : "no GPU found");
 
@@ -432,8 +495,19 @@ int layer_main(const std::vector<std::string>& argv) {
     require_fits_in_host_memory(cfg, a.input.empty() ? cfg.seq_length * cfg.micro_batch_size : 0, 1,
                                 a.dtype == "fp64" ? 8 : 4);
     const SafetensorsFile* wf = weight_file ? &*weight_file : nullptr;
-    return a.dtype == "fp64" ? run_layer<double>(cfg, a, argv, inferred, wf, a.weights_prefix)
-                             : run_layer<float>(cfg, a, argv, inferred, wf, a.weights_prefix);
+    const auto run = [&](MoeConfig& c, LayerArgs& args, Communicator* world) {
+        return args.dtype == "fp64" ? run_layer<double>(c, args, argv, inferred, wf, args.weights_prefix, world)
+                                    : run_layer<float>(c, args, argv, inferred, wf, args.weights_prefix, world);
+    };
+    if (a.virtual_ranks > 0) {
+        comm::run_virtual_ranks(int(a.virtual_ranks), [&](Communicator& world) {
+            MoeConfig c = cfg;  // each rank its own copies, as separate processes would have
+            LayerArgs args = a;
+            run(c, args, &world);
+        });
+        return 0;
+    }
+    return run(cfg, a, multi_rank ? mpi : nullptr);
 }
 
 RegisterCommand reg("layer", "one forward+backward of a MoE layer on safetensors files (parity tool)", layer_main);

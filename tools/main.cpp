@@ -1,10 +1,12 @@
 // moekit: one executable, subcommands registered by tools/cmd_*.cpp.
-// Exit status: 0 success, 1 engine failure, 2 bad usage (flag, value, file).
+// Exit status: 0 success, 1 engine failure, 2 bad usage (flag, value, file); under mpirun the first
+// failing rank's status ends the job.
 #include <algorithm>
 #include <cstdio>
 #include <exception>
 
 #include "command.h"
+#include "moekit/comm.h"
 #include "moekit/error.h"
 
 namespace moekit::tools {
@@ -22,6 +24,16 @@ static void print_usage() {
     std::fprintf(stderr, "\nRun `moekit <command> --help` for its flags.\n");
 }
 
+// Under mpirun with several ranks an error names its rank and ends the whole job (MPI_Abort), so a
+// failing rank never leaves the others waiting in a collective.
+static int fail(const std::string& command, const char* kind, const char* what, int code) {
+    const std::string rank = moekit::comm::mpi_rank_label();
+    std::fprintf(stderr, "moekit %s: %s%s%s: %s\n", command.c_str(), kind, rank.empty() ? "" : " on ", rank.c_str(),
+                 what);
+    if (moekit::comm::mpi_active()) moekit::comm::abort_job(code);
+    return code;
+}
+
 int main(int argc, char** argv) {
     if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
         print_usage();
@@ -34,11 +46,9 @@ int main(int argc, char** argv) {
         try {
             return c.run(args);
         } catch (const moekit::UsageError& e) {
-            std::fprintf(stderr, "moekit %s: error: %s\n", name.c_str(), e.what());
-            return 2;
+            return fail(name, "error", e.what(), 2);
         } catch (const std::exception& e) {
-            std::fprintf(stderr, "moekit %s: internal error: %s\n", name.c_str(), e.what());
-            return 1;
+            return fail(name, "internal error", e.what(), 1);
         }
     }
     std::fprintf(stderr, "moekit: unknown command '%s'\n", name.c_str());

@@ -143,16 +143,15 @@ void check_grouped(const MlpShape& shape, size_t num_experts, const Matrix<T>& x
 }  // namespace
 
 template <typename T>
-Matrix<T> experts_forward(const MlpShape& shape, const std::vector<Matrix<T>>& fc1, const std::vector<Matrix<T>>& fc2,
+Matrix<T> experts_forward(const MlpShape& shape, const Matrix<T>* fc1, const Matrix<T>* fc2, size_t num_experts,
                           const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
                           MlpContext<T>& ctx) {
-    MOEKIT_CHECK(fc1.size() == fc2.size(), "fc1 has ", fc1.size(), " experts, fc2 ", fc2.size());
-    check_grouped(shape, fc1.size(), x, offsets, probs);
+    check_grouped(shape, num_experts, x, offsets, probs);
     const int64_t n = x.rows;
     ctx.fc1_out = Matrix<T>(n, shape.fc1_rows());
     ctx.act_out = Matrix<T>(n, shape.ffn);
     Matrix<T> y(n, shape.hidden);
-    for (size_t e = 0; e < fc1.size(); ++e) {
+    for (size_t e = 0; e < num_experts; ++e) {
         const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
         if (rows == 0) continue;
         mlp_forward(shape, fc1[e], fc2[e], x.row(begin), rows, probs.data() + begin, ctx.fc1_out.row(begin),
@@ -162,19 +161,25 @@ Matrix<T> experts_forward(const MlpShape& shape, const std::vector<Matrix<T>>& f
 }
 
 template <typename T>
-Matrix<T> experts_backward(const MlpShape& shape, const std::vector<Matrix<T>>& fc1, const std::vector<Matrix<T>>& fc2,
+Matrix<T> experts_forward(const MlpShape& shape, const std::vector<Matrix<T>>& fc1, const std::vector<Matrix<T>>& fc2,
+                          const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
+                          MlpContext<T>& ctx) {
+    MOEKIT_CHECK(fc1.size() == fc2.size(), "fc1 has ", fc1.size(), " experts, fc2 ", fc2.size());
+    return experts_forward(shape, fc1.data(), fc2.data(), fc1.size(), x, offsets, probs, ctx);
+}
+
+template <typename T>
+Matrix<T> experts_backward(const MlpShape& shape, const Matrix<T>* fc1, const Matrix<T>* fc2, size_t num_experts,
                            const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
                            const MlpContext<T>& ctx, const Matrix<T>& grad_out, std::vector<T>& grad_probs,
-                           std::vector<Matrix<T>>& grad_fc1, std::vector<Matrix<T>>& grad_fc2) {
-    MOEKIT_CHECK(fc1.size() == fc2.size() && grad_fc1.size() == fc1.size() && grad_fc2.size() == fc1.size(),
-                 "expert weight/grad lists differ in length");
-    check_grouped(shape, fc1.size(), x, offsets, probs);
+                           Matrix<T>* grad_fc1, Matrix<T>* grad_fc2) {
+    check_grouped(shape, num_experts, x, offsets, probs);
     MOEKIT_CHECK(grad_out.rows == x.rows && grad_out.cols == shape.hidden, "grad of expert output is [", grad_out.rows,
                  ", ", grad_out.cols, "], expected [", x.rows, ", ", shape.hidden, "]");
     const int64_t n = x.rows;
     Matrix<T> grad_x(n, shape.hidden);
     grad_probs.assign(size_t(n), T(0));
-    for (size_t e = 0; e < fc1.size(); ++e) {
+    for (size_t e = 0; e < num_experts; ++e) {
         const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
         if (rows == 0) continue;
         mlp_backward(shape, fc1[e], fc2[e], x.row(begin), rows, probs.data() + begin, ctx.fc1_out.row(begin),
@@ -184,11 +189,29 @@ Matrix<T> experts_backward(const MlpShape& shape, const std::vector<Matrix<T>>& 
     return grad_x;
 }
 
+template <typename T>
+Matrix<T> experts_backward(const MlpShape& shape, const std::vector<Matrix<T>>& fc1, const std::vector<Matrix<T>>& fc2,
+                           const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
+                           const MlpContext<T>& ctx, const Matrix<T>& grad_out, std::vector<T>& grad_probs,
+                           std::vector<Matrix<T>>& grad_fc1, std::vector<Matrix<T>>& grad_fc2) {
+    MOEKIT_CHECK(fc1.size() == fc2.size() && grad_fc1.size() == fc1.size() && grad_fc2.size() == fc1.size(),
+                 "expert weight/grad lists differ in length");
+    return experts_backward(shape, fc1.data(), fc2.data(), fc1.size(), x, offsets, probs, ctx, grad_out, grad_probs,
+                            grad_fc1.data(), grad_fc2.data());
+}
+
 #define MOEKIT_INSTANTIATE_EXPERTS(T)                                                                                  \
     template void mlp_forward<T>(const MlpShape&, const Matrix<T>&, const Matrix<T>&, const T*, int64_t, const T*, T*, \
                                  T*, T*);                                                                              \
     template void mlp_backward<T>(const MlpShape&, const Matrix<T>&, const Matrix<T>&, const T*, int64_t, const T*,    \
                                   const T*, const T*, const T*, T*, T*, Matrix<T>&, Matrix<T>&);                       \
+    template Matrix<T> experts_forward<T>(const MlpShape&, const Matrix<T>*, const Matrix<T>*, size_t,                \
+                                          const Matrix<T>&, const std::vector<int64_t>&, const std::vector<T>&,        \
+                                          MlpContext<T>&);                                                             \
+    template Matrix<T> experts_backward<T>(const MlpShape&, const Matrix<T>*, const Matrix<T>*, size_t,               \
+                                           const Matrix<T>&, const std::vector<int64_t>&, const std::vector<T>&,       \
+                                           const MlpContext<T>&, const Matrix<T>&, std::vector<T>&, Matrix<T>*,        \
+                                           Matrix<T>*);                                                                \
     template Matrix<T> experts_forward<T>(const MlpShape&, const std::vector<Matrix<T>>&,                              \
                                           const std::vector<Matrix<T>>&, const Matrix<T>&,                             \
                                           const std::vector<int64_t>&, const std::vector<T>&, MlpContext<T>&);         \

@@ -57,6 +57,13 @@ Matrix<T> experts_forward(const MlpShape& shape, const std::vector<Matrix<T>>& f
                           const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
                           MlpContext<T>& ctx);
 
+// The same over a block of `num_experts` experts (fc1[0 .. num_experts), e.g. a rank's local experts);
+// offsets [num_experts + 1] index x's rows.
+template <typename T>
+Matrix<T> experts_forward(const MlpShape& shape, const Matrix<T>* fc1, const Matrix<T>* fc2, size_t num_experts,
+                          const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
+                          MlpContext<T>& ctx);
+
 // Returns grad_x [N, H]; writes grad_probs [N]; accumulates grad_fc1[e], grad_fc2[e] (zero-row
 // experts get nothing added, i.e. defined zero grads).
 template <typename T>
@@ -64,5 +71,11 @@ Matrix<T> experts_backward(const MlpShape& shape, const std::vector<Matrix<T>>& 
                            const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
                            const MlpContext<T>& ctx, const Matrix<T>& grad_out, std::vector<T>& grad_probs,
                            std::vector<Matrix<T>>& grad_fc1, std::vector<Matrix<T>>& grad_fc2);
+
+template <typename T>
+Matrix<T> experts_backward(const MlpShape& shape, const Matrix<T>* fc1, const Matrix<T>* fc2, size_t num_experts,
+                           const Matrix<T>& x, const std::vector<int64_t>& offsets, const std::vector<T>& probs,
+                           const MlpContext<T>& ctx, const Matrix<T>& grad_out, std::vector<T>& grad_probs,
+                           Matrix<T>* grad_fc1, Matrix<T>* grad_fc2);
 
 }  // namespace moekit::cpu

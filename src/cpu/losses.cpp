@@ -68,7 +68,8 @@ double switch_load_balancing_loss(const T* scores, int64_t rows, int64_t cols, c
 
 template <typename T>
 AuxLossTerms aux_losses(const MoeConfig& config, const Matrix<T>& scores, const std::vector<uint8_t>& map,
-                        bool has_padding, int64_t seq_length, int64_t micro_batch_size, RouterState& state) {
+                        bool has_padding, int64_t seq_length, int64_t micro_batch_size, RouterState& state,
+                        Communicator* dp) {
     const int64_t rows = scores.rows, E = scores.cols, k = config.moe_router_topk, B = micro_batch_size;
     const double c_aux = config.aux_loss_coeff("aux_loss");
     const double c_seq = config.aux_loss_coeff("seq_aux_loss");
@@ -102,17 +103,26 @@ AuxLossTerms aux_losses(const MoeConfig& config, const Matrix<T>& scores, const 
         for (int64_t c = 0; c < B * E; ++c) out.score_grad[size_t(c)] += f * seq_tokens[size_t(c)];
     }
     if (c_glob != 0) {
+        // get_tokens_per_expert_and_token_count over the data-parallel group.
+        std::vector<double> global_tokens = tokens;
+        double global_total = total;
+        if (dp && dp->size() > 1) {
+            dp->all_reduce(global_tokens.data(), E);
+            double global_routed = 0;
+            for (double c : global_tokens) global_routed += c;
+            global_total = has_padding ? global_routed / double(k) : double(rows) * double(dp->size());
+        }
         if (state.global_tokens_per_expert.empty()) state.global_tokens_per_expert.assign(size_t(E), 0.0);
         MOEKIT_CHECK(int64_t(state.global_tokens_per_expert.size()) == E, "global_tokens_per_expert has ",
                      state.global_tokens_per_expert.size(), " entries, expected E=", E);
-        for (int64_t e = 0; e < E; ++e) state.global_tokens_per_expert[size_t(e)] += tokens[size_t(e)];
+        for (int64_t e = 0; e < E; ++e) state.global_tokens_per_expert[size_t(e)] += global_tokens[size_t(e)];
         state.ga_steps += 1;
         out.global_avg_tokens.resize(size_t(E));
         for (int64_t e = 0; e < E; ++e)
             out.global_avg_tokens[size_t(e)] = state.global_tokens_per_expert[size_t(e)] / double(state.ga_steps);
-        out.global_aux_loss =
-            switch_load_balancing_loss(scores.data.data(), rows, E, out.global_avg_tokens, total, k, E, c_glob);
-        const double f = total > 0 ? switch_loss_factor(c_glob, E, k, total) : 0.0;
+        out.global_aux_loss = switch_load_balancing_loss(scores.data.data(), rows, E, out.global_avg_tokens,
+                                                         global_total, k, E, c_glob);
+        const double f = global_total > 0 ? switch_loss_factor(c_glob, E, k, global_total) : 0.0;
         for (int64_t b = 0; b < B; ++b)
             for (int64_t e = 0; e < E; ++e) out.score_grad[size_t(b * E + e)] += f * out.global_avg_tokens[size_t(e)];
     }
@@ -150,7 +160,7 @@ void z_loss_backward(const Matrix<T>& logits, const std::vector<uint8_t>& paddin
     template double switch_load_balancing_loss<T>(const T*, int64_t, int64_t, const std::vector<double>&, double,  \
                                                   int64_t, int64_t, double);                                       \
     template AuxLossTerms aux_losses<T>(const MoeConfig&, const Matrix<T>&, const std::vector<uint8_t>&, bool,     \
-                                        int64_t, int64_t, RouterState&);                                           \
+                                        int64_t, int64_t, RouterState&, Communicator*);                                           \
     template double z_loss<T>(const Matrix<T>&, const std::vector<uint8_t>&, double, double*);                     \
     template void z_loss_backward<T>(const Matrix<T>&, const std::vector<uint8_t>&, double, Matrix<T>&);
 

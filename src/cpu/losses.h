@@ -10,6 +10,7 @@
 
 #include "core/router_math.h"
 #include "cpu/router.h"
+#include "moekit/comm.h"
 #include "moekit/config.h"
 #include "moekit/tensor.h"
 
@@ -48,10 +49,13 @@ struct AuxLossTerms {
 
 // Applies every aux type with a non-zero coefficient (Megatron order: aux, seq, global) on the
 // aux scores/map; updates the global_aux_loss tracker in `state`. seq_length * micro_batch_size
-// must equal the rows. Token totals come from the padding mask when one is given.
+// must equal the rows. Token totals come from the padding mask when one is given. global_aux_loss
+// sums its token counts over the data-parallel group `dp` (Megatron's tp_dp_cp all-reduce; the
+// token total becomes rows * |dp|, or the global routed count / k with padding); nullptr = one rank.
 template <typename T>
 AuxLossTerms aux_losses(const MoeConfig& config, const Matrix<T>& scores, const std::vector<uint8_t>& map,
-                        bool has_padding, int64_t seq_length, int64_t micro_batch_size, RouterState& state);
+                        bool has_padding, int64_t seq_length, int64_t micro_batch_size, RouterState& state,
+                        Communicator* dp = nullptr);
 
 // z-loss = coeff * mean over valid rows of logsumexp(l)^2 (count >= 1). *grad_weight receives
 // coeff / count, the weight z_loss_backward needs.

@@ -108,7 +108,7 @@ void update_expert_bias(double rate, std::vector<double>& expert_bias, std::vect
 
 template <typename T>
 void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, const std::vector<double>& expert_bias,
-                    const LayerInput<T>& input, RouterState& state, RouterContext<T>& ctx) {
+                    const LayerInput<T>& input, RouterState& state, RouterContext<T>& ctx, Communicator* dp) {
     const Matrix<T>& x = input.hidden;
     const int64_t rows = x.rows, H = x.cols, E = config.num_experts(), k = config.moe_router_topk;
     const int64_t B = std::max<int64_t>(1, input.micro_batch_size);
@@ -214,7 +214,7 @@ void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, con
             std::vector<uint8_t> aux_map;
             aux_scores(ctx.logits, route_params(config).score, k, ctx.padding_mask, scores, aux_map);
             AuxLossTerms terms =
-                aux_losses(config, scores, aux_map, !ctx.padding_mask.empty(), ctx.seq_length, B, state);
+                aux_losses(config, scores, aux_map, !ctx.padding_mask.empty(), ctx.seq_length, B, state, dp);
             ctx.losses.aux_loss = terms.aux_loss;
             ctx.losses.seq_aux_loss = terms.seq_aux_loss;
             ctx.losses.global_aux_loss = terms.global_aux_loss;
@@ -306,7 +306,7 @@ void router_backward(const MoeConfig& config, const Matrix<T>& router_weight, co
 
 #define MOEKIT_INSTANTIATE_ROUTER(T)                                                                                \
     template void router_forward<T>(const MoeConfig&, const Matrix<T>&, const std::vector<double>&,                 \
-                                    const LayerInput<T>&, RouterState&, RouterContext<T>&);                         \
+                                    const LayerInput<T>&, RouterState&, RouterContext<T>&, Communicator*);          \
     template void router_backward<T>(const MoeConfig&, const Matrix<T>&, const RouterContext<T>&, const Matrix<T>&, \
                                      Matrix<T>&, Matrix<T>&);
 

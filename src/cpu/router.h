@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moekit/comm.h"
 #include "moekit/config.h"
 #include "moekit/layer.h"
 #include "moekit/tensor.h"
@@ -53,9 +54,10 @@ struct RouterContext {
 // Sinkhorn, losses and counts see only the valid rows, so a masked run equals a run on the valid
 // rows alone; capacity policy "position" keeps the first routed tokens by index, and pad-to-capacity
 // fills with the lowest-index unrouted valid tokens (prob 0).
+// `dp`: the data-parallel group global_aux_loss reduces its token counts over (nullptr = one rank).
 template <typename T>
 void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, const std::vector<double>& expert_bias,
-                    const LayerInput<T>& input, RouterState& state, RouterContext<T>& ctx);
+                    const LayerInput<T>& input, RouterState& state, RouterContext<T>& ctx, Communicator* dp = nullptr);
 
 // Backward from grad_probs [T, E] (d main loss / d dense probs). Adds the aux/z-loss gradients
 // scaled by config.moe_loss_backward_scale. Accumulates into grad_hidden [T, H] and

@@ -1,0 +1,159 @@
+// run_layer_ranks (tools/layer_ep.h): `moekit layer` on N ranks, one micro-batch of the input per
+// rank (split along B), the CPU pipeline (src/cpu/moe_pipeline.h) at EP = --expert-model-parallel-size,
+// results gathered back into the original order. Debug hook: MOEKIT_DEBUG_KILL_RANK=r makes rank r
+// SIGKILL itself after the start-up check (tests/cpu/test_cmd_layer_ep.cpp: a killed rank ends the job).
+#include "layer_ep.h"
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/moe_pipeline.h"
+#include "moekit/error.h"
+
+namespace moekit::tools {
+namespace {
+
+// The first line where two fingerprints differ (they are one "key=value" per line).
+std::string first_difference(const std::string& a, const std::string& b) {
+    size_t i = 0;
+    while (true) {
+        const size_t ea = a.find('\n', i), eb = b.find('\n', i);
+        const std::string la = a.substr(i, ea == std::string::npos ? std::string::npos : ea - i);
+        const std::string lb = b.substr(i, eb == std::string::npos ? std::string::npos : eb - i);
+        if (la != lb || ea != eb) return la + " vs " + lb;
+        if (ea == std::string::npos) return "(same text)";
+        i = ea + 1;
+    }
+}
+
+void check_same_everywhere(Communicator& world, const std::string& fingerprint) {
+    const auto all = world.all_gather_v(std::vector<char>(fingerprint.begin(), fingerprint.end()));
+    const std::string first(all[0].begin(), all[0].end());
+    std::string report;
+    for (size_t r = 1; r < all.size(); ++r) {
+        const std::string mine(all[r].begin(), all[r].end());
+        if (mine != first)
+            report += str(report.empty() ? "" : "; ", "rank ", r, " has ", first_difference(mine, first), " on rank 0");
+    }
+    MOEKIT_REQUIRE(report.empty(), "the ranks were started with different configurations or files (", report,
+                   "): every rank must get the same flags and read the same files");
+}
+
+template <typename T>
+void all_reduce(Communicator& c, Matrix<T>& m) {
+    c.all_reduce(m.data.data(), m.size());
+}
+
+// Rows of every rank's [S*Bl, cols] block -> [S*B, cols] in the original order (row s*B + r*Bl + b).
+template <typename T>
+Matrix<T> gather_batch(Communicator& world, const Matrix<T>& local, int64_t S, int64_t Bl) {
+    const int N = world.size();
+    const int64_t cols = local.cols;
+    std::vector<T> all(static_cast<size_t>(local.size() * N));
+    world.all_gather_bytes(local.data.data(), local.size() * int64_t(sizeof(T)), all.data());
+    Matrix<T> out(S * Bl * N, cols);
+    for (int r = 0; r < N; ++r)
+        for (int64_t s = 0; s < S; ++s)
+            for (int64_t b = 0; b < Bl; ++b) {
+                const T* src = all.data() + (size_t(r) * size_t(S * Bl) + size_t(s * Bl + b)) * size_t(cols);
+                std::memcpy(out.row(s * Bl * N + r * Bl + b), src, size_t(cols) * sizeof(T));
+            }
+    return out;
+}
+
+}  // namespace
+
+uint64_t digest_bytes(const void* data, size_t bytes, uint64_t seed) {
+    uint64_t h = seed;
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+template <typename T>
+LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, const MoeWeights<T>& weights,
+                                const LayerInput<T>& input, const Matrix<T>& grad_output,
+                                const std::string& fingerprint) {
+    const int N = world.size(), rank = world.rank();
+    check_same_everywhere(world, fingerprint);
+    const int64_t S = input.seq_length, B = input.micro_batch_size, H = input.hidden.cols, E = config.num_experts();
+    MOEKIT_REQUIRE(B % N == 0, "the input has B=", B, " sequences, not divisible by the ", N,
+                   " ranks: the batch is split along B into one micro-batch per rank");
+    const int64_t Bl = B / N;
+    if (const char* kill = std::getenv("MOEKIT_DEBUG_KILL_RANK"); kill && std::atoi(kill) == rank) {
+        std::fprintf(stderr, "moekit layer: rank %d: MOEKIT_DEBUG_KILL_RANK, sending SIGKILL to myself\n", rank);
+        std::fflush(stderr);
+        std::raise(SIGKILL);
+    }
+
+    // Micro-batch `rank`: columns [rank*Bl, rank*Bl + Bl) of [S, B].
+    LayerInput<T> mine = input;
+    mine.hidden = Matrix<T>(S * Bl, H);
+    mine.micro_batch_size = Bl;
+    Matrix<T> grad_mine(S * Bl, H);
+    if (!input.padding_mask.empty()) mine.padding_mask.assign(size_t(S * Bl), 0);
+    for (int64_t s = 0; s < S; ++s)
+        for (int64_t b = 0; b < Bl; ++b) {
+            const int64_t g = s * B + rank * Bl + b, l = s * Bl + b;
+            std::memcpy(mine.hidden.row(l), input.hidden.row(g), size_t(H) * sizeof(T));
+            std::memcpy(grad_mine.row(l), grad_output.row(g), size_t(H) * sizeof(T));
+            if (!input.padding_mask.empty()) mine.padding_mask[size_t(l)] = input.padding_mask[size_t(g)];
+        }
+    MoeConfig rank_config = config;
+    rank_config.micro_batch_size = Bl;
+
+    const auto groups = make_process_groups(world, int(config.expert_model_parallel_size));
+    cpu::MoePipeline<T> layer(rank_config, *groups);
+    LayerResults<T> res;
+    const Matrix<T> out = layer.forward(weights, mine);
+    res.grads = zeros_like(weights);
+    const Matrix<T> grad_in = layer.backward(weights, grad_mine, res.grads);
+    layer.reduce_gradients(res.grads);
+
+    res.output = gather_batch(world, out, S, Bl);
+    res.grad_input = gather_batch(world, grad_in, S, Bl);
+    res.probs = gather_batch(world, layer.probs(), S, Bl);
+    Matrix<uint8_t> map(S * Bl, E);
+    map.data = layer.routing_map();
+    res.routing_map = gather_batch(world, map, S, Bl).data;
+    const RoutingSummary summary = layer.summary();
+    res.tokens_per_expert = summary.tokens_per_expert;
+    world.all_reduce(res.tokens_per_expert.data(), E);
+    const std::vector<LossValues> losses = world.all_gather(std::vector<LossValues>{summary.losses});
+    res.rank_losses = losses;
+
+    // Expert grads live on their owners: EP rank j's block is taken from world rank j (EP group 0;
+    // the other EP groups hold the same values after the expert-data-parallel reduction).
+    const cpu::EpLayout& ep = layer.layout();
+    std::vector<T> local;
+    for (int64_t e = ep.first_local_expert(); e < ep.first_local_expert() + ep.num_local_experts; ++e) {
+        const auto& f1 = res.grads.fc1[size_t(e)].data;
+        const auto& f2 = res.grads.fc2[size_t(e)].data;
+        local.insert(local.end(), f1.begin(), f1.end());
+        local.insert(local.end(), f2.begin(), f2.end());
+    }
+    const std::vector<T> all = world.all_gather(local);
+    for (int owner = 0; owner < ep.ep_size; ++owner) {
+        size_t at = size_t(owner) * local.size();
+        for (int64_t l = 0; l < ep.num_local_experts; ++l) {
+            const size_t e = size_t(owner * ep.num_local_experts + l);
+            auto& f1 = res.grads.fc1[e].data;
+            auto& f2 = res.grads.fc2[e].data;
+            std::copy(all.begin() + long(at), all.begin() + long(at + f1.size()), f1.begin());
+            at += f1.size();
+            std::copy(all.begin() + long(at), all.begin() + long(at + f2.size()), f2.begin());
+            at += f2.size();
+        }
+    }
+    return res;
+}
+
+template LayerResults<float> run_layer_ranks<float>(Communicator&, const MoeConfig&, const MoeWeights<float>&,
+                                                    const LayerInput<float>&, const Matrix<float>&, const std::string&);
+template LayerResults<double> run_layer_ranks<double>(Communicator&, const MoeConfig&, const MoeWeights<double>&,
+                                                      const LayerInput<double>&, const Matrix<double>&,
+                                                      const std::string&);
+
+}  // namespace moekit::tools
