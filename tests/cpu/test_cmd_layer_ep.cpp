@@ -173,7 +173,8 @@ TEST_F(CmdLayerEp, RefusesBadLayouts) {
     r = run_tool(base + " --expert-model-parallel-size 2");
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("--expert-model-parallel-size=2 needs that many ranks"), std::string::npos) << r.output;
-    r = run_tool(base + " --expert-model-parallel-size 3 --virtual-ranks 3 --micro-batch-size 3");
+    r = run_tool(kLayer + "--init random --seq-length 3 --micro-batch-size 3 --out " + path("r") +
+                 " --expert-model-parallel-size 3 --virtual-ranks 3");
     EXPECT_EQ(r.status, 2) << r.output;  // E = 4 not divisible by EP = 3
     EXPECT_NE(r.output.find("divisible by --expert-model-parallel-size=3"), std::string::npos) << r.output;
     r = run_tool(base + " --expert-model-parallel-size 4 --virtual-ranks 2");
@@ -207,9 +208,12 @@ TEST_F(CmdLayerEp, MpiRanksEqualVirtualRanksBitwise) {
 
 TEST_F(CmdLayerEp, RanksWithDifferentFlagsAreRefused) {
     if (!MOEKIT_HAVE_MPI) GTEST_SKIP() << "built without MPI";
-    const std::string base = kLayer + "--init random --seq-length 3 --micro-batch-size 2 --expert-model-parallel-size 2 ";
-    const ToolResult r = run_shell(mpirun(1) + MOEKIT_BINARY + " " + base + "--out " + path("r") + " : -np 1 " +
-                                   MOEKIT_BINARY + " " + base + "--moe-router-topk 3 --out " + path("r"));
+    // Rank 1 asks for top-3 where rank 0 has kLayer's top-2 (each command line names the flag once).
+    std::string top3 = kLayer;
+    top3.replace(top3.find("--moe-router-topk 2"), 19, "--moe-router-topk 3");
+    const std::string rest = "--init random --seq-length 3 --micro-batch-size 2 --expert-model-parallel-size 2 ";
+    const ToolResult r = run_shell(mpirun(1) + MOEKIT_BINARY + " " + kLayer + rest + "--out " + path("r") +
+                                   " : -np 1 " + MOEKIT_BINARY + " " + top3 + rest + "--out " + path("r"));
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("rank 1 has moe_router_topk=3 vs moe_router_topk=2 on rank 0"), std::string::npos)
         << r.output;
