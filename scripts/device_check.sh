@@ -47,6 +47,11 @@ log "moekit train --device cuda, GPU default size"
 timeout 200 $B/moekit train --device cuda --out-dir $B/train_gpu >"$B/train_gpu.log" 2>&1
 tail -12 "$B/train_gpu.log" | tee -a "$OUT/summary.txt"
 cp $B/train_gpu/report.json "$OUT/train_gpu.json" 2>/dev/null; cp $B/train_gpu/train.png "$OUT/train_gpu.png" 2>/dev/null
+for lr in $LR_SWEEP; do
+    log "GPU default size, --lr $lr, 600 steps"
+    timeout 60 $B/moekit train --device cuda --lr $lr --steps 600 --out-dir $B/train_lr_$lr 2>&1 | grep -E "loss \(|error" \
+        | tee -a "$OUT/summary.txt"
+done
 log "moekit train --device cuda, demo size: one graph per iteration vs the old host loop (1000 steps each)"
 timeout 100 $B/moekit train --device cuda $DEMO --out-dir $B/train_demo_graph >"$B/train_demo_graph.log" 2>&1
 tail -9 "$B/train_demo_graph.log" | tee -a "$OUT/summary.txt"

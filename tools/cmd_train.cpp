@@ -55,6 +55,11 @@ MoeConfig gpu_config() {
     return c;
 }
 
+// Adam's step moves every weight by about lr, and a layer's output by about hidden x lr: the GPU size (hidden
+// 1024) takes a smaller rate than the demo (hidden 64).
+constexpr double kDemoLr = 3e-3;
+constexpr double kGpuLr = 3e-4;
+
 std::atomic<int> g_stop_signal{0};
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
@@ -78,8 +83,9 @@ struct TrainArgs {
 };
 
 // Returns false when --help was printed.
-bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, TrainArgs& a) {
+bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, double default_lr, TrainArgs& a) {
     a.o.config = defaults;
+    a.o.adam.lr = default_lr;
     FlagParser p("moekit train [flags]: a residual MoE stack learns a frozen random MoE teacher (MSE, Adam)");
     add_moe_flags(p, a.o.config);
     p.section("training");
@@ -167,12 +173,12 @@ int run_train(const std::vector<std::string>& args) {
     std::signal(SIGINT, on_stop_signal);
     std::signal(SIGTERM, on_stop_signal);
     TrainArgs a;
-    if (!parse(args, demo_config(), a)) return 0;
+    if (!parse(args, demo_config(), kDemoLr, a)) return 0;
     if (a.device.empty()) a.device = cuda_device_available() ? "cuda" : "cpu";
     if (a.device == "cuda") {  // the GPU-sized model unless flags say otherwise
         const std::string device = a.device;
         a = TrainArgs{};
-        parse(args, gpu_config(), a);
+        parse(args, gpu_config(), kGpuLr, a);
         a.device = device;
     }
     a.o.config.normalize();

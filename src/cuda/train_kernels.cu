@@ -66,17 +66,21 @@ __global__ void mse_grad_kernel(const float* pred, const float* y, int64_t n, co
         grad[i] = float(scale * (pred[i] - y[i]));
 }
 
-__global__ void adam_kernel(AdamArgs args, const StepCounters* c, float* master, float* m, float* v, const float* g,
-                            __nv_bfloat16* model, int64_t n, int32_t* nonfinite) {
+// Four elements per thread with 16-byte loads and stores (the optimizer is bandwidth-bound: 30 bytes per
+// parameter). NOTE: n is a multiple of 4 and the buffers 16-byte aligned (the engine's layout pads to 64).
+__global__ void adam_kernel(AdamArgs args, const StepCounters* c, float4* master, float4* m, float4* v, const float4* g,
+                            __nv_bfloat162* model, int64_t n4, int32_t* nonfinite) {
     const AdamStep a = adam_step_constants(args.lr, args.beta1, args.beta2, args.eps, c->current);
     bool bad = false;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        const float gi = g[i];
-        bad |= !isfinite(gi);
-        float mi = m[i], vi = v[i];
-        const float p = adam_update(a, gi, mi, vi, master[i]);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+        const float4 gi = g[i];
+        float4 mi = m[i], vi = v[i], p = master[i];
+        bad |= !isfinite(gi.x) || !isfinite(gi.y) || !isfinite(gi.z) || !isfinite(gi.w);
+        p.x = adam_update(a, gi.x, mi.x, vi.x, p.x), p.y = adam_update(a, gi.y, mi.y, vi.y, p.y);
+        p.z = adam_update(a, gi.z, mi.z, vi.z, p.z), p.w = adam_update(a, gi.w, mi.w, vi.w, p.w);
         m[i] = mi, v[i] = vi, master[i] = p;
-        model[i] = __float2bfloat16(p);
+        model[2 * i] = __floats2bfloat162_rn(p.x, p.y);
+        model[2 * i + 1] = __floats2bfloat162_rn(p.z, p.w);
     }
     if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(nonfinite, 1);  // a flag: order does not matter
 }
@@ -149,7 +153,12 @@ void mse_grad(const float* pred, const float* y, int64_t n, const double* x_to_y
 
 void adam_step(const AdamArgs& a, const StepCounters* counters, float* master, float* m, float* v, const float* grad,
                __nv_bfloat16* model, int64_t n, int32_t* nonfinite, cudaStream_t stream) {
-    adam_kernel<<<grid_for(n), kThreads, 0, stream>>>(a, counters, master, m, v, grad, model, n, nonfinite);
+    MOEKIT_CHECK(n % 4 == 0, "adam_step: ", n, " parameters, not a multiple of 4");
+    const int64_t n4 = n / 4;
+    adam_kernel<<<grid_for(n4), kThreads, 0, stream>>>(a, counters, reinterpret_cast<float4*>(master),
+                                                      reinterpret_cast<float4*>(m), reinterpret_cast<float4*>(v),
+                                                      reinterpret_cast<const float4*>(grad),
+                                                      reinterpret_cast<__nv_bfloat162*>(model), n4, nonfinite);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 

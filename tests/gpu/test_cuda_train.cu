@@ -68,11 +68,22 @@ TEST(CudaTrain, GraphReplaysEqualEagerIterationsBitwise) {
         << "final weights (expert bias included) differ between graph replays and eager iterations";
 }
 
-// Same seed and size on both backends: the loss curves agree within the bf16 tolerance for 100 steps.
+// The CPU demo's size (`make demo`): hidden 64, 8 experts, top-2, FFN 128, 2 layers, 1024 tokens per step.
+TrainOptions demo_run(const std::string& device) {
+    TrainOptions o = small_gpu_run(device);
+    o.config.moe_ffn_hidden_size = 128;
+    o.config.seq_length = 256, o.config.micro_batch_size = 4;
+    o.seed = 1234;
+    return o;
+}
+
+// Same seed and size on both backends: the loss curves agree within the bf16 tolerance for 100 steps. bf16
+// weights and activations flip a few near-tie routing decisions, and the difference compounds with the steps:
+// 0.2% at step 100 on this size (H200, 2026-11-23); the bound leaves room, not a tolerance for a bug.
 TEST(CudaTrain, TrainsLikeTheCpuReference) {
     SKIP_WITHOUT_GPU();
-    const TrainResult cpu = run_training(small_gpu_run("cpu"));
-    const TrainResult gpu = run_training(small_gpu_run("cuda"));
+    const TrainResult cpu = run_training(demo_run("cpu"));
+    const TrainResult gpu = run_training(demo_run("cuda"));
     ASSERT_EQ(cpu.steps.size(), gpu.steps.size());
     EXPECT_NEAR(gpu.identity_mse, cpu.identity_mse, 1e-2 * cpu.identity_mse);
     double worst = 0;
@@ -82,8 +93,31 @@ TEST(CudaTrain, TrainsLikeTheCpuReference) {
         EXPECT_LT(rel, 1e-2) << "step " << i + 1 << ": cuda " << gpu.steps[i].loss << " cpu " << cpu.steps[i].loss;
     }
     std::printf("cpu vs cuda training, 100 steps: largest relative loss difference %.2e\n", worst);
-    EXPECT_LT(gpu.steps.back().loss, 0.9 * gpu.steps.front().loss);
+    EXPECT_LT(gpu.steps.back().loss, 0.9 * gpu.steps.front().loss);  // 1.003 -> 0.845 on this size
     EXPECT_GE(gpu.steps.back().eval_loss, 0.0);
+}
+
+// A larger shape, where the GEMMs take their large-tile (TMA) paths: 30 steps agree with the CPU reference.
+TEST(CudaTrain, MediumSizeTrainsLikeTheCpuReference) {
+    SKIP_WITHOUT_GPU();
+    auto medium = [](const std::string& device) {
+        TrainOptions o = small_gpu_run(device);
+        o.config.hidden_size = 512, o.config.num_moe_experts = 16, o.config.moe_router_topk = 4;
+        o.config.moe_ffn_hidden_size = 256, o.config.seq_length = 512, o.config.micro_batch_size = 2;
+        o.steps = 30, o.eval_every = 0, o.adam.lr = 3e-4;
+        return o;
+    };
+    const TrainResult cpu = run_training(medium("cpu"));
+    const TrainResult gpu = run_training(medium("cuda"));
+    ASSERT_EQ(cpu.steps.size(), gpu.steps.size());
+    double worst = 0;
+    for (size_t i = 0; i < cpu.steps.size(); ++i) {
+        const double rel = std::abs(gpu.steps[i].loss - cpu.steps[i].loss) / cpu.steps[i].loss;
+        worst = std::max(worst, rel);
+        EXPECT_LT(rel, 1e-2) << "step " << i + 1 << ": cuda " << gpu.steps[i].loss << " cpu " << cpu.steps[i].loss;
+    }
+    std::printf("medium size, cpu vs cuda, 30 steps: largest relative loss difference %.2e; loss %.4f -> %.4f\n",
+                worst, gpu.steps.front().loss, gpu.steps.back().loss);
 }
 
 TEST(CudaTrain, ResumeContinuesBitForBit) {
