@@ -42,7 +42,7 @@ S="timeout 120 compute-sanitizer --error-exitcode 9"
 } >"$OUT/sanitizer.log" 2>&1
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$OUT/sanitizer.log" | tee -a "$OUT/summary.txt"
 
-DEMO="--hidden-size 64 --num-experts 8 --moe-ffn-hidden-size 128 --moe-router-topk 2 --num-layers 2 --seq-length 256 --micro-batch-size 4"
+DEMO="--model-size demo"
 log "moekit train --device cuda, GPU default size"
 timeout 200 $B/moekit train --device cuda --out-dir $B/train_gpu >"$B/train_gpu.log" 2>&1
 tail -12 "$B/train_gpu.log" | tee -a "$OUT/summary.txt"

@@ -80,6 +80,7 @@ struct TrainArgs {
     int64_t log_every = 10;
     bool overwrite = false;
     bool cuda_graph = true;
+    std::string model_size;  // demo | gpu ("" = by device)
 };
 
 // Returns false when --help was printed.
@@ -96,7 +97,9 @@ bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, doub
     p.add("--adam-eps", &a.o.adam.eps, "Adam epsilon, > 0");
     p.add("--eval-every", &a.o.eval_every, "held-out evaluation every N steps (0 = never)");
     p.add("--teacher-gain", &a.o.teacher_gain, "teacher expert weights = gain x Megatron init, in (0, 1000]");
-    p.add("--device", &a.device, "cpu | cuda (default: cuda when a GPU is present; cuda also picks a GPU-sized model)");
+    p.add("--device", &a.device, "cpu | cuda (default: cuda when a GPU is present)");
+    p.add("--model-size", &a.model_size, "[moekit] demo | gpu: the defaults of the model and --lr (default: gpu on cuda, "
+          "demo on cpu); flags override them");
     p.add("--out-dir", &a.out_dir, "where report.json and train.png go");
     p.add("--overwrite", &a.overwrite, "replace an earlier run's report in --out-dir");
     p.add("--log-every", &a.log_every, "records reach the host (and the log) every N steps");
@@ -175,11 +178,14 @@ int run_train(const std::vector<std::string>& args) {
     TrainArgs a;
     if (!parse(args, demo_config(), kDemoLr, a)) return 0;
     if (a.device.empty()) a.device = cuda_device_available() ? "cuda" : "cpu";
-    if (a.device == "cuda") {  // the GPU-sized model unless flags say otherwise
+    if (a.model_size.empty()) a.model_size = a.device == "cuda" ? "gpu" : "demo";
+    MOEKIT_REQUIRE(a.model_size == "demo" || a.model_size == "gpu", "--model-size=", a.model_size,
+                   ": must be demo or gpu");
+    if (a.model_size == "gpu") {  // parse again over the GPU size's defaults (explicit flags still win)
         const std::string device = a.device;
         a = TrainArgs{};
         parse(args, gpu_config(), kGpuLr, a);
-        a.device = device;
+        a.device = device, a.model_size = "gpu";
     }
     a.o.config.normalize();
     a.o.config.validate();

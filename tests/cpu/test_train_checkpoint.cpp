@@ -175,6 +175,21 @@ TEST(TrainTool, BadOptimizerFlagsAreRefused) {
     }
 }
 
+// --model-size picks the defaults of the model and --lr; explicit flags still win.
+TEST(TrainTool, ModelSizePicksDefaultsThatFlagsOverride) {
+    const std::string dir = fresh_dir("modelsize");
+    const auto r = run_tool("train --model-size gpu --steps 2 --device cpu --hidden-size 32 --moe-ffn-hidden-size 16 "
+                            "--seq-length 16 --micro-batch-size 1 --out-dir " + dir);
+    ASSERT_EQ(r.status, 0) << r.output;
+    std::ifstream f(dir + "/report.json");
+    const nlohmann::json j = nlohmann::json::parse(f);
+    EXPECT_EQ(j["config"]["num_layers"], 4) << "the GPU size's layer count";
+    EXPECT_EQ(j["config"]["num_moe_experts"], 64);
+    EXPECT_EQ(j["config"]["hidden_size"], 32) << "an explicit flag wins";
+    EXPECT_DOUBLE_EQ(j["train"]["lr"].get<double>(), 3e-4) << "the GPU size's learning rate";
+    EXPECT_EQ(run_tool("train --model-size huge --out-dir " + fresh_dir("modelsize2")).status, 2);
+}
+
 // SIGINT mid-run: exit 130, and report.json holds the steps done so far, marked as interrupted.
 TEST(TrainTool, SigintWritesTheReportSoFar) {
     const std::string dir = fresh_dir("sigint");
