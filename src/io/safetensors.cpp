@@ -106,6 +106,9 @@ Header parse_header(const char* text, uint64_t header_len, uint64_t data_size, c
             }
             continue;
         }
+        // The writer (and every Megatron state dict) has no empty name: accepting one would give a file that
+        // moekit reads but cannot write back (found by tests/fuzz/fuzz_safetensors.cpp).
+        if (name.empty()) throw fail("a tensor has an empty name");
         auto bad = [&](auto&&... parts) { return fail("tensor '", name, "': ", parts...); };
         if (!entry.is_object()) throw bad("entry is not an object");
         for (const char* key : {"dtype", "shape", "data_offsets"})

@@ -311,6 +311,12 @@ TEST(SafetensorsHostile, HeaderWithBytesAfterANulIsRefused) {
     EXPECT_NE(e.find("f.safetensors: the header holds a NUL byte at offset 53"), std::string::npos) << e;
 }
 
+// Found by fuzz_safetensors: a file the reader accepted and the writer refused (an internal error, exit 1).
+TEST(SafetensorsHostile, EmptyTensorNameIsRefused) {
+    const std::string e = parse_error(raw_file(R"({"":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2));
+    EXPECT_EQ(e, "f.safetensors: a tensor has an empty name");
+}
+
 TEST(SafetensorsHostile, DeviceAndFolderAreRefusedByKind) {
     auto read_error = [](const std::string& p) {
         try {
