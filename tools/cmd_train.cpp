@@ -124,6 +124,9 @@ void validate(const TrainArgs& a) {
     MOEKIT_REQUIRE(o.eval_every >= 0, "--eval-every=", o.eval_every, ": must not be negative (0 = never)");
     MOEKIT_REQUIRE(finite_in(o.teacher_gain, 0, 1000) && o.teacher_gain > 0, "--teacher-gain=", o.teacher_gain,
                    ": must be in (0, 1000]");
+    // The teacher's weights are gain x 10 x std (router): keep them far inside bf16's range.
+    MOEKIT_REQUIRE(finite_in(o.config.init_method_std, 0, 10) && o.config.init_method_std > 0, "--init-method-std=",
+                   o.config.init_method_std, ": must be in (0, 10] for moekit train");
     MOEKIT_REQUIRE(a.log_every >= 1, "--log-every=", a.log_every, ": must be positive");
     MOEKIT_REQUIRE(o.save_interval >= 0, "--save-interval=", o.save_interval, ": must not be negative");
     MOEKIT_REQUIRE(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval=", o.save_interval, ": needs --save");

@@ -71,7 +71,8 @@ public:
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         identity_mse_ = download(scalars_.get() + 3, 1)[0];
         MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
-                       ": the teacher's held-out outputs are not finite and different from the input (MSE ",
+                       " with --init-method-std=", o.config.init_method_std,
+                       ": the teacher's held-out outputs must be finite and differ from the input (MSE ",
                        identity_mse_, ")");
 
         if (o.use_graph) {

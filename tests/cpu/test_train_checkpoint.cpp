@@ -166,7 +166,7 @@ TEST(TrainTool, OutDirIsCheckedBeforeTheFirstStep) {
 TEST(TrainTool, BadOptimizerFlagsAreRefused) {
     for (const std::string flags : {"--adam-beta1 1", "--adam-beta2 -0.1", "--lr inf", "--lr nan", "--adam-eps nan",
                                     "--adam-eps 0", "--eval-every -1", "--teacher-gain 1e300", "--log-every 0",
-                                    "--save-interval 5", "--host-loop"}) {
+                                    "--save-interval 5", "--host-loop", "--init-method-std 1e300"}) {
         const auto r = run_tool("train" + kTinyFlags + " " + flags + " --out-dir " + fresh_dir("badflags"));
         EXPECT_EQ(r.status, 2) << flags << ": " << r.output;
         const std::string flag = flags.substr(0, flags.find(' '));
