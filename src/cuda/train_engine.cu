@@ -177,14 +177,9 @@ public:
             if (o_.config.moe_router_enable_expert_bias) w.expert_bias = download_bias(l);
             if (s.step > 0) {
                 // Adam's slots: one per tensor in for_each_parameter order (experts one by one).
-                auto push = [&](int64_t offset, int64_t n) {
+                for_each_adam_slot(l, [&](int64_t offset, int64_t n) {
                     s.adam_m.push_back(slice(m, offset, n)), s.adam_v.push_back(slice(v, offset, n));
-                };
-                push(sl[kRouter].offset, sl[kRouter].numel);
-                for (int64_t e = 0; e < E_; ++e) push(sl[kFc1].offset + e * (sl[kFc1].numel / E_), sl[kFc1].numel / E_);
-                for (int64_t e = 0; e < E_; ++e) push(sl[kFc2].offset + e * (sl[kFc2].numel / E_), sl[kFc2].numel / E_);
-                for (Tensor t : {kSharedFc1, kSharedFc2, kSharedGate})
-                    if (sl[t].numel) push(sl[t].offset, sl[t].numel);
+                });
             }
             s.weights.push_back(std::move(w));
         }
@@ -198,18 +193,13 @@ public:
         if (!s.adam_m.empty()) {
             size_t slot = 0;
             for (int64_t l = 0; l < L_; ++l) {
-                const auto& sl = slots_[size_t(l)];
-                auto put = [&](int64_t offset) {
-                    MOEKIT_CHECK(slot < s.adam_m.size(), "checkpoint has ", s.adam_m.size(), " Adam slots, too few");
+                for_each_adam_slot(l, [&](int64_t offset, int64_t n) {
+                    MOEKIT_CHECK(slot < s.adam_m.size() && int64_t(s.adam_m[slot].size()) == n, "checkpoint's Adam slot ",
+                                 slot, " does not fit this model");
                     std::copy(s.adam_m[slot].begin(), s.adam_m[slot].end(), m.begin() + offset);
                     std::copy(s.adam_v[slot].begin(), s.adam_v[slot].end(), v.begin() + offset);
                     ++slot;
-                };
-                put(sl[kRouter].offset);
-                for (int64_t e = 0; e < E_; ++e) put(sl[kFc1].offset + e * (sl[kFc1].numel / E_));
-                for (int64_t e = 0; e < E_; ++e) put(sl[kFc2].offset + e * (sl[kFc2].numel / E_));
-                for (Tensor t : {kSharedFc1, kSharedFc2, kSharedGate})
-                    if (sl[t].numel) put(sl[t].offset);
+                });
             }
         }
         m_.upload(m), v_.upload(v);
@@ -223,6 +213,18 @@ public:
     train::EngineReport report() override;
 
 private:
+    // Adam's slots of layer l as the host optimizer orders them (for_each_parameter: router, experts' fc1 one
+    // by one, fc2 one by one, shared fc1, fc2, gate): fn(offset in the flat buffers, numel).
+    template <typename Fn>
+    void for_each_adam_slot(int64_t l, Fn&& fn) const {
+        const auto& sl = slots_[size_t(l)];
+        fn(sl[kRouter].offset, sl[kRouter].numel);
+        for (Tensor t : {kFc1, kFc2})
+            for (int64_t e = 0; e < E_; ++e) fn(sl[t].offset + e * (sl[t].numel / E_), sl[t].numel / E_);
+        for (Tensor t : {kSharedFc1, kSharedFc2, kSharedGate})
+            if (sl[t].numel) fn(sl[t].offset, sl[t].numel);
+    }
+
     // ---- layout and set-up ----
     void layout() {
         const MoeConfig& c = o_.config;

@@ -13,22 +13,13 @@
 #include "train/adam.h"
 #include "train/report.h"
 #include "train/trainer.h"
+#include "train_test_util.h"
 
 namespace moekit::train {
 namespace {
 
 TrainOptions small_run() {
-    TrainOptions o;
-    o.config.hidden_size = 32;
-    o.config.num_moe_experts = 4;
-    o.config.moe_ffn_hidden_size = 64;
-    o.config.moe_router_topk = 2;
-    o.config.gated_linear_unit = true;
-    o.config.activation_func = "silu";
-    o.config.num_layers = 2;
-    o.config.seq_length = 64;
-    o.config.micro_batch_size = 2;
-    o.config.moe_aux_loss_coeff = {1e-2};
+    TrainOptions o = small_training(32, 4, 64, 2, 64, 2);
     o.steps = 300;
     o.adam.lr = 3e-3;
     o.eval_every = 100;

@@ -20,6 +20,7 @@
 #include "run_tool.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
+#include "train_test_util.h"
 
 namespace moekit::train {
 namespace {
@@ -28,33 +29,17 @@ namespace fs = std::filesystem;
 using testing_util::run_tool;
 
 TrainOptions tiny_run(const std::string& device = "cpu") {
-    TrainOptions o;
-    o.config.hidden_size = 32;
-    o.config.num_moe_experts = 4;
-    o.config.moe_ffn_hidden_size = 32;
-    o.config.moe_router_topk = 2;
-    o.config.gated_linear_unit = true;
-    o.config.activation_func = "silu";
-    o.config.num_layers = 2;
-    o.config.seq_length = 32;
-    o.config.micro_batch_size = 2;
-    o.config.moe_aux_loss_coeff = {1e-2};
+    TrainOptions o = small_training(32, 4, 32, 2, 32, 2, device);
     o.config.moe_router_score_function = "sigmoid";  // with the expert bias: router state that must survive a resume
     o.config.moe_router_enable_expert_bias = true;
     o.steps = 30;
     o.eval_every = 10;
     o.log_interval = 5;
     o.seed = 11;
-    o.device = device;
     return o;
 }
 
-std::string bytes_of(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    std::ostringstream s;
-    s << f.rdbuf();
-    return s.str();
-}
+std::string bytes_of(const std::string& path) { return file_bytes(path); }
 
 std::string fresh_dir(const std::string& name) {
     const std::string d = ::testing::TempDir() + "/moekit_ckpt_" + name + "_" + std::to_string(::getpid());

@@ -12,36 +12,21 @@
 
 #include "gpu/cuda_layer_test_util.h"
 #include "train/trainer.h"
+#include "train_test_util.h"
 
 namespace moekit::train {
 namespace {
 
 TrainOptions small_gpu_run(const std::string& device) {
-    TrainOptions o;
-    o.config.hidden_size = 64;
-    o.config.num_moe_experts = 8;
-    o.config.moe_ffn_hidden_size = 64;
-    o.config.moe_router_topk = 2;
-    o.config.gated_linear_unit = true;
-    o.config.activation_func = "silu";
-    o.config.num_layers = 2;
-    o.config.seq_length = 128;
-    o.config.micro_batch_size = 2;
-    o.config.moe_aux_loss_coeff = {1e-2};
+    TrainOptions o = small_training(64, 8, 64, 2, 128, 2, device);
     o.steps = 100;
     o.eval_every = 25;
     o.log_interval = 10;
     o.seed = 3;
-    o.device = device;
     return o;
 }
 
-std::string bytes_of(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    std::ostringstream s;
-    s << f.rdbuf();
-    return s.str();
-}
+std::string bytes_of(const std::string& path) { return file_bytes(path); }
 
 TEST(CudaTrain, GraphReplaysEqualEagerIterationsBitwise) {
     SKIP_WITHOUT_GPU();
