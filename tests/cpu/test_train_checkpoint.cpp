@@ -49,37 +49,37 @@ std::string fresh_dir(const std::string& name) {
 
 TEST(Checkpoint, ResumeContinuesBitForBit) {
     const std::string straight = fresh_dir("straight"), split = fresh_dir("split");
-    TrainOptions a = tiny_run();
-    a.save_dir = straight;
+    TrainOptions a = tiny_run();  // the case: 200 steps straight, or 100 + save + load + 100
+    a.steps = 200, a.eval_every = 50, a.save_dir = straight;
     const TrainResult ra = run_training(a);
 
     TrainOptions first = tiny_run();
-    first.steps = 15, first.save_dir = split;  // stops at 15 and saves there
+    first.steps = 100, first.eval_every = 50, first.save_dir = split;  // stops at 100 and saves there
     const TrainResult r1 = run_training(first);
-    ASSERT_TRUE(fs::exists(split + "/iter_0000015/model.safetensors"));
+    ASSERT_TRUE(fs::exists(split + "/iter_0000100/model.safetensors"));
     TrainOptions second = tiny_run();
-    second.load_dir = split, second.save_dir = split;
+    second.steps = 200, second.eval_every = 50, second.load_dir = split, second.save_dir = split;
     const TrainResult r2 = run_training(second);
-    EXPECT_EQ(r2.resumed_from, 15);
+    EXPECT_EQ(r2.resumed_from, 100);
 
     ASSERT_EQ(r2.steps.size(), ra.steps.size()) << "the resumed run's records include the steps before the checkpoint";
     for (size_t i = 0; i < ra.steps.size(); ++i) {
         EXPECT_EQ(r2.steps[i].step, ra.steps[i].step);
         EXPECT_EQ(r2.steps[i].loss, ra.steps[i].loss) << "step " << i + 1 << " (seed " << a.seed << ")";
-        // The first half's run also evaluated at its last step (15); evaluation must not perturb training.
-        if (ra.steps[i].step != 15) EXPECT_EQ(r2.steps[i].eval_loss, ra.steps[i].eval_loss) << "step " << i + 1;
+        // The first half's run also evaluated at its last step (100); evaluation must not perturb training.
+        if (ra.steps[i].step != 100) EXPECT_EQ(r2.steps[i].eval_loss, ra.steps[i].eval_loss) << "step " << i + 1;
         EXPECT_EQ(r2.steps[i].tokens_per_expert, ra.steps[i].tokens_per_expert) << "step " << i + 1;
     }
-    EXPECT_NE(ra.steps[14].loss, ra.steps[29].loss) << "the run must move between the two halves";
+    EXPECT_LT(ra.steps[199].loss, ra.steps[99].loss) << "the run must move between the two halves";
     // Weights (expert bias included) and Adam's moments are bitwise the same files.
-    const std::string fa = straight + "/iter_0000030/", fb = split + "/iter_0000030/";
+    const std::string fa = straight + "/iter_0000200/", fb = split + "/iter_0000200/";
     ASSERT_TRUE(fs::exists(fa + "model.safetensors") && fs::exists(fb + "model.safetensors"));
     EXPECT_TRUE(bytes_of(fa + "model.safetensors") == bytes_of(fb + "model.safetensors")) << "final weights differ";
     EXPECT_TRUE(bytes_of(fa + "optimizer.safetensors") == bytes_of(fb + "optimizer.safetensors")) << "Adam differs";
     std::ifstream latest(split + "/latest_checkpointed_iteration.txt");
     int64_t step = 0;
     latest >> step;
-    EXPECT_EQ(step, 30);
+    EXPECT_EQ(step, 200);
 }
 
 TEST(Checkpoint, HoldsMegatronNamesAndAllState) {
