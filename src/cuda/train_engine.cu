@@ -210,7 +210,7 @@ public:
         host_step_ = copied_step_ = s.step;
     }
 
-    train::EngineReport report() override;
+    train::EngineReport report(bool measure_speed) override;
 
 private:
     // Adam's slots of layer l as the host optimizer orders them (for_each_parameter: router, experts' fc1 one
@@ -498,14 +498,14 @@ private:
 // Measures, after the run: the iteration replayed alone, its parts each timed alone, the expert GEMMs
 // through the layers' stage timing, and a dense cuBLAS GEMM of the same shape. It runs steps, so it
 // comes last (the trainer calls it after the final checkpoint).
-train::EngineReport CudaTrainEngine::report() {
+train::EngineReport CudaTrainEngine::report(bool measure_speed) {
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
     train::EngineReport r;
     r.device_bytes = owned_bytes();
     r.device_used_bytes = used_bytes_;
     r.layer_workspace_bytes = layers_[0]->memory().workspace_bytes;
     r.saved_bytes_per_token = layers_[0]->memory().saved_bytes_per_token();
-    if (!train_graph_) return r;
+    if (!train_graph_ || !measure_speed) return r;
     using bench::time_ms;
     const int warm = 2, iters = 10;
     r.iteration_ms = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(train_graph_, stream_)); }, stream_, warm, iters);

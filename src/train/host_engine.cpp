@@ -148,7 +148,7 @@ public:
         student_.weights = s.weights;
         adam_.restore(s.step, s.adam_m, s.adam_v);
     }
-    EngineReport report() override { return {}; }
+    EngineReport report(bool) override { return {}; }
 
 private:
     // Tokens per second of the last step, its evaluation included.

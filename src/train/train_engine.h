@@ -49,7 +49,8 @@ public:
     virtual std::vector<StepRecord> collect(bool wait) = 0;
     virtual TrainState state() = 0;                   // host copy (waits for the device)
     virtual void load_state(const TrainState& s) = 0; // continue from s
-    virtual EngineReport report() = 0;                // measure (GPU engine) and report
+    // Memory, and with measure_speed the speed measurements (GPU engine: it replays iterations, so it comes last).
+    virtual EngineReport report(bool measure_speed) = 0;
 };
 
 std::unique_ptr<TrainEngine> make_host_engine(const TrainOptions& options);

@@ -145,7 +145,8 @@ TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
     if (finite && !o.save_dir.empty() && last > result.resumed_from &&
         (o.save_interval == 0 || last % o.save_interval != 0))
         save_checkpoint(o.save_dir, o, engine->state(), result.steps);
-    result.perf = std::make_shared<EngineReport>(engine->report());
+    // Speed is measured only after a run that ended normally (a stopped or failed one exits at once).
+    result.perf = std::make_shared<EngineReport>(engine->report(finite && result.signal == 0));
     return result;
 }
 
