@@ -32,7 +32,7 @@ build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	./$(BUILD)/moekit train --out-dir $(BUILD)/demo
+	./$(BUILD)/moekit train --out-dir $(BUILD)/demo --overwrite
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
