@@ -6,7 +6,12 @@
 // tolerance); what EP cannot do yet is refused with exit 2. The MPI cases skip in builds without MPI.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <thread>
 
 #include <cmath>
 #include <filesystem>
@@ -367,6 +372,40 @@ TEST_F(TrainEpTool, RefusesWhatItCannotDoNamingTheFlag) {
                                    " --expert-model-parallel-size 2");
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("rank(s) 1 were started with other flags than rank 0"), std::string::npos) << r.output;
+}
+
+// SIGINT reaches the virtual ranks' threads at different steps; they agree on one (the all-reduced stop flag):
+// exit 130, rank 0's report holds the steps done, and the checkpoint of the last one resumes in one process.
+TEST_F(TrainEpTool, SigintStopsEveryRankAfterTheSameStep) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        freopen("/dev/null", "w", stdout);
+        freopen("/dev/null", "w", stderr);
+        const std::string cmd = std::string("exec ") + MOEKIT_BINARY + " " + kTrain +
+                                "--steps 1000000 --expert-model-parallel-size 2 --virtual-ranks 2 --out-dir " +
+                                path("s") + " --save " + path("ck");
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
+        _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    ASSERT_EQ(kill(pid, SIGINT), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    EXPECT_EQ(WEXITSTATUS(status), 130);
+    const nlohmann::json j = report(path("s"));
+    EXPECT_EQ(j["interrupted_by_signal"], 2);
+    ASSERT_GE(j["steps"].size(), 1u);
+    const int64_t last = j["steps"].back()["step"];
+    std::ifstream latest(path("ck") + "/latest_checkpointed_iteration.txt");
+    int64_t saved = 0;
+    latest >> saved;
+    EXPECT_EQ(saved, last);
+    const ToolResult r = run_tool(kTrain + "--global-batch-size 4 --steps " + std::to_string(last + 1) +
+                                  " --out-dir " + path("r") + " --load " + path("ck"));
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_EQ(report(path("r"))["resumed_from"], last);
 }
 
 }  // namespace
