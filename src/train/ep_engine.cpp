@@ -54,7 +54,8 @@ public:
         eval_y_ = teacher_.forward(input(eval_x_, false));
         identity_mse_ = mse(eval_x_, eval_y_);
         MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
-                       ": the teacher's held-out outputs are not finite and different from the input (MSE ",
+                       " with --init-method-std=", o.config.init_method_std,
+                       ": the teacher's held-out outputs must be finite and differ from the input (MSE ",
                        identity_mse_, ")");
     }
 
