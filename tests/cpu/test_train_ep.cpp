@@ -14,6 +14,7 @@
 #include <thread>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -134,8 +135,12 @@ TrainResult on_virtual_ranks(int n, const TrainOptions& o) {
 void expect_close_curves(const std::vector<double>& got, const std::vector<double>& want, double tol,
                          const std::string& what) {
     ASSERT_EQ(got.size(), want.size()) << what;
-    for (size_t i = 0; i < got.size(); ++i)
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
         EXPECT_NEAR(got[i], want[i], tol * std::max(1.0, std::abs(want[i]))) << what << ", step " << i + 1;
+        worst = std::max(worst, std::abs(got[i] - want[i]) / std::max(1.0, std::abs(want[i])));
+    }
+    std::printf("%s: largest relative loss difference %.3g over %zu steps\n", what.c_str(), worst, got.size());
 }
 
 // Every tensor of `got` within tol * (largest |value| of that tensor in `want`).
@@ -195,6 +200,25 @@ TEST(TrainEp, TwoRanksEqualOneProcessAveragingTheSameTwoMicroBatches) {
         TrainOptions one = tiny(variant, seed);
         one.global_batch_size = 4;
         expect_close_curves(losses_of(run_training(one)), want, 2e-5, "one process, 2 micro-batches");
+    }
+}
+
+// Other layouts of Megatron's groups: pure data parallelism (EP = 1 on 2 ranks: expert grads over expert-DP =
+// all ranks) and EP = 2 on 4 ranks (expert-DP groups of 2), each against the reference on as many micro-batches.
+TEST(TrainEp, DataParallelAndExpertDataParallelLayoutsEqualTheReference) {
+    struct Layout {
+        int ranks;
+        int64_t ep;
+    };
+    for (const Layout& lay : {Layout{2, 1}, Layout{4, 2}}) {
+        const uint64_t seed = 121 + uint64_t(lay.ranks);
+        SCOPED_TRACE("ranks " + std::to_string(lay.ranks) + ", EP " + std::to_string(lay.ep) + ", seed " +
+                     std::to_string(seed));
+        TrainOptions o = tiny(0, seed);
+        o.config.expert_model_parallel_size = lay.ep;
+        const TrainResult r = on_virtual_ranks(lay.ranks, o);
+        EXPECT_EQ(r.layout.micro_batches, lay.ranks);
+        expect_close_curves(losses_of(r), reference_losses(tiny(0, seed), lay.ranks), 2e-5, "vs the reference");
     }
 }
 
