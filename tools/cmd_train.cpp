@@ -15,6 +15,7 @@
 #include "command.h"
 #include "core/flags.h"
 #include "io/atomic_file.h"
+#include "moekit/comm.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
 #include "train/report.h"
@@ -81,6 +82,7 @@ struct TrainArgs {
     bool overwrite = false;
     bool cuda_graph = true;
     std::string model_size;  // demo | gpu ("" = by device)
+    int64_t virtual_ranks = 0;  // --virtual-ranks N: N ranks as threads of this process
 };
 
 // Returns false when --help was printed.
@@ -108,6 +110,12 @@ bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, doub
     p.add("--load", &a.o.load_dir, "continue from the latest checkpoint in this folder");
     p.add("--cuda-graph", &a.cuda_graph, "cuda: replay one captured CUDA graph per iteration (--no-cuda-graph: eager)");
     p.add("--host-loop", &a.o.host_loop, "[moekit] cuda: the old host loop (weights and activations copied every call)");
+    p.section("parallelism (CPU ranks; --expert-model-parallel-size is among the MoE flags)");
+    p.add("--virtual-ranks", &a.virtual_ranks,
+          "run N ranks as threads of this process (data/expert parallelism without mpirun; 0 = off)");
+    p.add("--global-batch-size", &a.o.global_batch_size,
+          "sequences per step, in micro-batches of --micro-batch-size spread evenly over the ranks "
+          "(0: one micro-batch per rank); keep it fixed to resume on another number of ranks");
     return p.parse(args);
 }
 
@@ -180,6 +188,24 @@ int run_train(const std::vector<std::string>& args) {
     std::signal(SIGTERM, on_stop_signal);
     TrainArgs a;
     if (!parse(args, demo_config(), kDemoLr, a)) return 0;
+    // Several ranks (data and expert parallelism): mpirun -np N, or --virtual-ranks N; the CPU only for now.
+    MOEKIT_REQUIRE(a.virtual_ranks >= 0 && a.virtual_ranks <= 1024, "--virtual-ranks=", a.virtual_ranks,
+                   ": must be in [0, 1024]");
+    Communicator* mpi = comm::mpi_launched() ? &comm::mpi_world() : nullptr;
+    const int mpi_ranks = mpi ? mpi->size() : 1;
+    MOEKIT_REQUIRE(a.virtual_ranks == 0 || mpi_ranks == 1, "--virtual-ranks=", a.virtual_ranks,
+                   " cannot be combined with mpirun -np ", mpi_ranks, " (use one or the other)");
+    const int64_t ranks = a.virtual_ranks > 0 ? a.virtual_ranks : mpi_ranks;
+    const int64_t ep = a.o.config.expert_model_parallel_size;
+    MOEKIT_REQUIRE(ep <= 1 || ranks > 1, "--expert-model-parallel-size=", ep,
+                   " needs that many ranks: start them with mpirun -np ", ep, " or add --virtual-ranks ", ep);
+    const bool multi_rank = ranks > 1;
+    if (multi_rank) {
+        MOEKIT_REQUIRE(a.device.empty() || a.device == "cpu", "--device=", a.device, ": moekit train on several ranks (",
+                       ranks, ", --expert-model-parallel-size=", ep, ") runs on --device cpu only: not yet on cuda");
+        MOEKIT_REQUIRE(!a.o.host_loop, "--host-loop: not with several ranks (they run on --device cpu)");
+        a.device = "cpu";
+    }
     if (a.device.empty()) a.device = cuda_device_available() ? "cuda" : "cpu";
     if (a.model_size.empty()) a.model_size = a.device == "cuda" ? "gpu" : "demo";
     MOEKIT_REQUIRE(a.model_size == "demo" || a.model_size == "gpu", "--model-size=", a.model_size,
@@ -193,63 +219,96 @@ int run_train(const std::vector<std::string>& args) {
     a.o.config.normalize();
     a.o.config.validate();
     validate(a);
+    const int64_t B = a.o.config.micro_batch_size;
+    MOEKIT_REQUIRE(a.device == "cpu" || a.o.global_batch_size == 0 || a.o.global_batch_size == B,
+                   "--global-batch-size=", a.o.global_batch_size, ": several micro-batches per step (more than "
+                   "--micro-batch-size=", B, ") run on --device cpu only: not yet on cuda");
     a.o.device = a.device;
     a.o.seed = a.o.config.seed;
     a.o.log_interval = a.log_every;
     a.o.use_graph = a.cuda_graph;
-    check_out_dir(a);
-
-    print_config(a.o.config);
-    std::printf("moekit train: %s, %lld layers, %lld tokens/step, %lld steps; task: imitate a random MoE teacher\n",
-                a.device.c_str(), (long long)a.o.config.num_layers,
-                (long long)(a.o.config.seq_length * a.o.config.micro_batch_size), (long long)a.o.steps);
-    std::fflush(stdout);
-
-    const bool tty = isatty(fileno(stderr));
-    double tokens_per_s_avg = 0;
-    int64_t shown = 0;
-    auto progress = [&](const train::TrainOptions& opt, const train::StepRecord& rec) {
-        tokens_per_s_avg = shown++ == 0 ? rec.tokens_per_s : 0.9 * tokens_per_s_avg + 0.1 * rec.tokens_per_s;
-        const bool last = rec.step == opt.steps;
-        if (!tty && rec.step % a.log_every != 0 && rec.step != 1 && !last) return;
-        const int bar_width = 24, filled = int(bar_width * rec.step / opt.steps);
-        std::string bar = std::string(size_t(filled), '#') + std::string(size_t(bar_width - filled), '.');
-        std::fprintf(stderr, "%s[%s] %5lld/%lld  loss %.4f  aux %.4f  %7.0f tok/s  balance(max/mean) %s%s",
-                     tty ? "\r" : "", bar.c_str(), (long long)rec.step, (long long)opt.steps, rec.loss, rec.aux_loss,
-                     tokens_per_s_avg, balance_string(rec).c_str(), tty && !last ? "" : "\n");
-        std::fflush(stderr);
-    };
     a.o.stop_signal = &g_stop_signal;
-    const train::TrainResult r = train::run_training(a.o, progress);
+
+    // Every rank runs this with its own copy of the arguments; rank 0 alone prints, writes and saves.
+    auto run_rank = [](TrainArgs a, Communicator* world) {
+        a.o.world = world;
+        const bool rank0 = !world || world->rank() == 0;
+        const train::RunLayout layout = train::run_layout(a.o);  // refuses a layout that cannot be
+        if (rank0) {
+            print_config(a.o.config);
+            std::printf("moekit train: %s, %lld layers, %lld tokens/step, %lld steps; task: imitate a random MoE "
+                        "teacher\n",
+                        a.device.c_str(), (long long)a.o.config.num_layers,
+                        (long long)(a.o.config.seq_length * layout.global_batch_size), (long long)a.o.steps);
+            if (layout.ranks > 1 || layout.micro_batches > 1)
+                std::printf("  layout: %d rank(s) (%s), EP=%lld, expert-DP=%lld, DP=%d; global batch %lld sequences = "
+                            "%lld micro-batch(es) of %lld, %lld per rank\n",
+                            layout.ranks, layout.transport.c_str(), (long long)layout.expert_model_parallel_size,
+                            (long long)(layout.ranks / layout.expert_model_parallel_size), layout.ranks,
+                            (long long)layout.global_batch_size, (long long)layout.micro_batches,
+                            (long long)a.o.config.micro_batch_size, (long long)layout.micro_batches_per_rank);
+            std::fflush(stdout);
+        }
+        const bool tty = isatty(fileno(stderr));
+        double tokens_per_s_avg = 0;
+        int64_t shown = 0;
+        auto progress = [&](const train::TrainOptions& opt, const train::StepRecord& rec) {
+            tokens_per_s_avg = shown++ == 0 ? rec.tokens_per_s : 0.9 * tokens_per_s_avg + 0.1 * rec.tokens_per_s;
+            const bool last = rec.step == opt.steps;
+            if (!tty && rec.step % a.log_every != 0 && rec.step != 1 && !last) return;
+            const int bar_width = 24, filled = int(bar_width * rec.step / opt.steps);
+            std::string bar = std::string(size_t(filled), '#') + std::string(size_t(bar_width - filled), '.');
+            std::fprintf(stderr, "%s[%s] %5lld/%lld  loss %.4f  aux %.4f  %7.0f tok/s  balance(max/mean) %s%s",
+                         tty ? "\r" : "", bar.c_str(), (long long)rec.step, (long long)opt.steps, rec.loss,
+                         rec.aux_loss, tokens_per_s_avg, balance_string(rec).c_str(), tty && !last ? "" : "\n");
+            std::fflush(stderr);
+        };
+        const train::TrainResult r = train::run_training(a.o, progress);
+        if (!rank0) return r.signal ? 128 + r.signal : 0;  // rank 0 reports a failure for all
+        train::write_report(a.out_dir, a.o, r);
+
+        if (tty) std::fprintf(stderr, "\n");
+        if (r.steps.empty()) {
+            std::printf("moekit train: no step finished; wrote %s/report.json\n", a.out_dir.c_str());
+        } else {
+            const auto& first = r.steps.front();
+            const auto& last = r.steps.back();
+            const int64_t run_steps = last.step - r.resumed_from;
+            std::printf("\nsummary (%s)\n", r.engine.c_str());
+            if (r.resumed_from > 0) std::printf("  resumed from the checkpoint of step %lld\n", (long long)r.resumed_from);
+            std::printf("  loss (MSE / identity MSE): %.4f -> %.4f (%.1f%% of the start)\n", first.loss, last.loss,
+                        100.0 * last.loss / first.loss);
+            if (last.eval_loss >= 0) std::printf("  held-out loss: %.4f\n", last.eval_loss);
+            std::printf("  %.2f s, %.0f tokens/s on %s\n", r.seconds,
+                        double(r.tokens_per_step) * double(run_steps) / std::max(r.seconds, 1e-9), a.device.c_str());
+            std::printf("  expert load max/mean per layer at the end: %s\n", balance_string(last).c_str());
+            if (r.perf) print_perf(*r.perf);
+            std::printf("  wrote %s/report.json and %s/train.png\n", a.out_dir.c_str(), a.out_dir.c_str());
+        }
+        if (!r.failure.empty()) throw Error(r.failure);
+        if (r.signal) {
+            std::printf("moekit train: stopped by signal %d after step %lld; the report says so\n", r.signal,
+                        (long long)(r.steps.empty() ? 0 : r.steps.back().step));
+            return 128 + r.signal;
+        }
+        return 0;
+    };
+
+    if (!mpi || mpi->rank() == 0) check_out_dir(a);
+    int rc = 0;
+    if (a.virtual_ranks > 1) {
+        std::atomic<int> rank0_rc{0};
+        comm::run_virtual_ranks(int(a.virtual_ranks), [&](Communicator& world) {
+            const int code = run_rank(a, &world);
+            if (world.rank() == 0) rank0_rc.store(code);
+        });
+        rc = rank0_rc.load();
+    } else {
+        rc = run_rank(a, multi_rank ? mpi : nullptr);
+    }
     std::signal(SIGINT, SIG_DFL);
     std::signal(SIGTERM, SIG_DFL);
-    train::write_report(a.out_dir, a.o, r);
-
-    if (tty) std::fprintf(stderr, "\n");
-    if (r.steps.empty()) {
-        std::printf("moekit train: no step finished; wrote %s/report.json\n", a.out_dir.c_str());
-    } else {
-        const auto& first = r.steps.front();
-        const auto& last = r.steps.back();
-        const int64_t run_steps = last.step - r.resumed_from;
-        std::printf("\nsummary (%s)\n", r.engine.c_str());
-        if (r.resumed_from > 0) std::printf("  resumed from the checkpoint of step %lld\n", (long long)r.resumed_from);
-        std::printf("  loss (MSE / identity MSE): %.4f -> %.4f (%.1f%% of the start)\n", first.loss, last.loss,
-                    100.0 * last.loss / first.loss);
-        if (last.eval_loss >= 0) std::printf("  held-out loss: %.4f\n", last.eval_loss);
-        std::printf("  %.2f s, %.0f tokens/s on %s\n", r.seconds,
-                    double(r.tokens_per_step) * double(run_steps) / std::max(r.seconds, 1e-9), a.device.c_str());
-        std::printf("  expert load max/mean per layer at the end: %s\n", balance_string(last).c_str());
-        if (r.perf) print_perf(*r.perf);
-        std::printf("  wrote %s/report.json and %s/train.png\n", a.out_dir.c_str(), a.out_dir.c_str());
-    }
-    if (!r.failure.empty()) throw Error(r.failure);
-    if (r.signal) {
-        std::printf("moekit train: stopped by signal %d after step %lld; the report says so\n", r.signal,
-                    (long long)(r.steps.empty() ? 0 : r.steps.back().step));
-        return 128 + r.signal;
-    }
-    return 0;
+    return rc;
 }
 
 RegisterCommand reg("train", "train a small MoE model (teacher-student regression); report.json + train.png",

@@ -68,10 +68,13 @@ StepRecord record_of(const nlohmann::json& j) {
     return s;
 }
 
-// What must match for a checkpoint to continue this run: the model, the task and the data.
+// What must match for a checkpoint to continue this run: the model, the task and the data (the global batch
+// included). Not the layout: the tensors are global, so a run saved on N ranks resumes on M.
 nlohmann::json run_identity(const TrainOptions& o) {
     nlohmann::json j = moekit::to_json(o.config);
+    j.erase("expert_model_parallel_size");
     j["teacher_gain"] = o.teacher_gain;
+    j["global_batch_size"] = run_layout(o).global_batch_size;
     return j;
 }
 
@@ -122,6 +125,9 @@ std::string save_checkpoint(const std::string& dir, const TrainOptions& o, const
                             {"adam", {{"lr", o.adam.lr}, {"beta1", o.adam.beta1}, {"beta2", o.adam.beta2},
                                       {"eps", o.adam.eps}}},
                             {"device", o.device}};
+    const RunLayout layout = run_layout(o);  // how the saving run was laid out, for the reader only
+    state["layout"] = {{"ranks", layout.ranks}, {"transport", layout.transport},
+                       {"expert_model_parallel_size", layout.expert_model_parallel_size}};
     nlohmann::json records = nlohmann::json::array();
     for (const StepRecord& r : history)
         if (r.step <= s.step) records.push_back(record_json(r));
@@ -154,10 +160,16 @@ Checkpoint load_checkpoint(const std::string& dir, const TrainOptions& o) {
                    state.value("seed", uint64_t(0)), ", this run has --seed=", o.seed);
     const nlohmann::json saved = state.at("run"), now = run_identity(o);
     for (auto it = now.begin(); it != now.end(); ++it) {
-        const auto found = saved.find(it.key());
-        MOEKIT_REQUIRE(found != saved.end() && *found == it.value(), "--load=", dir, ": the checkpoint has ",
-                       it.key(), "=", found != saved.end() ? found->dump() : "(absent)", ", this run has ",
-                       it.value().dump(), "; resume needs the same model and task");
+        // Checkpoints from before --global-batch-size had one micro-batch per step.
+        const bool older = it.key() == "global_batch_size" && !saved.contains(it.key());
+        const nlohmann::json* had = older ? (saved.contains("micro_batch_size") ? &saved.at("micro_batch_size") : nullptr)
+                                          : (saved.contains(it.key()) ? &saved.at(it.key()) : nullptr);
+        MOEKIT_REQUIRE(had && *had == it.value(), "--load=", dir, ": the checkpoint has ", it.key(), "=",
+                       had ? had->dump() : "(absent)", ", this run has ", it.value().dump(),
+                       "; resume needs the same model and task",
+                       it.key() == "global_batch_size" && had ? str(" (give --global-batch-size ", had->dump(),
+                                                                    " to continue it on any number of ranks)")
+                                                              : std::string());
     }
 
     Checkpoint ck;

@@ -24,7 +24,15 @@ nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
                   {"seed", o.seed},             {"teacher_gain", o.teacher_gain},
                   {"tokens_per_step", r.tokens_per_step}};
     j["engine"] = r.engine;
-    j["layout"] = {{"expert_model_parallel_size", o.config.expert_model_parallel_size}, {"ranks", 1},
+    const RunLayout& l = r.layout;
+    j["layout"] = {{"ranks", l.ranks},
+                   {"transport", l.transport},
+                   {"expert_model_parallel_size", l.expert_model_parallel_size},
+                   {"expert_data_parallel_size", l.ranks / std::max<int64_t>(l.expert_model_parallel_size, 1)},
+                   {"data_parallel_size", l.ranks},
+                   {"global_batch_size", l.global_batch_size},
+                   {"micro_batch_size", o.config.micro_batch_size},
+                   {"micro_batches_per_rank", l.micro_batches_per_rank},
                    {"device", o.device}};
     j["resumed_from"] = r.resumed_from;
     j["completed"] = r.signal == 0 && r.failure.empty() && !r.steps.empty() && r.steps.back().step == o.steps;

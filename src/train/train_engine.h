@@ -54,5 +54,7 @@ public:
 };
 
 std::unique_ptr<TrainEngine> make_host_engine(const TrainOptions& options);
+// Data- and expert-parallel CPU engine over options.world (or one rank): src/train/ep_engine.cpp.
+std::unique_ptr<TrainEngine> make_ep_engine(const TrainOptions& options);
 
 }  // namespace moekit::train

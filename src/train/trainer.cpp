@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 
+#include "moekit/comm.h"
 #include "moekit/error.h"
 #include "moekit/weights.h"
 #include "train/checkpoint.h"
@@ -66,9 +67,37 @@ double load_imbalance(const std::vector<int64_t>& counts) {
     return total > 0 ? most / (total / double(counts.size())) : 1.0;
 }
 
+RunLayout run_layout(const TrainOptions& o) {
+    RunLayout l;
+    l.ranks = o.world ? o.world->size() : 1;
+    l.transport = o.world ? o.world->transport() : "none";
+    l.expert_model_parallel_size = o.config.expert_model_parallel_size;
+    const int64_t B = o.config.micro_batch_size;
+    MOEKIT_REQUIRE(B > 0, "--micro-batch-size=", B, ": must be positive");
+    MOEKIT_REQUIRE(l.expert_model_parallel_size >= 1 && l.ranks % l.expert_model_parallel_size == 0,
+                   "--expert-model-parallel-size=", l.expert_model_parallel_size, ": must divide the ", l.ranks,
+                   " rank(s) of the run (start them with mpirun -np N or --virtual-ranks N)");
+    l.global_batch_size = o.global_batch_size > 0 ? o.global_batch_size : B * l.ranks;
+    MOEKIT_REQUIRE(o.global_batch_size >= 0, "--global-batch-size=", o.global_batch_size, ": must not be negative");
+    MOEKIT_REQUIRE(l.global_batch_size % (B * l.ranks) == 0, "--global-batch-size=", l.global_batch_size,
+                   ": must be a multiple of --micro-batch-size x ranks = ", B, " x ", l.ranks, " (each rank computes "
+                   "the same number of micro-batches)");
+    l.micro_batches = l.global_batch_size / B;
+    l.micro_batches_per_rank = l.micro_batches / l.ranks;
+    return l;
+}
+
 namespace {
 
-std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, std::string* name) {
+std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, const RunLayout& layout, std::string* name) {
+    if (layout.ranks > 1 || layout.micro_batches > 1) {
+        MOEKIT_REQUIRE(o.device == "cpu" && !o.host_loop, "--device=", o.device, o.host_loop ? " --host-loop" : "",
+                       ": several ranks (", layout.ranks, ") or micro-batches per step (--global-batch-size=",
+                       layout.global_batch_size, ") are not yet supported on cuda; use --device cpu");
+        *name = str("data/expert-parallel host loop (CPU reference): ", layout.ranks, " rank(s), EP=",
+                    layout.expert_model_parallel_size, ", ", layout.micro_batches_per_rank, " micro-batch(es) per rank");
+        return make_ep_engine(o);
+    }
     if (o.device == "cuda" && !o.host_loop) {
 #ifdef MOEKIT_WITH_CUDA
         *name = o.use_graph ? "device-resident, one CUDA graph per iteration" : "device-resident, eager";
@@ -95,8 +124,12 @@ TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
                    ": needs --save DIR");
 
     TrainResult result;
-    result.tokens_per_step = config.seq_length * config.micro_batch_size;
-    std::unique_ptr<TrainEngine> engine = make_engine(o, &result.engine);
+    result.layout = run_layout(o);
+    result.tokens_per_step = config.seq_length * result.layout.global_batch_size;
+    // Under several ranks every rank runs this loop in step; rank 0 alone reports and saves.
+    Communicator* world = o.world && o.world->size() > 1 ? o.world : nullptr;
+    const bool rank0 = !world || world->rank() == 0;
+    std::unique_ptr<TrainEngine> engine = make_engine(o, result.layout, &result.engine);
     result.identity_mse = engine->identity_mse();
     if (!o.load_dir.empty()) {
         Checkpoint ck = load_checkpoint(o.load_dir, o);
@@ -112,7 +145,7 @@ TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
         for (StepRecord& rec : records) {
             result.steps.push_back(std::move(rec));
             const StepRecord& r = result.steps.back();
-            if (progress) progress(o, r);
+            if (progress && rank0) progress(o, r);
             const bool bad_eval = r.eval_loss != -1 && !std::isfinite(r.eval_loss);
             if (result.failure.empty() && (!std::isfinite(r.loss) || !r.grads_finite || bad_eval)) {
                 const std::string what = !std::isfinite(r.loss) ? str("the loss is ", r.loss)
@@ -128,21 +161,24 @@ TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
     for (int64_t step = result.resumed_from + 1; step <= o.steps; ++step) {
         engine->step();
         if (o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) engine->eval();
-        const bool stop = o.stop_signal && o.stop_signal->load() != 0;
+        int64_t stop_sig = o.stop_signal ? o.stop_signal->load() : 0;
+        // A signal reaches the ranks at different steps: they stop together after the same one.
+        if (world) world->all_reduce(&stop_sig, 1, ReduceOp::max);
+        const bool stop = stop_sig != 0;
         const bool save = !o.save_dir.empty() && o.save_interval > 0 && step % o.save_interval == 0;
         if (step % o.log_interval == 0 || save || stop) {
             if (!take(engine->collect(save || stop))) break;
         }
-        if (save) save_checkpoint(o.save_dir, o, engine->state(), result.steps);
+        if (save && rank0) save_checkpoint(o.save_dir, o, engine->state(), result.steps);
         if (stop) {
-            result.signal = o.stop_signal->load();
+            result.signal = int(stop_sig);
             break;
         }
     }
     const bool finite = take(engine->collect(true));
     result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const int64_t last = result.steps.empty() ? 0 : result.steps.back().step;
-    if (finite && !o.save_dir.empty() && last > result.resumed_from &&
+    if (rank0 && finite && !o.save_dir.empty() && last > result.resumed_from &&
         (o.save_interval == 0 || last % o.save_interval != 0))
         save_checkpoint(o.save_dir, o, engine->state(), result.steps);
     // Speed is measured only after a run that ended normally (a stopped or failed one exits at once).

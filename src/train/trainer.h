@@ -14,6 +14,10 @@
 #include "moekit/config.h"
 #include "train/adam.h"
 
+namespace moekit {
+class Communicator;
+}
+
 namespace moekit::train {
 
 struct TrainOptions {
@@ -31,7 +35,30 @@ struct TrainOptions {
     bool host_loop = false;      // [moekit] --host-loop: the LayerRunner loop on any device (host copies)
     bool use_graph = true;       // GPU engine: replay one captured CUDA graph per iteration (false: eager)
     const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM: stop after the current step
+    // Data and expert parallelism (src/train/ep_engine.cpp): the ranks of the run (nullptr = this process
+    // alone). Every rank calls run_training with the same options; rank 0 alone reports and saves.
+    Communicator* world = nullptr;
+    // --global-batch-size: sequences per step, micro-batches of config.micro_batch_size each, spread evenly
+    // over the ranks (0 = one micro-batch per rank, Megatron's default). Micro-batch m of step s draws its
+    // tokens from data stream data_stream(s, m), so the global batch does not depend on the layout.
+    int64_t global_batch_size = 0;
 };
+
+// How a run is laid out over ranks (report.json's `layout`).
+struct RunLayout {
+    int ranks = 1;
+    std::string transport = "none";   // none | local (virtual ranks) | mpi
+    int64_t expert_model_parallel_size = 1;
+    int64_t global_batch_size = 0;    // sequences per step
+    int64_t micro_batches = 1;        // per step, all ranks together
+    int64_t micro_batches_per_rank = 1;
+};
+// The layout `o` asks for; UsageError naming the flag when it cannot be laid out.
+RunLayout run_layout(const TrainOptions& o);
+// Data stream of micro-batch m of step s: stream s for m = 0 (a one-micro-batch run draws what it always did).
+constexpr uint64_t data_stream(int64_t step, int64_t micro_batch) {
+    return uint64_t(step) | (uint64_t(micro_batch) << 40);
+}
 
 struct StepRecord {
     int64_t step = 0;
@@ -56,6 +83,7 @@ struct TrainResult {
     std::string engine = "";        // "host loop" | "device-resident, one CUDA graph per iteration" | ...
     std::shared_ptr<EngineReport> perf;  // measured on the GPU engine (zeros elsewhere)
     std::string failure;            // why the run stopped early on a non-finite value ("" = it did not)
+    RunLayout layout;
 };
 
 // Max over experts / mean over experts of a layer's token counts (1 = perfectly balanced).

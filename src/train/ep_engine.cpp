@@ -1,0 +1,250 @@
+// The data- and expert-parallel CPU engine (train_engine.h), Megatron's layout with TP = PP = CP = 1: each
+// rank computes its micro-batches of the global batch (micro-batch m = rank * M + i of the step's G, i < M),
+// the student's layers run through cpu::MoePipeline at --expert-model-parallel-size (the dispatchers of
+// `moekit layer`), grads are summed over the groups as finalize_model_grads does and averaged over the G
+// micro-batches, and Adam updates the same full weights on every rank. One rank with one micro-batch is the
+// host loop's step (test). Tests: tests/cpu/test_train_ep.cpp.
+#include <chrono>
+#include <cmath>
+#include <memory>
+
+#include "core/flags.h"
+#include "cpu/moe_pipeline.h"
+#include "moekit/comm.h"
+#include "moekit/error.h"
+#include "train/adam.h"
+#include "train/host_stack.h"
+#include "train/train_engine.h"
+#include "train/train_task.h"
+
+namespace moekit::train {
+namespace {
+
+// The ranks must run the same model on the same task; a difference is refused on every rank.
+void check_same_options(Communicator& world, const TrainOptions& o) {
+    const std::string mine =
+        moekit::to_json(o.config).dump() + str(" steps=", o.steps, " lr=", o.adam.lr, " b1=", o.adam.beta1, " b2=",
+                                               o.adam.beta2, " eps=", o.adam.eps, " seed=", o.seed, " gain=",
+                                               o.teacher_gain, " gbs=", o.global_batch_size, " eval=", o.eval_every,
+                                               " load=", o.load_dir);
+    const auto all = world.all_gather_v(std::vector<char>(mine.begin(), mine.end()));
+    std::string differ;
+    for (size_t r = 1; r < all.size(); ++r)
+        if (all[r] != all[0]) differ += str(differ.empty() ? "" : ", ", r);
+    MOEKIT_REQUIRE(differ.empty(), "moekit train: rank(s) ", differ,
+                   " were started with other flags than rank 0: every rank must get the same flags");
+}
+
+class EpEngine final : public TrainEngine {
+public:
+    EpEngine(const TrainOptions& o, Communicator& world)
+        : o_(o),
+          world_(world),
+          layout_(run_layout(o)),
+          teacher_(single_rank_config(o.config), "cpu", teacher_weights(o)),
+          weights_(student_weights(o)),
+          adam_(o.adam) {
+        check_same_options(world_, o);
+        groups_ = make_process_groups(world_, int(o.config.expert_model_parallel_size));
+        for (size_t l = 0; l < weights_.size(); ++l)
+            layers_.push_back(std::make_unique<cpu::MoePipeline<float>>(o.config, *groups_));
+        const int64_t T = o.config.seq_length * o.config.micro_batch_size;
+        // Every rank evaluates the same held-out micro-batch (the one of the single-rank run).
+        eval_x_ = random_tokens(T, o.config.hidden_size, o.seed, kEvalStream);
+        eval_y_ = teacher_.forward(input(eval_x_, false));
+        identity_mse_ = mse(eval_x_, eval_y_);
+        MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
+                       " with --init-method-std=", o.config.init_method_std,
+                       ": the teacher's held-out outputs must be finite and differ from the input (MSE ",
+                       identity_mse_, ")");
+    }
+
+    double identity_mse() const override { return identity_mse_; }
+
+    void step() override {
+        step_start_ = std::chrono::steady_clock::now();
+        const int64_t step = ++step_;
+        const int64_t L = int64_t(layers_.size()), E = o_.config.num_experts();
+        const int64_t T = eval_x_.rows, M = layout_.micro_batches_per_rank;
+        std::vector<MoeWeights<float>> grads;
+        for (auto& w : weights_) grads.push_back(zeros_like(w));
+        // [loss, aux, z] summed over this rank's micro-batches; counts [layer][expert] likewise.
+        std::vector<double> sums(3, 0.0);
+        std::vector<int64_t> counts(size_t(L * E), 0);
+        for (int64_t i = 0; i < M; ++i) {
+            const uint64_t stream = data_stream(step, int64_t(world_.rank()) * M + i);
+            const Matrix<float> x = random_tokens(T, eval_x_.cols, o_.seed, stream);
+            const Matrix<float> y = teacher_.forward(input(x, false));
+            const double x_to_y = mse(x, y);
+            LayerInput<float> in = input(x, true);
+            in.jitter_seed = stream;
+            const Matrix<float> pred = forward(std::move(in));
+            sums[0] += mse(pred, y) / x_to_y;
+            for (int64_t l = 0; l < L; ++l) {
+                const RoutingSummary s = layers_[size_t(l)]->summary();
+                for (int64_t e = 0; e < E; ++e) counts[size_t(l * E + e)] += s.tokens_per_expert[size_t(e)];
+                sums[1] += s.losses.aux_loss + s.losses.seq_aux_loss + s.losses.global_aux_loss;
+                sums[2] += s.losses.z_loss;
+            }
+            // d loss_m / d pred, as the host loop's step (its normaliser is the micro-batch's own).
+            Matrix<float> grad(pred.rows, pred.cols);
+            const double scale = 2.0 / (double(pred.data.size()) * x_to_y);
+            for (size_t k = 0; k < grad.data.size(); ++k) grad.data[k] = float(scale * (pred.data[k] - y.data[k]));
+            backward(std::move(grad), grads);
+        }
+        reduce(grads);
+
+        // Per-micro-batch values, averaged over the global batch as Megatron averages its micro-batch losses.
+        world_.all_reduce(sums.data(), int64_t(sums.size()));
+        world_.all_reduce(counts.data(), int64_t(counts.size()));
+        const double G = double(layout_.micro_batches);
+        StepRecord rec;
+        rec.step = step;
+        rec.loss = sums[0] / G;
+        rec.aux_loss = sums[1] / G;
+        rec.z_loss = sums[2] / G;
+        for (int64_t l = 0; l < L; ++l)
+            rec.tokens_per_expert.emplace_back(counts.begin() + l * E, counts.begin() + (l + 1) * E);
+        rec.grads_finite = all_finite(grads);  // the same full grads on every rank
+        adam_.step(weights_, grads);
+        for (size_t l = 0; l < layers_.size(); ++l) {
+            layers_[l]->update_expert_bias(weights_[l]);  // counts of the whole global batch (dp all-reduce)
+            layers_[l]->reset_global_aux_loss_tracker();
+        }
+        records_.push_back(std::move(rec));
+        time_last_record();
+    }
+
+    void eval() override {
+        MOEKIT_CHECK(!records_.empty(), "eval() records with the last step");
+        // Rank 0's value for all: every rank ran the same tokens, the record must not depend on the rank.
+        double loss = mse(forward(input(eval_x_, false)), eval_y_) / identity_mse_;
+        loss = world_.all_gather(std::vector<double>{loss})[0];
+        records_.back().eval_loss = loss;
+        time_last_record();
+    }
+
+    std::vector<StepRecord> collect(bool) override { return std::exchange(records_, {}); }
+
+    TrainState state() override {
+        TrainState s;
+        s.step = step_;
+        s.weights = weights_;
+        s.adam_m = adam_.first_moments();
+        s.adam_v = adam_.second_moments();
+        return s;
+    }
+    void load_state(const TrainState& s) override {
+        MOEKIT_CHECK(s.weights.size() == weights_.size(), "checkpoint has ", s.weights.size(), " layers");
+        step_ = s.step;
+        weights_ = s.weights;
+        adam_.restore(s.step, s.adam_m, s.adam_v);
+    }
+    EngineReport report() override { return {}; }
+
+private:
+    static MoeConfig single_rank_config(MoeConfig c) {
+        c.expert_model_parallel_size = 1;  // the teacher runs whole on every rank
+        return c;
+    }
+
+    Matrix<float> forward(LayerInput<float> in) {
+        for (size_t l = 0; l < layers_.size(); ++l) {
+            const Matrix<float> out = layers_[l]->forward(weights_[l], in);
+            for (size_t i = 0; i < out.data.size(); ++i) in.hidden.data[i] += out.data[i];
+        }
+        return in.hidden;
+    }
+    void backward(Matrix<float> grad, std::vector<MoeWeights<float>>& grads) {
+        for (size_t l = layers_.size(); l-- > 0;) {
+            const Matrix<float> through = layers_[l]->backward(weights_[l], grad, grads[l]);
+            for (size_t i = 0; i < grad.data.size(); ++i) grad.data[i] += through.data[i];
+        }
+    }
+
+    // finalize_model_grads (router/shared over dp, local experts over expert-dp), then the experts of the
+    // other EP ranks gathered so every rank holds the whole gradient, then the mean over the G micro-batches.
+    void reduce(std::vector<MoeWeights<float>>& grads) {
+        for (size_t l = 0; l < layers_.size(); ++l) {
+            layers_[l]->reduce_gradients(grads[l]);
+            gather_experts(layers_[l]->layout(), grads[l]);
+        }
+        if (layout_.micro_batches == 1) return;
+        const float inv = 1.0f / float(layout_.micro_batches);
+        for (auto& g : grads) {
+            for (Matrix<float>* m : {&g.router_weight, &g.shared_fc1, &g.shared_fc2, &g.shared_gate})
+                for (float& v : m->data) v *= inv;
+            for (auto* ms : {&g.fc1, &g.fc2})
+                for (auto& m : *ms)
+                    for (float& v : m.data) v *= inv;
+        }
+    }
+    void gather_experts(const cpu::EpLayout& ep, MoeWeights<float>& g) {
+        if (ep.ep_size == 1) return;
+        std::vector<float> local;
+        for (int64_t e = ep.first_local_expert(); e < ep.first_local_expert() + ep.num_local_experts; ++e)
+            for (const Matrix<float>* m : {&g.fc1[size_t(e)], &g.fc2[size_t(e)]})
+                local.insert(local.end(), m->data.begin(), m->data.end());
+        const std::vector<float> all = groups_->ep->all_gather(local);
+        size_t at = 0;
+        for (int64_t e = 0; e < ep.num_experts; ++e)  // owner by owner, each its block in order
+            for (Matrix<float>* m : {&g.fc1[size_t(e)], &g.fc2[size_t(e)]}) {
+                std::copy(all.begin() + long(at), all.begin() + long(at + m->data.size()), m->data.begin());
+                at += m->data.size();
+            }
+    }
+
+    void time_last_record() {
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count();
+        records_.back().tokens_per_s =
+            double(eval_x_.rows * layout_.micro_batches) / std::max(secs, 1e-9);
+    }
+    LayerInput<float> input(Matrix<float> x, bool training) const {
+        LayerInput<float> in;
+        in.hidden = std::move(x);
+        in.seq_length = o_.config.seq_length;
+        in.micro_batch_size = o_.config.micro_batch_size;
+        in.training = training;
+        return in;
+    }
+
+    TrainOptions o_;
+    Communicator& world_;
+    RunLayout layout_;
+    MoeStack teacher_;
+    std::unique_ptr<ProcessGroups> groups_;
+    std::vector<MoeWeights<float>> weights_;  // every expert on every rank (replicated optimizer)
+    std::vector<std::unique_ptr<cpu::MoePipeline<float>>> layers_;
+    Adam adam_;
+    Matrix<float> eval_x_, eval_y_;
+    double identity_mse_ = 0;
+    int64_t step_ = 0;
+    std::vector<StepRecord> records_;
+    std::chrono::steady_clock::time_point step_start_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_ep_engine(const TrainOptions& options) {
+    MOEKIT_REQUIRE(options.device == "cpu", "--device=", options.device,
+                   ": several ranks or micro-batches per step run on --device cpu only (not yet on cuda)");
+    if (options.world) return std::make_unique<EpEngine>(options, *options.world);
+    // One process: a world of one rank, owned by the engine's holder below.
+    struct Owned final : TrainEngine {
+        std::unique_ptr<Communicator> world;
+        std::unique_ptr<TrainEngine> engine;
+        double identity_mse() const override { return engine->identity_mse(); }
+        void step() override { engine->step(); }
+        void eval() override { engine->eval(); }
+        std::vector<StepRecord> collect(bool wait) override { return engine->collect(wait); }
+        TrainState state() override { return engine->state(); }
+        void load_state(const TrainState& s) override { engine->load_state(s); }
+        EngineReport report() override { return engine->report(); }
+    };
+    auto owned = std::make_unique<Owned>();
+    owned->world = comm::make_single_rank();
+    owned->engine = std::make_unique<EpEngine>(options, *owned->world);
+    return owned;
+}
+
+}  // namespace moekit::train
