@@ -52,6 +52,40 @@ int as_int(int64_t v, const char* what) {
     return int(v);
 }
 
+// MPI_Win_create over the caller's memory, MPI_Put, MPI_Win_fence; freed (collectively) with the window.
+class MpiWindow final : public Window {
+public:
+    MpiWindow(MPI_Comm comm, void* base, int64_t bytes) {
+        int n = 0;
+        MOEKIT_MPI_CHECK(MPI_Comm_size(comm, &n));
+        peer_bytes_.resize(size_t(n));
+        MOEKIT_MPI_CHECK(MPI_Allgather(&bytes, 1, MPI_INT64_T, peer_bytes_.data(), 1, MPI_INT64_T, comm));
+        MOEKIT_MPI_CHECK(MPI_Win_create(base, MPI_Aint(bytes), 1, MPI_INFO_NULL, comm, &win_));
+        MOEKIT_MPI_CHECK(MPI_Win_set_errhandler(win_, MPI_ERRORS_RETURN));
+    }
+    ~MpiWindow() override {
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (!fin) MPI_Win_free(&win_);  // no throw from a destructor
+    }
+    void fence() override { MOEKIT_MPI_CHECK(MPI_Win_fence(0, win_)); }
+    void put(int peer, int64_t offset, const void* src, int64_t bytes) override {
+        MOEKIT_CHECK(peer >= 0 && peer < int(peer_bytes_.size()), "window put to rank ", peer, " of ",
+                     peer_bytes_.size());
+        MOEKIT_CHECK(offset >= 0 && bytes >= 0 && offset + bytes <= peer_bytes_[size_t(peer)], "window put of ", bytes,
+                     " bytes at offset ", offset, " past rank ", peer, "'s window of ", peer_bytes_[size_t(peer)],
+                     " bytes");
+        if (bytes == 0) return;
+        const int n = as_int(bytes, "window put");
+        MOEKIT_MPI_CHECK(MPI_Put(src, n, MPI_BYTE, peer, MPI_Aint(offset), n, MPI_BYTE, win_));
+    }
+    int64_t peer_bytes(int peer) const override { return peer_bytes_.at(size_t(peer)); }
+
+private:
+    MPI_Win win_ = MPI_WIN_NULL;
+    std::vector<int64_t> peer_bytes_;
+};
+
 class MpiCommunicator final : public Communicator {
 public:
     MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
@@ -112,6 +146,10 @@ public:
         MPI_Comm child;
         MOEKIT_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child));
         return std::make_unique<MpiCommunicator>(child, true);
+    }
+
+    std::unique_ptr<Window> create_window(void* base, int64_t bytes) override {
+        return std::make_unique<MpiWindow>(comm_, base, bytes);
     }
 
 private:
