@@ -44,12 +44,16 @@ MOEKIT_HD int64_t rows_within_budget(int64_t offset, int64_t count, int64_t budg
     return room <= 0 ? 0 : (count < room ? count : room);
 }
 
-// The smallest factor, in steps of 0.01, whose budget holds `rows` (what the overflow log reports).
+// The smallest factor, in steps of 0.01, whose (aligned) budget holds `rows`: what the overflow log
+// reports. Counts hundredths in integers so the answer does not drift.
 MOEKIT_HD double sufficient_factor(int64_t rows, int64_t tokens, int64_t topk) {
-    const int64_t denom = tokens * topk > 0 ? tokens * topk : 1;
-    double f = ceil(double(rows) * 100.0 / double(denom)) / 100.0;
-    while (budget_rows(tokens, topk, f) < rows) f += 0.01;  // guards the float rounding of the division
-    return f;
+    if (rows <= 0 || tokens * topk <= 0) return 0.0;
+    // Below c0 / 100 the unaligned rows T*k*f stay under align_up(rows) - kBudgetRowAlign + 1.
+    const int64_t need = align_up(rows, kBudgetRowAlign) - kBudgetRowAlign + 1;
+    int64_t c = int64_t(floor(double(need - 1) * 100.0 / double(tokens * topk))) - 1;
+    if (c < 0) c = 0;
+    while (budget_rows(tokens, topk, double(c) / 100.0) < rows) ++c;
+    return double(c) / 100.0;
 }
 
 }  // namespace moekit
