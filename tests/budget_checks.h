@@ -95,6 +95,7 @@ Verdict check_budgeted_dispatch(Communicator& world, uint64_t seed, double facto
     v.expect(budget == align_up(int64_t(std::ceil(double(Tn * k) * factor)), kBudgetRowAlign), "budget formula");
 
     const cpu::DispatchedRows<T> da = a2a->dispatch(tokens, probs, map);
+    bud.begin_step();
     const cpu::DispatchedRows<T> db = bud.dispatch(tokens, probs, map);
     v.expect(da.rows.rows == recv[size_t(me)], "alltoall received count vs the maps");
     v.expect(bud.received_rows() == recv[size_t(me)], str("received_rows ", bud.received_rows(), " vs ", recv[size_t(me)]));
@@ -191,6 +192,7 @@ BudgetedRun<T> run_budgeted_rank(Communicator& world, const EpCase& k, const EpI
     BudgetedRun<T> out;
     RankRun<T>& run = out.run;
     if (!recover) {
+        bud->begin_step();
         run.output = layer.forward(in.weights, li);
         out.report = bud->end_step(world);
         return out;

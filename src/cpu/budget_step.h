@@ -21,13 +21,18 @@ BudgetOverflowReport run_budgeted_step(MoePipeline<T>& layer, Communicator& step
                                        const std::function<void()>& step) {
     auto* budgeted = dynamic_cast<BudgetedDispatcher<T>*>(&layer.dispatcher());
     const RouterState before = layer.router_state();
+    if (!budgeted) {
+        step();
+        return {};
+    }
+    budgeted->begin_step();
     step();
-    if (!budgeted) return {};
     BudgetOverflowReport report = budgeted->end_step(step_group);
     if (!report.overflow) return report;
     if (step_group.rank() == 0) std::fprintf(stderr, "moekit: %s\n", report.message().c_str());
     layer.router_state() = before;  // the first attempt's expert-bias and global-aux counts are undone
     budgeted->set_synchronous(true);
+    budgeted->begin_step();
     try {
         step();
     } catch (...) {

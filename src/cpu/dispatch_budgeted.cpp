@@ -121,6 +121,9 @@ template <typename T>
 DispatchedRows<T> BudgetedDispatcher<T>::dispatch(const Matrix<T>& tokens, const Matrix<T>& probs,
                                                   const std::vector<uint8_t>& routing_map) {
     if (synchronous_) return fallback_->dispatch(tokens, probs, routing_map);
+    MOEKIT_REQUIRE(in_step_, "--moe-expert-rank-capacity-factor: this command runs the layer without the "
+                   "end-of-step overflow check and re-run (cpu::run_budgeted_step), so an over-budget step would "
+                   "drop rows unnoticed; it is not supported here yet");
     const int64_t E = layout_.num_experts, L = layout_.num_local_experts, t = int64_t(sizeof(T));
     const int EP = layout_.ep_size, me = layout_.ep_rank;
     MOEKIT_CHECK(tokens.cols == hidden_, "tokens are [", tokens.rows, ", ", tokens.cols, "], the dispatcher was built for H=",
@@ -204,6 +207,7 @@ BudgetOverflowReport BudgetedDispatcher<T>::end_step(Communicator& step_group) {
     if (r.overflow) ++overflow_events_;
     overflow_ = false;
     peak_ = 0;
+    in_step_ = false;
     return r;
 }
 

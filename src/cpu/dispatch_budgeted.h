@@ -47,6 +47,9 @@ public:
     void dispatch_backward(const Matrix<T>& grad_rows, const std::vector<T>& grad_row_probs, Matrix<T>& grad_tokens,
                            Matrix<T>& grad_probs) override;
 
+    // Opens a step: dispatch() refuses to run outside one, so no caller can use the budget without
+    // the end-of-step overflow check (an overflow would otherwise go unnoticed: a silent drop).
+    void begin_step() { in_step_ = true; }
     // End of step, collective over `step_group` (every rank that shares the step's collectives): one
     // all-reduce (max) of each rank's overflow flag and peak; clears the flags; counts an overflow.
     BudgetOverflowReport end_step(Communicator& step_group);
@@ -83,6 +86,7 @@ private:
     double factor_;
     std::unique_ptr<Dispatcher<T>> fallback_;  // the synchronous alltoall path
     bool synchronous_ = false;
+    bool in_step_ = false;
 
     // Receive buffer [src int64 x budget][rows T x budget*H][probs T x budget]; return buffer
     // [rows T x T*k*H][probs T x T*k]. int64 words keep every region aligned.

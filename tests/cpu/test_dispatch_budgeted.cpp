@@ -123,5 +123,30 @@ TEST(BudgetedVirtual, SelectedByConfigOnlyWithTheFactorAndEp) {
     });
 }
 
+// A caller that runs the layer without the end-of-step check (run_budgeted_step) is refused, never
+// left to drop rows unnoticed.
+TEST(BudgetedVirtual, LayerOutsideTheStepDriverIsRefused) {
+    MoeConfig c;
+    c.hidden_size = 8, c.num_moe_experts = 4, c.moe_ffn_hidden_size = 4, c.seq_length = 4, c.micro_batch_size = 1;
+    c.expert_model_parallel_size = 2;
+    c.moe_token_dispatcher_type = "alltoall";
+    c.moe_expert_rank_capacity_factor = 0.05;
+    const MoeWeights<float> w = init_weights<float>(c, 5);
+    try {
+        comm::run_virtual_ranks(2, [&](Communicator& world) {
+            auto groups = make_process_groups(world, 2);
+            cpu::MoePipeline<float> layer(c, *groups);
+            LayerInput<float> in;
+            in.hidden = Matrix<float>(4, 8);
+            for (size_t i = 0; i < in.hidden.data.size(); ++i) in.hidden.data[i] = float(normal01(5, uint64_t(world.rank()), i));
+            in.seq_length = 4;
+            (void)layer.forward(w, in);
+        });
+        ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("without the end-of-step overflow check"), std::string::npos) << e.what();
+    }
+}
+
 }  // namespace
 }  // namespace moekit::test
