@@ -7,6 +7,7 @@
 #include "cpu/dispatch_budgeted.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -28,11 +29,13 @@ template <typename T>
 BudgetedDispatcher<T>::BudgetedDispatcher(const EpLayout& layout, Communicator& ep, int64_t tokens, int64_t topk,
                                           int64_t hidden, double factor)
     : layout_(layout), ep_(ep), tokens_(tokens), topk_(topk), hidden_(hidden), factor_(factor) {
-    MOEKIT_REQUIRE(factor > 0 && factor < 1e6, "--moe-expert-rank-capacity-factor=", factor,
+    MOEKIT_REQUIRE(factor > 0 && std::isfinite(factor), "--moe-expert-rank-capacity-factor=", factor,
                    " must be > 0 and finite");
     MOEKIT_REQUIRE(tokens > 0, "the budgeted dispatcher needs the tokens per rank (--seq-length * --micro-batch-size) "
                    "to size its receive budget, got ", tokens);
-    budget_ = moekit::budget_rows(tokens, topk, factor);
+    // [moekit] A rank can never receive more than EP*T*k rows, so a larger factor buys nothing: the buffer
+    // is sized with min(f, EP) (the factor reported stays the configured one).
+    budget_ = moekit::budget_rows(tokens, topk, std::min(factor, double(layout.ep_size)));
     return_rows_ = tokens * topk;  // a rank sends at most T*k rows, and gets each back once
     fallback_ = make_alltoall_dispatcher<T>(layout, ep);
     const int64_t t = int64_t(sizeof(T));
