@@ -13,14 +13,16 @@
 
 namespace moekit::test {
 
-// Rows every rank p would receive (sum over sources of their rows for p's experts), from all maps.
-inline std::vector<int64_t> expected_received(Communicator& world, const std::vector<uint8_t>& my_map, int64_t E) {
-    const int N = world.size();
-    const std::vector<uint8_t> maps = world.all_gather(my_map);  // [N][T, E]
-    const int64_t L = E / N;
-    std::vector<int64_t> recv(size_t(N), 0);
-    for (size_t i = 0; i < maps.size(); ++i) recv[size_t(int64_t(i % size_t(E)) / L)] += maps[i];
-    return recv;
+// Rows every rank of `world` would receive (world rank order): the sum over the sources of its EP group
+// `ep` of their rows for its experts, from the EP group's routing maps.
+inline std::vector<int64_t> expected_received(Communicator& world, Communicator& ep, const std::vector<uint8_t>& my_map,
+                                              int64_t E) {
+    const std::vector<uint8_t> maps = ep.all_gather(my_map);  // [EP][T, E]
+    const int64_t L = E / ep.size();
+    int64_t mine = 0;
+    for (size_t i = 0; i < maps.size(); ++i)
+        if (int64_t(i % size_t(E)) / L == ep.rank()) mine += maps[i];
+    return world.all_gather(std::vector<int64_t>{mine});
 }
 
 // The report every rank must get, from the expected receive counts.
@@ -76,7 +78,7 @@ Verdict check_budgeted_dispatch(Communicator& world, uint64_t seed, double facto
             ++j;
         }
     }
-    const std::vector<int64_t> recv = expected_received(world, map, E);
+    const std::vector<int64_t> recv = expected_received(world, world, map, E);
     // Every source's plan, for the source rows and the count matrix.
     const std::vector<uint8_t> maps = world.all_gather(map);
     std::vector<cpu::RoutingPlan<T>> plans;
@@ -177,16 +179,16 @@ struct BudgetedRun {
 // run_budgeted_step (the overflow re-run) when `recover`, else one forward only (what a step would
 // have produced without the re-run).
 template <typename T>
-BudgetedRun<T> run_budgeted_rank(Communicator& world, const EpCase& k, const EpInputs<T>& in, const std::string& type,
-                                 double factor, bool recover) {
+BudgetedRun<T> run_budgeted_rank(Communicator& world, int ep_size, const EpCase& k, const EpInputs<T>& in,
+                                 const std::string& type, double factor, bool recover) {
     MoeConfig c = k.config;
-    c.expert_model_parallel_size = world.size();
+    c.expert_model_parallel_size = ep_size;
     c.moe_token_dispatcher_type = type;
     c.moe_expert_rank_capacity_factor = factor;
-    auto groups = make_process_groups(world, world.size());
+    auto groups = make_process_groups(world, ep_size);
     cpu::MoePipeline<T> layer(c, *groups);
     auto* bud = dynamic_cast<cpu::BudgetedDispatcher<T>*>(&layer.dispatcher());
-    MOEKIT_CHECK(bud || world.size() == 1, "the config did not select the budgeted dispatcher");
+    MOEKIT_CHECK(bud || ep_size == 1, "the config did not select the budgeted dispatcher");
     Matrix<T> grad_output;
     const LayerInput<T> li = micro_batch(k, in, world.rank(), &grad_output);
     BudgetedRun<T> out;
@@ -226,21 +228,22 @@ inline EpCase budget_case(uint64_t seed, int ranks, bool large) {
     return k;
 }
 
-// Pipeline level: the budgeted step (with the re-run) equals the alltoall step bit for bit; with a tiny
-// factor the overflow is reported to every rank with the right ranks and factor, the first attempt
-// really differed, and the suggested factor does not overflow. `virtual_twin`: the same job on virtual
-// ranks gives the same bits (world is then the MPI world).
+// Pipeline level at EP = ep_size (EP groups of the world, the re-run agreed over the world): the budgeted
+// step (with the re-run) equals the alltoall step bit for bit; with a tiny factor the overflow is
+// reported to every rank with the right ranks and factor, the first attempt really differed, and the
+// suggested factor does not overflow. `virtual_twin`: the same job on virtual ranks gives the same
+// bits (world is then the MPI world).
 template <typename T>
-Verdict check_budgeted_pipeline(Communicator& world, const EpCase& k, double factor, bool expect_overflow,
+Verdict check_budgeted_pipeline(Communicator& world, int ep_size, const EpCase& k, double factor, bool expect_overflow,
                                 bool virtual_twin) {
     const int N = world.size(), r = world.rank();
     Verdict v;
-    v.context = str("rank ", r, "/", N, " [budgeted pipeline f=", factor, " ", k.describe(), ", ",
+    v.context = str("rank ", r, "/", N, " [budgeted pipeline EP=", ep_size, " f=", factor, " ", k.describe(), ", ",
                     sizeof(T) == 8 ? "fp64" : "fp32", "]");
     const EpInputs<T> in = make_ep_inputs<T>(k, N);
     const std::string type = k.seed % 2 ? "flex" : "alltoall";
-    const RankRun<T> ref = run_ep_rank(world, k, in, N, "alltoall");
-    const BudgetedRun<T> got = run_budgeted_rank(world, k, in, type, factor, true);
+    const RankRun<T> ref = run_ep_rank(world, k, in, ep_size, "alltoall");
+    const BudgetedRun<T> got = run_budgeted_rank(world, ep_size, k, in, type, factor, true);
     {
         const std::string ctx = v.context;
         v.context += str(" (", type, "+budget vs alltoall)");
@@ -249,27 +252,28 @@ Verdict check_budgeted_pipeline(Communicator& world, const EpCase& k, double fac
     }
     const int64_t Tn = k.seq * k.local_batch, topk = k.config.moe_router_topk;
     const int64_t budget = budget_rows(Tn, topk, factor);
-    const std::vector<int64_t> recv = expected_received(world, ref.routing_map, k.config.num_experts());
+    auto groups = make_process_groups(world, ep_size);
+    const std::vector<int64_t> recv = expected_received(world, *groups->ep, ref.routing_map, k.config.num_experts());
     check_report(v, got.report, recv, budget, Tn, topk);
     v.expect(got.report.overflow == expect_overflow, str("overflow ", got.report.overflow, ", the test expected ",
                                                          expect_overflow, " (its premise)"));
     v.expect(got.events == (got.report.overflow ? 1 : 0), str("overflow events ", got.events));
     if (got.report.overflow) {
         // Without the re-run the output of some rank is wrong: the recovery is what makes it right.
-        const BudgetedRun<T> raw = run_budgeted_rank(world, k, in, type, factor, false);
+        const BudgetedRun<T> raw = run_budgeted_rank(world, ep_size, k, in, type, factor, false);
         int64_t differs = bytes_equal(raw.run.output, ref.output) ? 0 : 1;
         world.all_reduce(&differs, 1, ReduceOp::max);
         v.expect(differs == 1, "the overflowing step without the re-run equals the dropless one (test proves nothing)");
         v.expect(raw.report.overflow, "the step without the re-run did not report the overflow");
         // The factor the log suggests is enough.
-        const BudgetedRun<T> again = run_budgeted_rank(world, k, in, type, got.report.sufficient_factor, true);
+        const BudgetedRun<T> again = run_budgeted_rank(world, ep_size, k, in, type, got.report.sufficient_factor, true);
         v.expect(!again.report.overflow, str("the suggested factor ", got.report.sufficient_factor, " overflows too"));
         v.expect(bytes_equal(again.run.output, ref.output), "output with the suggested factor");
     }
     if (virtual_twin) {
         std::vector<BudgetedRun<T>> twins(static_cast<size_t>(N));
         comm::run_virtual_ranks(N, [&](Communicator& vw) {
-            twins[size_t(vw.rank())] = run_budgeted_rank(vw, k, in, type, factor, true);
+            twins[size_t(vw.rank())] = run_budgeted_rank(vw, ep_size, k, in, type, factor, true);
         });
         const std::string ctx = v.context;
         v.context += " (virtual vs MPI ranks)";

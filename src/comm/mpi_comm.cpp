@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "moekit/comm.h"
 #include "moekit/error.h"
@@ -160,6 +161,19 @@ private:
 
 MpiCommunicator* g_world = nullptr;
 
+// Open MPI 4.1's shared-memory one-sided components (osc sm, and osc rdma through the same segments)
+// fail to create windows on disjoint groups split from one communicator on one host (two EP groups:
+// "A system call failed during shared memory initialization ... open(2)", then MPI_ERR_WIN; reproduced
+// with a 30-line MPI program). Its point-to-point component works, so it is chosen unless the user set
+// OMPI_MCA_osc. Only windows (src/cpu/dispatch_budgeted.cpp) use it; other MPIs are left alone.
+void prefer_working_osc_component() {
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    if (MPI_Get_library_version(version, &len) != MPI_SUCCESS) return;  // callable before MPI_Init
+    if (std::string(version, size_t(len)).find("Open MPI v4.") == std::string::npos) return;
+    setenv("OMPI_MCA_osc", "pt2pt", /*overwrite=*/0);
+}
+
 void finalize_at_exit() {
     int init = 0, fin = 0;
     MPI_Initialized(&init);
@@ -174,6 +188,7 @@ Communicator& mpi_world() {
         int init = 0;
         MOEKIT_MPI_CHECK(MPI_Initialized(&init));
         if (!init) {
+            prefer_working_osc_component();
             // FUNNELED: the CPU layer runs worker threads (src/cpu/parallel.h), but only this thread calls MPI.
             int provided = MPI_THREAD_SINGLE;
             MOEKIT_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));

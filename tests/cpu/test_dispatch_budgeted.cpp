@@ -88,23 +88,25 @@ TEST(BudgetedVirtual, DispatchTwoRanksFp64) { dispatch_cases<double>(2, 500, 4);
 TEST(BudgetedVirtual, DispatchFourRanksFp32) { dispatch_cases<float>(4, 600, 4); }
 
 template <typename T>
-void step_cases(int ranks, uint64_t first_seed, int cases) {
+void step_cases(int ranks, int ep, uint64_t first_seed, int cases) {
     for (int i = 0; i < cases; ++i) {
         const uint64_t seed = first_seed + uint64_t(i);
         const bool tiny = i % 3 != 0;
         const EpCase k = budget_case(seed, ranks, tiny);
-        const double f = tiny ? 0.05 : double(ranks);
-        std::printf("budgeted step on %d virtual ranks, f=%g case %s\n", ranks, f, k.describe().c_str());
+        const double f = tiny ? 0.05 : double(ep);
+        std::printf("budgeted step on %d virtual ranks, EP=%d, f=%g case %s\n", ranks, ep, f, k.describe().c_str());
         std::vector<Verdict> verdicts(static_cast<size_t>(ranks));
         comm::run_virtual_ranks(ranks, [&](Communicator& world) {
-            verdicts[size_t(world.rank())] = check_budgeted_pipeline<T>(world, k, f, tiny, false);
+            verdicts[size_t(world.rank())] = check_budgeted_pipeline<T>(world, ep, k, f, tiny, false);
         });
         for (const Verdict& v : verdicts) EXPECT_TRUE(v.failures.empty()) << v.text();
     }
 }
 
-TEST(BudgetedVirtual, StepTwoRanksFp64) { step_cases<double>(2, 700, 4); }
-TEST(BudgetedVirtual, StepFourRanksFp32) { step_cases<float>(4, 800, 4); }
+TEST(BudgetedVirtual, StepTwoRanksFp64) { step_cases<double>(2, 2, 700, 4); }
+TEST(BudgetedVirtual, StepFourRanksFp32) { step_cases<float>(4, 4, 800, 4); }
+// Two EP groups of 2 (expert-data-parallel 2): the re-run is agreed over the whole world.
+TEST(BudgetedVirtual, StepFourRanksTwoEpGroupsFp64) { step_cases<double>(4, 2, 900, 3); }
 
 TEST(BudgetedVirtual, SelectedByConfigOnlyWithTheFactorAndEp) {
     comm::run_virtual_ranks(2, [](Communicator& world) {

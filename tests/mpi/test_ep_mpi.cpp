@@ -58,8 +58,14 @@ TEST(EpMpi, BudgetedStepRecoversFromOverflow) {
         const EpCase k = budget_case(seed, world.size(), tiny);
         const double f = tiny ? 0.05 : double(world.size());
         if (!quiet_rank()) std::printf("budgeted step f=%g case %s\n", f, k.describe().c_str());
-        const Verdict v = seed % 2 ? check_budgeted_pipeline<double>(world, k, f, tiny, true)
-                                   : check_budgeted_pipeline<float>(world, k, f, tiny, true);
+        const Verdict v = seed % 2 ? check_budgeted_pipeline<double>(world, world.size(), k, f, tiny, true)
+                                   : check_budgeted_pipeline<float>(world, world.size(), k, f, tiny, true);
+        EXPECT_TRUE(v.failures.empty()) << v.text();
+    }
+    if (world.size() == 4) {  // two EP groups of 2: the re-run is agreed over the world
+        const EpCase k = budget_case(9210, 4, true);
+        if (!quiet_rank()) std::printf("budgeted step EP=2 f=0.05 case %s\n", k.describe().c_str());
+        const Verdict v = check_budgeted_pipeline<double>(world, 2, k, 0.05, true, false);
         EXPECT_TRUE(v.failures.empty()) << v.text();
     }
 }
