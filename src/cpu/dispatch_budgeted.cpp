@@ -15,6 +15,14 @@
 #include "moekit/error.h"
 
 namespace moekit::cpu {
+namespace {
+
+// memcpy that allows empty ranges (an empty vector's data() may be null, which memcpy must not get).
+void copy_bytes(void* dst, const void* src, int64_t bytes) {
+    if (bytes > 0) std::memcpy(dst, src, size_t(bytes));
+}
+
+}  // namespace
 
 std::string BudgetOverflowReport::message() const {
     std::string ranks;
@@ -112,10 +120,10 @@ Matrix<T> BudgetedDispatcher<T>::return_to_sources(const Matrix<T>& rows, const 
     }
     ret_win_->fence();
     Matrix<T> back(N, hidden_);
-    std::memcpy(back.data.data(), ret, size_t(N * hidden_ * t));
+    copy_bytes(back.data.data(), ret, N * hidden_ * t);
     if (probs_back) {
         probs_back->resize(size_t(N));
-        std::memcpy(probs_back->data(), ret + ret_probs_at_, size_t(N * t));
+        copy_bytes(probs_back->data(), ret + ret_probs_at_, N * t);
     }
     return back;
 }
@@ -155,7 +163,7 @@ DispatchedRows<T> BudgetedDispatcher<T>::dispatch(const Matrix<T>& tokens, const
     const int64_t n = held_rows();
     DispatchedRows<T> out;
     out.rows = Matrix<T>(n, hidden_);
-    std::memcpy(out.rows.data.data(), buffer_rows(), size_t(n * hidden_ * t));
+    copy_bytes(out.rows.data.data(), buffer_rows(), n * hidden_ * t);
     out.probs.assign(buffer_probs(), buffer_probs() + n);
     held_sources_.assign(buffer_sources(), buffer_sources() + n);
     out.offsets.resize(size_t(L + 1));
@@ -176,7 +184,7 @@ Matrix<T> BudgetedDispatcher<T>::combine_backward(const Matrix<T>& grad_output) 
     put_to_receivers(rows.data.data(), nullptr, nullptr);
     const int64_t n = held_rows();
     Matrix<T> out(n, hidden_);
-    std::memcpy(out.data.data(), buffer_rows(), size_t(n * hidden_) * sizeof(T));
+    copy_bytes(out.data.data(), buffer_rows(), n * hidden_ * int64_t(sizeof(T)));
     return out;
 }
 
