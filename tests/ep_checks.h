@@ -50,7 +50,9 @@ void add_grads(MoeWeights<T>& acc, const MoeWeights<T>& g) {
 
 template <typename T>
 bool bytes_equal(const Matrix<T>& a, const Matrix<T>& b) {
-    return a.rows == b.rows && a.cols == b.cols && std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(T)) == 0;
+    // Empty tensors are equal without memcmp (an empty vector's data() may be null).
+    return a.rows == b.rows && a.cols == b.cols &&
+           (a.data.empty() || std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(T)) == 0);
 }
 
 // Every tensor of two runs bit for bit (virtual ranks vs MPI ranks).

@@ -354,6 +354,19 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
         meta["ranks"] = str(world->size(), " (", world->transport(), "), --expert-model-parallel-size=",
                             cfg.expert_model_parallel_size, ", micro-batch r = columns [r*", B / world->size(),
                             ", (r+1)*", B / world->size(), ") of B");
+        if (r.budgeted) {
+            // The budgeted dispatcher's step: its budget, and whether an overflow made it re-run (docs/usage.md).
+            nlohmann::json b = {{"budget_rows", r.budget.budget_rows},
+                                {"factor", r.budget.factor},
+                                {"peak_rows", r.budget.peak_rows},
+                                {"overflow_events", r.overflow_events},
+                                {"overflowed_ranks", r.budget.overflowed_ranks},
+                                {"rerun", r.budget.overflow ? "alltoall" : "none"},
+                                {"sufficient_factor", r.budget.sufficient_factor}};
+            meta["ep_receive_budget"] = b.dump();
+            if (r.budget.overflow && rank0)
+                std::printf("moekit layer: %s\n", r.budget.message().c_str());
+        }
     }
     if (a.device == "cpu" && !world) {
         cpu::MoeLayer<T> layer(cfg);
@@ -409,6 +422,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     std::printf("  losses%s: aux %.6g  seq_aux %.6g  global_aux %.6g  z %.6g\n", world ? " (rank 0)" : "", l.aux_loss,
                 l.seq_aux_loss, l.global_aux_loss, l.z_loss);
     if (world) std::printf("  ranks: %s\n", meta["ranks"].c_str());
+    if (meta.count("ep_receive_budget")) std::printf("  receive budget: %s\n", meta["ep_receive_budget"].c_str());
     std::printf("  tokens per expert:");
     for (auto n : summary.tokens_per_expert) std::printf(" %lld", (long long)n);
     std::printf("\n  wrote %zu tensors to %s%s%s\n", out.size(), a.out.c_str(),

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu/budget_step.h"
 #include "cpu/moe_pipeline.h"
 #include "moekit/error.h"
 
@@ -107,9 +108,17 @@ LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, co
     const auto groups = make_process_groups(world, int(config.expert_model_parallel_size));
     cpu::MoePipeline<T> layer(rank_config, *groups);
     LayerResults<T> res;
-    const Matrix<T> out = layer.forward(weights, mine);
-    res.grads = zeros_like(weights);
-    const Matrix<T> grad_in = layer.backward(weights, grad_mine, res.grads);
+    Matrix<T> out, grad_in;
+    // One step; with a receive budget, an overflow anywhere re-runs it through alltoall (budget_step.h).
+    res.budget = cpu::run_budgeted_step<T>(layer, world, [&] {
+        out = layer.forward(weights, mine);
+        res.grads = zeros_like(weights);
+        grad_in = layer.backward(weights, grad_mine, res.grads);
+    });
+    if (auto* b = dynamic_cast<cpu::BudgetedDispatcher<T>*>(&layer.dispatcher())) {
+        res.budgeted = true;
+        res.overflow_events = b->overflow_events();
+    }
     layer.reduce_gradients(res.grads);
 
     res.output = gather_batch(world, out, S, Bl);

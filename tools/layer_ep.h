@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dispatch_budgeted.h"
 #include "moekit/comm.h"
 #include "moekit/layer.h"
 #include "moekit/weights.h"
@@ -21,6 +22,11 @@ struct LayerResults {
     MoeWeights<T> grads;                // every parameter's grad, summed over ranks
     std::vector<int64_t> tokens_per_expert;  // [E] summed over ranks
     std::vector<LossValues> rank_losses;     // [ranks]
+    // --moe-expert-rank-capacity-factor: the budgeted dispatcher's end-of-step report (overflow = the
+    // step was re-run through alltoall) and how many overflow events it counted.
+    bool budgeted = false;
+    cpu::BudgetOverflowReport budget;
+    int64_t overflow_events = 0;
 };
 
 // One rank's part; every rank of `world` calls it with the same arguments (all ranks read the same

@@ -13,6 +13,22 @@ namespace moekit {
 
 enum class ReduceOp : uint8_t { sum, max };
 
+// A one-sided window: `bytes` bytes at `base` on every rank of a group, which peers write with put().
+// mpi: MPI_Win_create + MPI_Put + MPI_Win_fence; local: the peers' base pointers (one address space)
+// + memcpy + a barrier, what virtual ranks on one GPU do with peer pointers. Puts land by the next
+// fence; between two fences a rank neither reads nor writes its own window. The memory stays the
+// caller's and must outlive the window. Used by src/cpu/dispatch_budgeted.cpp.
+class Window {
+public:
+    virtual ~Window() = default;
+    // Collective over the group: closes the epoch of puts before it and opens the next.
+    virtual void fence() = 0;
+    // Writes `bytes` from `src` at byte `offset` of `peer`'s window (peer may be this rank). A write
+    // past the peer's window is refused (moekit::Error), never performed.
+    virtual void put(int peer, int64_t offset, const void* src, int64_t bytes) = 0;
+    virtual int64_t peer_bytes(int peer) const = 0;
+};
+
 // Every rank of a group calls the same collectives in the same order. The transports provide only
 // the byte-moving primitives; the typed collectives below are one implementation for all of them,
 // so a virtual-rank run equals an MPI run bit for bit. Reductions are deterministic: rank 0's value,
@@ -36,6 +52,8 @@ public:
     [[noreturn]] virtual void abort(const std::string& reason) = 0;
     // Ranks with the same color form a new group, ordered by (key, rank) (MPI_Comm_split).
     virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+    // Collective: every rank exposes its own `bytes` at `base` (sizes may differ between ranks).
+    virtual std::unique_ptr<Window> create_window(void* base, int64_t bytes) = 0;
 
     // ---- typed collectives (same code for every transport) ----
     void all_reduce(double* data, int64_t count, ReduceOp op = ReduceOp::sum);

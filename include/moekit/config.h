@@ -44,7 +44,10 @@ struct MoeConfig {
     std::optional<double> moe_input_jitter_eps;
 
     // ---- dispatch / capacity ----
-    std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall (| flex: not yet)
+    std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall | flex (flex: budgeted only)
+    // Per-rank receive budget ceil(T*k*f) rows (aligned), fixed at construction: the budgeted
+    // dispatcher (src/cpu/dispatch_budgeted.h) with alltoall or flex; overflow -> the step is re-run.
+    std::optional<double> moe_expert_rank_capacity_factor;  // MoE Echo's --moe-received-token-capacity
     std::optional<double> moe_expert_capacity_factor;     // None = dropless
     bool moe_pad_expert_input_to_capacity = false;
     std::string moe_token_drop_policy = "probs";          // probs | position

@@ -44,6 +44,31 @@ struct LocalJob {
     std::chrono::seconds timeout{300};
 };
 
+struct WindowEntry {
+    char* base = nullptr;
+    int64_t bytes = 0;
+};
+
+// Peers' base pointers (one address space); the fence is the group's barrier, whose mutex orders the
+// memcpys of one epoch before every read of the next.
+class LocalWindow final : public Window {
+public:
+    LocalWindow(Communicator& group, std::vector<WindowEntry> peers) : group_(group), peers_(std::move(peers)) {}
+    void fence() override { group_.barrier(); }
+    void put(int peer, int64_t offset, const void* src, int64_t bytes) override {
+        MOEKIT_CHECK(peer >= 0 && peer < int(peers_.size()), "window put to rank ", peer, " of ", peers_.size());
+        const WindowEntry& w = peers_[size_t(peer)];
+        MOEKIT_CHECK(offset >= 0 && bytes >= 0 && offset + bytes <= w.bytes, "window put of ", bytes,
+                     " bytes at offset ", offset, " past rank ", peer, "'s window of ", w.bytes, " bytes");
+        if (bytes > 0) std::memcpy(w.base + offset, src, size_t(bytes));
+    }
+    int64_t peer_bytes(int peer) const override { return peers_.at(size_t(peer)).bytes; }
+
+private:
+    Communicator& group_;
+    std::vector<WindowEntry> peers_;
+};
+
 std::chrono::seconds wait_timeout() {
     const char* env = std::getenv("MOEKIT_COMM_TIMEOUT_S");
     const long s = env ? std::atol(env) : 0;
@@ -153,6 +178,14 @@ public:
             child = slot;
         }
         return std::make_unique<LocalCommunicator>(job_, child, my_rank);
+    }
+
+    std::unique_ptr<Window> create_window(void* base, int64_t bytes) override {
+        MOEKIT_CHECK(bytes >= 0 && (base || bytes == 0), "create_window: ", bytes, " bytes at ", base);
+        const WindowEntry mine{static_cast<char*>(base), bytes};
+        std::vector<WindowEntry> peers(static_cast<size_t>(size()));
+        all_gather_bytes(&mine, int64_t(sizeof(WindowEntry)), peers.data());
+        return std::make_unique<LocalWindow>(*this, std::move(peers));
     }
 
 private:

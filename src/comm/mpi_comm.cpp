@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "moekit/comm.h"
 #include "moekit/error.h"
@@ -51,6 +52,40 @@ int as_int(int64_t v, const char* what) {
     MOEKIT_CHECK(v >= 0 && v <= INT_MAX, what, " = ", v, " bytes does not fit MPI's int counts");
     return int(v);
 }
+
+// MPI_Win_create over the caller's memory, MPI_Put, MPI_Win_fence; freed (collectively) with the window.
+class MpiWindow final : public Window {
+public:
+    MpiWindow(MPI_Comm comm, void* base, int64_t bytes) {
+        int n = 0;
+        MOEKIT_MPI_CHECK(MPI_Comm_size(comm, &n));
+        peer_bytes_.resize(size_t(n));
+        MOEKIT_MPI_CHECK(MPI_Allgather(&bytes, 1, MPI_INT64_T, peer_bytes_.data(), 1, MPI_INT64_T, comm));
+        MOEKIT_MPI_CHECK(MPI_Win_create(base, MPI_Aint(bytes), 1, MPI_INFO_NULL, comm, &win_));
+        MOEKIT_MPI_CHECK(MPI_Win_set_errhandler(win_, MPI_ERRORS_RETURN));
+    }
+    ~MpiWindow() override {
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (!fin) MPI_Win_free(&win_);  // no throw from a destructor
+    }
+    void fence() override { MOEKIT_MPI_CHECK(MPI_Win_fence(0, win_)); }
+    void put(int peer, int64_t offset, const void* src, int64_t bytes) override {
+        MOEKIT_CHECK(peer >= 0 && peer < int(peer_bytes_.size()), "window put to rank ", peer, " of ",
+                     peer_bytes_.size());
+        MOEKIT_CHECK(offset >= 0 && bytes >= 0 && offset + bytes <= peer_bytes_[size_t(peer)], "window put of ", bytes,
+                     " bytes at offset ", offset, " past rank ", peer, "'s window of ", peer_bytes_[size_t(peer)],
+                     " bytes");
+        if (bytes == 0) return;
+        const int n = as_int(bytes, "window put");
+        MOEKIT_MPI_CHECK(MPI_Put(src, n, MPI_BYTE, peer, MPI_Aint(offset), n, MPI_BYTE, win_));
+    }
+    int64_t peer_bytes(int peer) const override { return peer_bytes_.at(size_t(peer)); }
+
+private:
+    MPI_Win win_ = MPI_WIN_NULL;
+    std::vector<int64_t> peer_bytes_;
+};
 
 class MpiCommunicator final : public Communicator {
 public:
@@ -114,6 +149,10 @@ public:
         return std::make_unique<MpiCommunicator>(child, true);
     }
 
+    std::unique_ptr<Window> create_window(void* base, int64_t bytes) override {
+        return std::make_unique<MpiWindow>(comm_, base, bytes);
+    }
+
 private:
     MPI_Comm comm_;
     bool owned_ = false;
@@ -121,6 +160,19 @@ private:
 };
 
 MpiCommunicator* g_world = nullptr;
+
+// Open MPI 4.1's shared-memory one-sided components (osc sm, and osc rdma through the same segments)
+// fail to create windows on disjoint groups split from one communicator on one host (two EP groups:
+// "A system call failed during shared memory initialization ... open(2)", then MPI_ERR_WIN; reproduced
+// with a 30-line MPI program). Its point-to-point component works, so it is chosen unless the user set
+// OMPI_MCA_osc. Only windows (src/cpu/dispatch_budgeted.cpp) use it; other MPIs are left alone.
+void prefer_working_osc_component() {
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    if (MPI_Get_library_version(version, &len) != MPI_SUCCESS) return;  // callable before MPI_Init
+    if (std::string(version, size_t(len)).find("Open MPI v4.") == std::string::npos) return;
+    setenv("OMPI_MCA_osc", "pt2pt", /*overwrite=*/0);
+}
 
 void finalize_at_exit() {
     int init = 0, fin = 0;
@@ -136,6 +188,7 @@ Communicator& mpi_world() {
         int init = 0;
         MOEKIT_MPI_CHECK(MPI_Initialized(&init));
         if (!init) {
+            prefer_working_osc_component();
             // FUNNELED: the CPU layer runs worker threads (src/cpu/parallel.h), but only this thread calls MPI.
             int provided = MPI_THREAD_SINGLE;
             MOEKIT_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));

@@ -237,10 +237,22 @@ std::vector<std::string> MoeConfig::validation_errors() const {
     }
 
     // ---- dispatch and capacity (rules 5, 7) ----
-    if (moe_token_dispatcher_type == "flex")
-        fail("--moe-token-dispatcher-type=flex: not supported yet by moekit (use allgather or alltoall)");
-    else if (!one_of(moe_token_dispatcher_type, {"allgather", "alltoall"}))
-        fail("--moe-token-dispatcher-type=", moe_token_dispatcher_type, " must be one of allgather, alltoall");
+    if (moe_token_dispatcher_type == "flex" && !moe_expert_rank_capacity_factor)
+        fail("--moe-token-dispatcher-type=flex: not supported yet by moekit without "
+             "--moe-expert-rank-capacity-factor (flex here is the budgeted dispatcher; or use allgather or alltoall)");
+    else if (!one_of(moe_token_dispatcher_type, {"allgather", "alltoall", "flex"}))
+        fail("--moe-token-dispatcher-type=", moe_token_dispatcher_type, " must be one of allgather, alltoall, flex");
+    if (const auto& f = moe_expert_rank_capacity_factor) {
+        if (!(*f > 0) || !std::isfinite(*f))
+            fail("--moe-expert-rank-capacity-factor=", num(*f), " must be > 0 and finite (the receive budget per rank "
+                 "is ceil(T*k*f) rows)");
+        if (moe_token_dispatcher_type == "allgather")
+            fail("--moe-expert-rank-capacity-factor requires --moe-token-dispatcher-type=alltoall or flex (got "
+                 "allgather, which receives every token and has no budget)");
+        if (moe_pad_expert_input_to_capacity)
+            fail("--moe-expert-rank-capacity-factor cannot be combined with --moe-pad-expert-input-to-capacity "
+                 "(padding to capacity already gives static shapes; use the alltoall dispatcher without the factor)");
+    }
     if (const auto& cf = moe_expert_capacity_factor) {
         // A negative factor means None (normalize()); validation accepts it for callers that skip normalize().
         if (*cf == 0 || !std::isfinite(*cf))

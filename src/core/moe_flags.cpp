@@ -90,7 +90,19 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-input-jitter-eps", &c.moe_input_jitter_eps, "router input *= U(1-eps, 1+eps)");
 
     p.section("dispatch and capacity");
-    p.add("--moe-token-dispatcher-type", &c.moe_token_dispatcher_type, "allgather | alltoall");
+    p.add("--moe-token-dispatcher-type", &c.moe_token_dispatcher_type,
+          "allgather | alltoall | flex (flex needs --moe-expert-rank-capacity-factor)");
+    p.add("--moe-expert-rank-capacity-factor", &c.moe_expert_rank_capacity_factor,
+          "receive budget per EP rank = ceil(T*k*f) rows (aligned to 16): the budgeted dispatcher "
+          "(alltoall or flex); an overflow re-runs the step through alltoall");
+    p.add("--moe-received-token-capacity", &c.moe_expert_rank_capacity_factor,
+          "MoE Echo's name for --moe-expert-rank-capacity-factor")
+        .with_field("moe_expert_rank_capacity_factor");
+    p.add_rule([](const FlagParser& f) {
+        if (f.was_set("--moe-expert-rank-capacity-factor") && f.was_set("--moe-received-token-capacity"))
+            throw UsageError(
+                "--moe-expert-rank-capacity-factor and --moe-received-token-capacity are the same setting: give one");
+    });
     p.add("--moe-expert-capacity-factor", &c.moe_expert_capacity_factor,
           "capacity = ceil(T*k/E*cf) per expert; None or < 0: dropless");
     p.add("--moe-pad-expert-input-to-capacity", &c.moe_pad_expert_input_to_capacity,
@@ -133,7 +145,6 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
              "--moe-router-force-biased",
              "--moe-flex-dispatcher-backend",
              "--moe-enable-deepep",
-             "--moe-expert-rank-capacity-factor",
              "--moe-paged-stash",
              "--moe-apply-probs-on-input",
              "--expert-tensor-parallel-size",

@@ -2,6 +2,8 @@
 // EpLayout of that group (Megatron's contiguous expert blocks). Interface: src/cpu/dispatcher.h.
 #include "cpu/dispatcher.h"
 
+#include "cpu/dispatch_budgeted.h"
+
 #include "moekit/error.h"
 
 namespace moekit::cpu {
@@ -25,6 +27,22 @@ std::unique_ptr<Dispatcher<T>> make_dispatcher(const std::string& type, int64_t 
     throw UsageError(str("--moe-token-dispatcher-type=", type, " must be allgather or alltoall"));
 }
 
+template <typename T>
+std::unique_ptr<Dispatcher<T>> make_dispatcher(const MoeConfig& config, Communicator& ep) {
+    const std::string& type = config.moe_token_dispatcher_type;
+    if (!config.moe_expert_rank_capacity_factor) return make_dispatcher<T>(type, config.num_experts(), ep);
+    MOEKIT_REQUIRE(type == "alltoall" || type == "flex", "--moe-expert-rank-capacity-factor requires "
+                   "--moe-token-dispatcher-type=alltoall or flex (got ", type, ")");
+    // EP = 1 moves no token: nothing to budget, the alltoall dispatcher is plain permute/unpermute.
+    std::unique_ptr<Dispatcher<T>> plain = make_dispatcher<T>("alltoall", config.num_experts(), ep);
+    if (ep.size() == 1) return plain;
+    return std::make_unique<BudgetedDispatcher<T>>(plain->layout(), ep, config.seq_length * config.micro_batch_size,
+                                                   config.moe_router_topk, config.hidden_size,
+                                                   *config.moe_expert_rank_capacity_factor);
+}
+
+template std::unique_ptr<Dispatcher<float>> make_dispatcher<float>(const MoeConfig&, Communicator&);
+template std::unique_ptr<Dispatcher<double>> make_dispatcher<double>(const MoeConfig&, Communicator&);
 template std::unique_ptr<Dispatcher<float>> make_dispatcher<float>(const std::string&, int64_t, Communicator&);
 template std::unique_ptr<Dispatcher<double>> make_dispatcher<double>(const std::string&, int64_t, Communicator&);
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moekit/comm.h"
+#include "moekit/config.h"
 #include "moekit/tensor.h"
 
 namespace moekit::cpu {
@@ -57,6 +58,11 @@ public:
 // --moe-token-dispatcher-type allgather | alltoall over the EP group `ep` (kept by reference).
 template <typename T>
 std::unique_ptr<Dispatcher<T>> make_dispatcher(const std::string& type, int64_t num_experts, Communicator& ep);
+// The dispatcher a (validated) config selects: with --moe-expert-rank-capacity-factor and EP > 1 the
+// budgeted one (src/cpu/dispatch_budgeted.h; alltoall or flex); flex without tokens to move (EP = 1)
+// is the alltoall one; otherwise as above. Collective over `ep`.
+template <typename T>
+std::unique_ptr<Dispatcher<T>> make_dispatcher(const MoeConfig& config, Communicator& ep);
 
 template <typename T>
 std::unique_ptr<Dispatcher<T>> make_allgather_dispatcher(const EpLayout& layout, Communicator& ep);

@@ -61,7 +61,7 @@ MoePipeline<T>::MoePipeline(const MoeConfig& config, const ProcessGroups& groups
                    config_.expert_model_parallel_size, " but the EP group has ", groups.ep->size(), " ranks");
     expert_shape_ = expert_mlp_shape(config_);
     shared_shape_ = shared_mlp_shape(config_);
-    dispatcher_ = make_dispatcher<T>(config_.moe_token_dispatcher_type, config_.num_experts(), *groups.ep);
+    dispatcher_ = make_dispatcher<T>(config_, *groups.ep);
     state_.local_tokens_per_expert.assign(size_t(config_.num_experts()), 0.0);
     state_.global_tokens_per_expert.assign(size_t(config_.num_experts()), 0.0);
 }

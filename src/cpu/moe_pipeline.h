@@ -50,6 +50,7 @@ public:
     RoutingSummary summary() const;  // tokens_per_expert [E]: this rank's tokens routed to each expert
     RouterState& router_state() { return state_; }
     const EpLayout& layout() const { return dispatcher_->layout(); }
+    Dispatcher<T>& dispatcher() { return *dispatcher_; }  // the budgeted one's step protocol: budget_step.h
     const MoeConfig& config() const { return config_; }
 
 private:

@@ -11,6 +11,8 @@
 
 #include "core/rng.h"
 #include "io/safetensors.h"
+#include "moekit/error.h"
+#include <nlohmann/json.hpp>
 #include "run_tool.h"
 
 namespace moekit {
@@ -204,6 +206,64 @@ TEST_F(CmdLayerEp, MpiRanksEqualVirtualRanksBitwise) {
             EXPECT_TRUE(m.tensors.at(name).bytes == t.bytes && m.tensors.at(name).shape == t.shape) << name;
         }
     }
+}
+
+// --moe-expert-rank-capacity-factor: a tiny factor overflows (T*k = 64 rows per rank, budget 16), the
+// step is re-run and the file equals the alltoall run bit for bit, with the event in the metadata; a
+// generous one never overflows; the MoE Echo spelling and flex select the same path; mpirun -np 2 gives
+// the same bits and metadata as --virtual-ranks 2.
+TEST_F(CmdLayerEp, ReceiveBudgetOverflowIsReRunAndReported) {
+    const std::string base = kLayer + "--init random --seq-length 16 --micro-batch-size 4 --expert-model-parallel-size 2 ";
+    ToolResult r = run_tool(base + "--virtual-ranks 2 --moe-token-dispatcher-type alltoall --out " + path("ref"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_EQ(r.output.find("receive budget"), std::string::npos) << r.output;
+    const SafetensorsFile ref = read_safetensors(path("ref"));
+    EXPECT_EQ(ref.metadata.count("ep_receive_budget"), 0u);
+    struct Run {
+        std::string flags;
+        bool overflow;
+    };
+    std::vector<std::pair<std::string, Run>> runs = {
+        {"tiny", {"--virtual-ranks 2 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 0.05", true}},
+        {"echo", {"--virtual-ranks 2 --moe-token-dispatcher-type flex --moe-received-token-capacity 0.05", true}},
+        {"generous", {"--virtual-ranks 2 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 2", false}}};
+    if (MOEKIT_HAVE_MPI)
+        runs.push_back({"mpi", {"--moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 0.05", true}});
+    for (const auto& [name, run] : runs) {
+        SCOPED_TRACE(name);
+        r = name == "mpi" ? run_shell(mpirun(2) + MOEKIT_BINARY + " " + base + run.flags + " --out " + path(name))
+                          : run_tool(base + run.flags + " --out " + path(name));
+        ASSERT_EQ(r.status, 0) << r.output;
+        const SafetensorsFile f = read_safetensors(path(name));
+        for (const auto& [tname, t] : ref.tensors) {
+            ASSERT_TRUE(f.tensors.count(tname)) << tname;
+            EXPECT_TRUE(f.tensors.at(tname).bytes == t.bytes) << tname << " differs from the alltoall run";
+        }
+        ASSERT_EQ(f.metadata.count("ep_receive_budget"), 1u);
+        const nlohmann::json b = nlohmann::json::parse(f.metadata.at("ep_receive_budget"));
+        EXPECT_EQ(b.at("overflow_events"), run.overflow ? 1 : 0) << b.dump();
+        EXPECT_EQ(b.at("rerun"), run.overflow ? "alltoall" : "none") << b.dump();
+        EXPECT_EQ(b.at("budget_rows"), run.overflow ? 16 : 128) << b.dump();  // ceil(T*k*f) aligned, T*k = 32 tokens * 2
+        const double sufficient = b.at("sufficient_factor");
+        EXPECT_GT(b.at("peak_rows").get<int64_t>(), run.overflow ? 16 : 0) << b.dump();
+        EXPECT_LE(b.at("peak_rows").get<int64_t>(), 128) << b.dump();
+        if (run.overflow) {
+            EXPECT_FALSE(b.at("overflowed_ranks").empty()) << b.dump();
+            EXPECT_NE(r.output.find("EP receive budget overflow"), std::string::npos) << r.output;
+            EXPECT_NE(r.output.find(str("a factor of ", sufficient, " would have sufficed")), std::string::npos) << r.output;
+        }
+    }
+    // The factor the log suggested runs without an overflow.
+    const nlohmann::json tiny = nlohmann::json::parse(read_safetensors(path("tiny")).metadata.at("ep_receive_budget"));
+    r = run_tool(base + "--virtual-ranks 2 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor " +
+                 str(tiny.at("sufficient_factor").get<double>()) + " --out " + path("suggested"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_EQ(nlohmann::json::parse(read_safetensors(path("suggested")).metadata.at("ep_receive_budget")).at("overflow_events"), 0);
+    // Refused combinations exit 2 naming the flags.
+    r = run_tool(base + "--virtual-ranks 2 --moe-expert-rank-capacity-factor 0.05 --out " + path("bad"));
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("--moe-expert-rank-capacity-factor requires --moe-token-dispatcher-type=alltoall or flex"),
+              std::string::npos) << r.output;
 }
 
 TEST_F(CmdLayerEp, RanksWithDifferentFlagsAreRefused) {

@@ -209,7 +209,7 @@ TEST(Config, CapacityRules) {
     c.moe_token_dispatcher_type = "flex";
     EXPECT_ERROR(c, "--moe-token-dispatcher-type=flex: not supported yet by moekit");
     c.moe_token_dispatcher_type = "ring";
-    EXPECT_ERROR(c, "--moe-token-dispatcher-type=ring must be one of allgather, alltoall");
+    EXPECT_ERROR(c, "--moe-token-dispatcher-type=ring must be one of allgather, alltoall, flex");
     c = valid_config();
     c.moe_token_dropping = true;
     EXPECT_ERROR(c, "--moe-token-dropping: not supported");
@@ -403,7 +403,7 @@ TEST_F(ConfigFile, ToJsonRoundTripsEveryField) {
     EXPECT_EQ(j.at("moe_expert_capacity_factor"), 1.25);
     EXPECT_TRUE(j.at("moe_input_jitter_eps").is_null());
     EXPECT_EQ(j.at("moe_router_load_balancing_type"), nlohmann::json({"aux_loss"}));
-    EXPECT_EQ(j.size(), 41u);  // every MoeConfig field (37 + the 4 ECHO fields)
+    EXPECT_EQ(j.size(), 42u);  // every MoeConfig field (38 + the 4 ECHO fields)
     MoeConfig back = parse_moe_config({"--config", write("r.json", j.dump())});
     EXPECT_EQ(to_json(back), j);
 }
@@ -439,6 +439,47 @@ TEST(Flags, HelpListsEveryFlagWithDefault) {
     EXPECT_EQ(out_path, "x");
     EXPECT_TRUE(p.was_set("--out"));
     EXPECT_FALSE(p.was_set("--moe-router-topk"));
+}
+
+TEST(Config, ExpertRankCapacityFactorRules) {
+    MoeConfig c = valid_config();
+    c.moe_token_dispatcher_type = "alltoall";
+    c.moe_expert_rank_capacity_factor = 1.5;
+    EXPECT_EQ(errors_of(c), "");
+    c.moe_token_dispatcher_type = "flex";  // flex is the budgeted dispatcher
+    EXPECT_EQ(errors_of(c), "");
+    for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+        c.moe_expert_rank_capacity_factor = bad;
+        EXPECT_ERROR(c, "--moe-expert-rank-capacity-factor=");
+        EXPECT_ERROR(c, "must be > 0 and finite");
+    }
+    c = valid_config();
+    c.moe_expert_rank_capacity_factor = 2.0;  // default dispatcher: allgather
+    EXPECT_ERROR(c, "--moe-expert-rank-capacity-factor requires --moe-token-dispatcher-type=alltoall or flex (got allgather");
+    c.moe_token_dispatcher_type = "alltoall";
+    c.moe_expert_capacity_factor = 1.0;
+    c.moe_pad_expert_input_to_capacity = true;
+    EXPECT_ERROR(c, "--moe-expert-rank-capacity-factor cannot be combined with --moe-pad-expert-input-to-capacity");
+    c.moe_pad_expert_input_to_capacity = false;  // dropping without padding is fine with a budget
+    EXPECT_EQ(errors_of(c), "");
+}
+
+TEST(Flags, ExpertRankCapacityFactorAndItsEchoAlias) {
+    MoeConfig c = parse_moe_config(with_shape({"--moe-token-dispatcher-type", "flex", "--moe-expert-rank-capacity-factor", "1.25"}));
+    EXPECT_EQ(c.moe_expert_rank_capacity_factor, 1.25);
+    c = parse_moe_config(with_shape({"--moe-token-dispatcher-type", "alltoall", "--moe-received-token-capacity", "2"}));
+    EXPECT_EQ(c.moe_expert_rank_capacity_factor, 2.0);
+    EXPECT_EQ(to_json(c).at("moe_expert_rank_capacity_factor"), 2.0);
+    EXPECT_EQ(usage_error(with_shape({"--moe-token-dispatcher-type", "alltoall", "--moe-received-token-capacity", "2",
+                                      "--moe-expert-rank-capacity-factor", "2"})),
+              "--moe-expert-rank-capacity-factor and --moe-received-token-capacity are the same setting: give one");
+    EXPECT_NE(usage_error(with_shape({"--moe-expert-rank-capacity-factor", "0.5"})).find("(got allgather"),
+              std::string::npos);
+    EXPECT_NE(usage_error(with_shape({"--moe-token-dispatcher-type", "alltoall", "--moe-expert-rank-capacity-factor", "0"}))
+                  .find("--moe-expert-rank-capacity-factor=0 must be > 0 and finite"),
+              std::string::npos);
+    EXPECT_NE(usage_error(with_shape({"--moe-token-dispatcher-type", "flex"})).find("--moe-token-dispatcher-type=flex"),
+              std::string::npos);
 }
 
 }  // namespace

@@ -1,14 +1,15 @@
 // Multi-rank test of expert parallelism on CPU ranks, run by ctest as `mpirun -np 2` and `-np 4`
 // (CMakeLists.txt): on random configurations (seeds printed), EP = N equals N independent EP = 1 runs
 // and EP = 1 over the same data-parallel ranks, allgather equals alltoall, and virtual ranks equal
-// MPI ranks bit for bit (tests/ep_harness.h). Every rank checks; main() all-reduces the verdicts
+// MPI ranks bit for bit (tests/ep_harness.h); the budgeted dispatcher over MPI windows equals alltoall,
+// and its overflow is detected, told to every rank and recovered (tests/budget_checks.h). Every rank checks; main() all-reduces the verdicts
 // into every rank's exit status. Twin without MPI: tests/cpu/test_ep_virtual.cpp.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstdlib>
 
-#include "ep_checks.h"
+#include "budget_checks.h"
 
 namespace moekit::test {
 namespace {
@@ -30,6 +31,44 @@ void run_cases(uint64_t first_seed) {
 
 TEST(EpMpi, RandomConfigsFp64) { run_cases<double>(7000); }
 TEST(EpMpi, RandomConfigsFp32) { run_cases<float>(8000); }
+
+// Budgeted dispatcher over MPI one-sided windows: generous factor = alltoall bit for bit (rows, source
+// rows, counts, slack untouched, combine and both backward passes); tiny factor = overflow on the ranks
+// that receive most, nothing written past the budget.
+template <typename T>
+void run_budget_dispatch(uint64_t first_seed, int cases) {
+    Communicator& world = comm::mpi_world();
+    for (int i = 0; i < cases; ++i)
+        for (double f : {double(world.size()), 0.05}) {
+            if (!quiet_rank()) std::printf("budgeted dispatch seed %llu f=%g\n", (unsigned long long)(first_seed + i), f);
+            const Verdict v = check_budgeted_dispatch<T>(world, first_seed + uint64_t(i), f);
+            EXPECT_TRUE(v.failures.empty()) << v.text();
+        }
+}
+
+TEST(EpMpi, BudgetedDispatchFp64) { run_budget_dispatch<double>(9000, 4); }
+TEST(EpMpi, BudgetedDispatchFp32) { run_budget_dispatch<float>(9100, 4); }
+
+// The whole step: generous factor equals alltoall; a tiny factor overflows, every rank learns it, the
+// re-run equals the dropless step; virtual ranks give the same bits.
+TEST(EpMpi, BudgetedStepRecoversFromOverflow) {
+    Communicator& world = comm::mpi_world();
+    for (uint64_t seed = 9200; seed < 9206; ++seed) {
+        const bool tiny = seed % 3 != 0;
+        const EpCase k = budget_case(seed, world.size(), tiny);
+        const double f = tiny ? 0.05 : double(world.size());
+        if (!quiet_rank()) std::printf("budgeted step f=%g case %s\n", f, k.describe().c_str());
+        const Verdict v = seed % 2 ? check_budgeted_pipeline<double>(world, world.size(), k, f, tiny, true)
+                                   : check_budgeted_pipeline<float>(world, world.size(), k, f, tiny, true);
+        EXPECT_TRUE(v.failures.empty()) << v.text();
+    }
+    if (world.size() == 4) {  // two EP groups of 2: the re-run is agreed over the world
+        const EpCase k = budget_case(9210, 4, true);
+        if (!quiet_rank()) std::printf("budgeted step EP=2 f=0.05 case %s\n", k.describe().c_str());
+        const Verdict v = check_budgeted_pipeline<double>(world, 2, k, 0.05, true, false);
+        EXPECT_TRUE(v.failures.empty()) << v.text();
+    }
+}
 
 // Collectives of the mpi transport against closed forms (rank-dependent values, exact).
 TEST(EpMpi, Collectives) {

@@ -1,0 +1,109 @@
+// Budgeted (sync-free style) dispatcher, the CPU twin of issue 8's device dispatcher: the [EP, E]
+// count matrix is all-gathered, every rank derives all receive offsets from it (src/core/dispatch_math.h),
+// and senders put their rows, probs and source rows straight into the receivers' fixed-size buffers
+// of budget = ceil(T*k*f) rows (one-sided Window of include/moekit/comm.h: MPI_Put + fences over MPI,
+// peer pointers + barriers on virtual ranks). Overflow: nothing is written past a budget, the receiver
+// sets its flag, end_step() all-reduces the flags, the caller re-runs the step on the alltoall path
+// (src/cpu/budget_step.h). Tests: tests/budget_checks.h (MPI and virtual ranks), tests/cpu/test_dispatch_budgeted.cpp.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/dispatcher.h"
+#include "cpu/permute.h"
+
+namespace moekit::cpu {
+
+// What the end-of-step all-reduce tells every rank.
+struct BudgetOverflowReport {
+    bool overflow = false;              // some rank would have received more rows than its budget
+    int64_t budget_rows = 0;            // per rank (the same on every rank)
+    int64_t peak_rows = 0;              // most rows any rank of the group would have received this step
+    std::vector<int> overflowed_ranks;  // ranks (of the step group) whose flag was set
+    double factor = 0;                  // the configured factor
+    double sufficient_factor = 0;       // smallest factor (0.01 steps) whose budget holds peak_rows
+    std::string message() const;        // one line for the log
+};
+
+template <typename T>
+class BudgetedDispatcher final : public Dispatcher<T> {
+public:
+    // Bytes the receive buffer's slack holds until a row lands there (tests check it is untouched).
+    static constexpr unsigned char kSlackByte = 0xFF;
+
+    // Collective over `ep` (creates the windows). tokens = T rows per rank (seq_length * micro_batch_size),
+    // topk = k, hidden = H, factor = f > 0: budget = ceil(T*k*f) rows aligned to kBudgetRowAlign.
+    BudgetedDispatcher(const EpLayout& layout, Communicator& ep, int64_t tokens, int64_t topk, int64_t hidden,
+                       double factor);
+    ~BudgetedDispatcher() override;
+
+    const EpLayout& layout() const override { return layout_; }
+    DispatchedRows<T> dispatch(const Matrix<T>& tokens, const Matrix<T>& probs,
+                               const std::vector<uint8_t>& routing_map) override;
+    Matrix<T> combine(const Matrix<T>& expert_out) override;
+    Matrix<T> combine_backward(const Matrix<T>& grad_output) override;
+    void dispatch_backward(const Matrix<T>& grad_rows, const std::vector<T>& grad_row_probs, Matrix<T>& grad_tokens,
+                           Matrix<T>& grad_probs) override;
+
+    // Opens a step: dispatch() refuses to run outside one, so no caller can use the budget without
+    // the end-of-step overflow check (an overflow would otherwise go unnoticed: a silent drop).
+    void begin_step() { in_step_ = true; }
+    // End of step, collective over `step_group` (every rank that shares the step's collectives): one
+    // all-reduce (max) of each rank's overflow flag and peak; clears the flags; counts an overflow.
+    BudgetOverflowReport end_step(Communicator& step_group);
+    // While on, the four calls run the synchronous alltoall dispatcher (the re-run after an overflow).
+    void set_synchronous(bool on) { synchronous_ = on; }
+    bool synchronous() const { return synchronous_; }
+    int64_t overflow_events() const { return overflow_events_; }
+
+    // ---- inspection (tests) ----
+    int64_t budget_rows() const { return budget_; }
+    double factor() const { return factor_; }
+    bool overflowed() const { return overflow_; }        // this rank's flag since the last end_step
+    int64_t received_rows() const { return received_; }  // rows that were due here in the last dispatch
+    const std::vector<int64_t>& count_matrix() const { return counts_; }  // [EP, E] of the last dispatch
+    const std::vector<int64_t>& chunk_offsets() const { return my_offsets_; }  // [L*EP + 1], chunk l*EP + s
+    // The receive buffer as the last dispatch left it: rows [budget, H], probs [budget], source rows
+    // [budget] (the sender's permutation-1 row of each row); rows past received_rows() untouched.
+    const T* buffer_rows() const;
+    const T* buffer_probs() const;
+    const int64_t* buffer_sources() const;
+
+private:
+    // Puts permutation-1 rows [N, H] (and probs and source rows when given) into the receivers'
+    // buffers at the offsets of the scan, clipped at the budget; between two fences.
+    void put_to_receivers(const T* rows, const T* probs, const int64_t* sources);
+    // Puts this rank's received rows (and probs) back to their sources' return buffers; returns them
+    // there [N, H] (rows that never arrived anywhere: zeros).
+    Matrix<T> return_to_sources(const Matrix<T>& rows, const std::vector<T>* probs, std::vector<T>* probs_back);
+    int64_t held_rows() const { return received_ < budget_ ? received_ : budget_; }
+
+    EpLayout layout_;
+    Communicator& ep_;
+    int64_t tokens_, topk_, hidden_, budget_, return_rows_;
+    double factor_;
+    std::unique_ptr<Dispatcher<T>> fallback_;  // the synchronous alltoall path
+    bool synchronous_ = false;
+    bool in_step_ = false;
+
+    // Receive buffer [src int64 x budget][rows T x budget*H][probs T x budget]; return buffer
+    // [rows T x T*k*H][probs T x T*k]. int64 words keep every region aligned.
+    std::vector<int64_t> recv_words_, ret_words_;
+    int64_t recv_rows_at_ = 0, recv_probs_at_ = 0, ret_probs_at_ = 0;  // byte offsets of the regions
+    std::unique_ptr<Window> recv_win_, ret_win_;
+
+    RoutingPlan<T> plan_;                 // permutation 1 of this rank's tokens
+    std::vector<int64_t> row_ids_;        // [N] 0..N-1: the source rows sent along with the rows
+    std::vector<int64_t> counts_;         // [EP, E]
+    std::vector<int64_t> all_offsets_;    // [EP][L*EP + 1] every receiver's chunk offsets
+    std::vector<int64_t> my_offsets_;     // [L*EP + 1] this rank's
+    std::vector<int64_t> held_sources_;   // [held_rows] source rows of what this rank holds
+    int64_t received_ = 0;
+    bool overflow_ = false;
+    int64_t peak_ = 0;
+    int64_t overflow_events_ = 0;
+};
+
+}  // namespace moekit::cpu
