@@ -140,7 +140,7 @@ public:
         weights_ = s.weights;
         adam_.restore(s.step, s.adam_m, s.adam_v);
     }
-    EngineReport report() override { return {}; }
+    EngineReport report(bool) override { return {}; }
 
 private:
     static MoeConfig single_rank_config(MoeConfig c) {
@@ -239,7 +239,7 @@ std::unique_ptr<TrainEngine> make_ep_engine(const TrainOptions& options) {
         std::vector<StepRecord> collect(bool wait) override { return engine->collect(wait); }
         TrainState state() override { return engine->state(); }
         void load_state(const TrainState& s) override { engine->load_state(s); }
-        EngineReport report() override { return engine->report(); }
+        EngineReport report(bool measure_speed) override { return engine->report(measure_speed); }
     };
     auto owned = std::make_unique<Owned>();
     owned->world = comm::make_single_rank();

@@ -34,9 +34,7 @@ ToolResult run_shell(const std::string& cmd) {
     return r;
 }
 
-std::string mpirun(int np) {
-    return std::string(MOEKIT_MPIEXEC) + " --allow-run-as-root --oversubscribe -np " + std::to_string(np) + " ";
-}
+std::string mpirun(int np) { return testing_util::mpirun_prefix(np); }
 
 class CmdLayerEp : public ::testing::Test {
 protected:

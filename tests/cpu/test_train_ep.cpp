@@ -277,13 +277,7 @@ ToolResult run_shell(const std::string& cmd) {
     return r;
 }
 
-// Under `make test-asan` the ranks' leak check is off: OpenMPI's own allocations (libmpi, libopen-pal and
-// plugins it has unloaded, so no suppression can name them) are reported at exit. The same code runs with
-// the leak check on virtual ranks in this file.
-std::string mpirun(int np) {
-    return "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" " + std::string(MOEKIT_MPIEXEC) +
-           " --allow-run-as-root --oversubscribe -np " + std::to_string(np) + " " + MOEKIT_BINARY + " ";
-}
+std::string mpirun(int np) { return testing_util::mpirun_prefix(np) + MOEKIT_BINARY + " "; }
 
 const std::string kModel =
     "--hidden-size 16 --num-experts 4 --moe-ffn-hidden-size 16 --moe-router-topk 2 "
