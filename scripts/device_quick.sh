@@ -15,13 +15,16 @@ log "ctest (all labels)"
 (cd $B && timeout 240 ctest -j 8 --output-on-failure --timeout 200 2>&1) >"$OUT/ctest.log"
 grep -E "tests passed|tests failed|^ *(cpu|gpu) +=|\(Failed\)|\(Timeout\)" "$OUT/ctest.log" | tee -a "$OUT/summary.txt"
 log "moekit layer --device cuda with a NaN in router.weight"
+$B/moekit layer --device cpu --init random --hidden-size 8 --num-experts 4 --moe-ffn-hidden-size 8 --seq-length 4 \
+    --save-weights /tmp/nan_w.safetensors --out /tmp/nan_ref.safetensors >/dev/null 2>&1
 python3 - <<'PY'
 import json, struct
-E, H = 4, 8
-vals = [0.01 * (i % 7) for i in range(E * H)]; vals[5] = float("nan")
-hdr = json.dumps({"router.weight": {"dtype": "F32", "shape": [E, H], "data_offsets": [0, 4 * E * H]}}).encode()
-hdr += b" " * (-len(hdr) % 8)
-open("/tmp/nan_w.safetensors", "wb").write(struct.pack("<Q", len(hdr)) + hdr + struct.pack("<%df" % (E * H), *vals))
+b = bytearray(open("/tmp/nan_w.safetensors", "rb").read())
+n = struct.unpack("<Q", b[:8])[0]
+t = json.loads(b[8:8 + n])["router.weight"]
+assert t["dtype"] == "F32"
+struct.pack_into("<f", b, 8 + n + t["data_offsets"][0] + 4 * 5, float("nan"))  # element 5
+open("/tmp/nan_w.safetensors", "wb").write(b)
 PY
 $B/moekit layer --device cuda --hidden-size 8 --num-experts 4 --moe-ffn-hidden-size 8 --seq-length 4 \
     --weights /tmp/nan_w.safetensors --out /tmp/nan_out.safetensors >"$OUT/nan_layer.log" 2>&1
