@@ -14,6 +14,7 @@
 
 #include "command.h"
 #include "core/flags.h"
+#include "echo/trace.h"
 #include "io/atomic_file.h"
 #include "moekit/comm.h"
 #include "moekit/error.h"
@@ -83,7 +84,20 @@ struct TrainArgs {
     bool cuda_graph = true;
     std::string model_size;  // demo | gpu ("" = by device)
     int64_t virtual_ranks = 0;  // --virtual-ranks N: N ranks as threads of this process
+    std::string routing_trace;  // --routing-trace FILE: the per-step, per-layer expert loads for `moekit plan`
 };
+
+// The run's routing as a trace for `moekit plan` (src/echo/trace.h): one source row per step and layer, the
+// whole global batch's counts (the records sum them over the ranks; `moekit plan --expert-model-parallel-size`
+// re-homes them onto EP source ranks).
+void write_trace(const std::string& path, const MoeConfig& config, const train::TrainResult& r) {
+    echo::RoutingTrace t;
+    t.num_experts = config.num_experts(), t.ep = 1, t.topk = config.moe_router_topk;
+    for (const train::StepRecord& rec : r.steps)
+        for (size_t l = 0; l < rec.tokens_per_expert.size(); ++l)
+            t.steps.push_back(echo::RoutingTraceStep{int64_t(l), rec.tokens_per_expert[l]});
+    echo::write_routing_trace(path, t);
+}
 
 // Returns false when --help was printed.
 bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, double default_lr, TrainArgs& a) {
@@ -109,6 +123,7 @@ bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, doub
     p.add("--save-interval", &a.o.save_interval, "steps between checkpoints (0: only at the end)");
     p.add("--load", &a.o.load_dir, "continue from the latest checkpoint in this folder");
     p.add("--cuda-graph", &a.cuda_graph, "cuda: replay one captured CUDA graph per iteration (--no-cuda-graph: eager)");
+    p.add("--routing-trace", &a.routing_trace, "also write the per-step expert loads as a routing trace for moekit plan");
     p.add("--host-loop", &a.o.host_loop, "[moekit] cuda: the old host loop (weights and activations copied every call)");
     p.section("parallelism (CPU ranks; --expert-model-parallel-size is among the MoE flags)");
     p.add("--virtual-ranks", &a.virtual_ranks,
@@ -266,6 +281,7 @@ int run_train(const std::vector<std::string>& args) {
         const train::TrainResult r = train::run_training(a.o, progress);
         if (!rank0) return r.signal ? 128 + r.signal : 0;  // rank 0 reports a failure for all
         train::write_report(a.out_dir, a.o, r);
+        if (!a.routing_trace.empty()) write_trace(a.routing_trace, a.o.config, r);
 
         if (tty) std::fprintf(stderr, "\n");
         if (r.steps.empty()) {

@@ -175,6 +175,27 @@ TEST(TrainTool, ModelSizePicksDefaultsThatFlagsOverride) {
     EXPECT_EQ(run_tool("train --model-size huge --out-dir " + fresh_dir("modelsize2")).status, 2);
 }
 
+// --routing-trace writes the run's per-step, per-layer loads in the format `moekit plan` reads, and plan reads it.
+TEST(TrainTool, RoutingTraceFeedsMoekitPlan) {
+    const std::string dir = fresh_dir("trace"), trace = dir + "/trace.json";
+    fs::create_directories(dir);
+    ASSERT_EQ(run_tool("train --steps 3" + kTinyFlags + " --out-dir " + dir + " --routing-trace " + trace).status, 0);
+    std::ifstream f(trace);
+    ASSERT_TRUE(f.good());
+    const nlohmann::json j = nlohmann::json::parse(f);
+    EXPECT_EQ(j["num_experts"], 4);
+    EXPECT_EQ(j["topk"], 2);
+    ASSERT_EQ(j["steps"].size(), 3u * 2u) << "3 steps x 2 layers";
+    std::ifstream rf(dir + "/report.json");
+    const nlohmann::json report = nlohmann::json::parse(rf);
+    for (size_t i = 0; i < 6; ++i) {
+        EXPECT_EQ(j["steps"][i]["layer"], int(i % 2));
+        EXPECT_EQ(j["steps"][i]["counts"][0], report["steps"][i / 2]["tokens_per_expert"][i % 2]) << "entry " << i;
+    }
+    const auto plan = run_tool("plan --trace " + trace + " --moe-num-echo-experts 2 --expert-model-parallel-size 2");
+    EXPECT_EQ(plan.status, 0) << plan.output;
+}
+
 // SIGINT mid-run: exit 130, and report.json holds the steps done so far, marked as interrupted.
 TEST(TrainTool, SigintWritesTheReportSoFar) {
     const std::string dir = fresh_dir("sigint");
