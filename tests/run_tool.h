@@ -14,10 +14,10 @@ struct ToolResult {
     std::string output;  // stdout + stderr
 };
 
-// args: everything after "moekit", e.g. "layer --init random --out R.safetensors".
-inline ToolResult run_tool(const std::string& args) {
+// Runs a shell command line (e.g. mpirun ...), capturing its status and combined output.
+inline ToolResult run_shell(const std::string& command) {
     ToolResult r;
-    const std::string cmd = std::string(MOEKIT_BINARY) + " " + args + " 2>&1";
+    const std::string cmd = command + " 2>&1";
     FILE* pipe = popen(cmd.c_str(), "r");
     if (!pipe) return r;
     std::array<char, 4096> buf;
@@ -27,6 +27,9 @@ inline ToolResult run_tool(const std::string& args) {
     r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
     return r;
 }
+
+// args: everything after "moekit", e.g. "layer --init random --out R.safetensors".
+inline ToolResult run_tool(const std::string& args) { return run_shell(std::string(MOEKIT_BINARY) + " " + args); }
 
 #ifdef MOEKIT_MPIEXEC
 // The start of an mpirun command line for tool tests: as root, oversubscribed (CI has 2 cores). The ranks' leak

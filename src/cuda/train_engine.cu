@@ -70,10 +70,7 @@ public:
         mean_squared_error(eval_x_.get(), eval_y_.get(), T_ * H_, nullptr, partials_.get(), scalars_.get() + 3, stream_);
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         identity_mse_ = download(scalars_.get() + 3, 1)[0];
-        MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
-                       " with --init-method-std=", o.config.init_method_std,
-                       ": the teacher's held-out outputs must be finite and differ from the input (MSE ",
-                       identity_mse_, ")");
+        require_teacher_differs(o, identity_mse_);
 
         if (o.use_graph) {
             train_graph_ = capture([&] { enqueue_iteration(); });

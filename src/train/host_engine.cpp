@@ -28,10 +28,7 @@ public:
         eval_x_ = random_tokens(T, o.config.hidden_size, o.seed, kEvalStream);
         eval_y_ = teacher_.forward(input(eval_x_, false));
         identity_mse_ = mse(eval_x_, eval_y_);
-        MOEKIT_REQUIRE(std::isfinite(identity_mse_) && identity_mse_ > 0, "--teacher-gain=", o.teacher_gain,
-                       " with --init-method-std=", o.config.init_method_std,
-                       ": the teacher's held-out outputs must be finite and differ from the input (MSE ",
-                       identity_mse_, ")");
+        require_teacher_differs(o, identity_mse_);
     }
 
     double identity_mse() const override { return identity_mse_; }

@@ -13,6 +13,8 @@ constexpr uint64_t kEvalStream = 0xe7a1u;  // data stream of the held-out batch;
 
 // All-zero weights of the configuration's shapes (expert_bias empty).
 MoeWeights<float> zero_weights(const MoeConfig& config);
+// The held-out loss normaliser MSE(x, y) must be finite and positive: UsageError naming the teacher's flags.
+void require_teacher_differs(const TrainOptions& o, double identity_mse);
 // Layer l of the student: Megatron's init with seed * 1000003 + l.
 std::vector<MoeWeights<float>> student_weights(const TrainOptions& o);
 // The teacher: same architecture, seed + 1, expert weights scaled by the gain and a 10x sharper router, so

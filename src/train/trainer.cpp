@@ -27,6 +27,13 @@ std::vector<MoeWeights<float>> student_weights(const TrainOptions& o) {
     return w;
 }
 
+void require_teacher_differs(const TrainOptions& o, double identity_mse) {
+    MOEKIT_REQUIRE(std::isfinite(identity_mse) && identity_mse > 0, "--teacher-gain=", o.teacher_gain,
+                   " with --init-method-std=", o.config.init_method_std,
+                   ": the teacher's held-out outputs must be finite and differ from the input (MSE ", identity_mse,
+                   ")");
+}
+
 MoeWeights<float> zero_weights(const MoeConfig& c) {
     MoeWeights<float> w;
     const int64_t E = c.num_experts(), H = c.hidden_size, F = c.expert_ffn(), F1 = c.fc1_rows(), Fs = c.shared_ffn();

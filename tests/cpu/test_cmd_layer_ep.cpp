@@ -18,21 +18,10 @@
 namespace moekit {
 namespace {
 
+using testing_util::run_shell;
 using testing_util::run_tool;
 using testing_util::ToolResult;
 
-// Runs a shell command line (for mpirun), capturing status and output like run_tool.
-ToolResult run_shell(const std::string& cmd) {
-    ToolResult r;
-    FILE* pipe = popen((cmd + " 2>&1").c_str(), "r");
-    if (!pipe) return r;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-    const int raw = pclose(pipe);
-    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-    return r;
-}
 
 std::string mpirun(int np) { return testing_util::mpirun_prefix(np); }
 

@@ -32,6 +32,7 @@ namespace moekit::train {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::run_shell;
 using testing_util::run_tool;
 using testing_util::ToolResult;
 
@@ -265,17 +266,6 @@ protected:
     std::string path(const std::string& name) const { return (dir / name).string(); }
 };
 
-ToolResult run_shell(const std::string& cmd) {
-    ToolResult r;
-    FILE* pipe = popen((cmd + " 2>&1").c_str(), "r");
-    if (!pipe) return r;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-    const int raw = pclose(pipe);
-    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-    return r;
-}
 
 std::string mpirun(int np) { return testing_util::mpirun_prefix(np) + MOEKIT_BINARY + " "; }
 
