@@ -10,6 +10,7 @@
 
 #include "moekit/comm.h"
 #include "moekit/error.h"
+#include "moekit/layer.h"
 #include "moekit/weights.h"
 #include "train/checkpoint.h"
 #include "train/train_engine.h"
@@ -106,6 +107,13 @@ std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, const RunLayout&
         return make_ep_engine(o);
     }
     if (o.device == "cuda" && !o.host_loop) {
+        MOEKIT_REQUIRE(cuda_device_available(), "--device cuda: no CUDA device is visible on this machine",
+#ifdef MOEKIT_WITH_CUDA
+                       ""
+#else
+                       " (this moekit was built without CUDA)"
+#endif
+        );
 #ifdef MOEKIT_WITH_CUDA
         *name = o.use_graph ? "device-resident, one CUDA graph per iteration" : "device-resident, eager";
         return cuda::make_cuda_train_engine(o);

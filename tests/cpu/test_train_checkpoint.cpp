@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "moekit/error.h"
+#include "moekit/layer.h"
 #include "run_tool.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -173,6 +174,14 @@ TEST(TrainTool, ModelSizePicksDefaultsThatFlagsOverride) {
     EXPECT_EQ(j["config"]["hidden_size"], 32) << "an explicit flag wins";
     EXPECT_DOUBLE_EQ(j["train"]["lr"].get<double>(), 3e-4) << "the GPU size's learning rate";
     EXPECT_EQ(run_tool("train --model-size huge --out-dir " + fresh_dir("modelsize2")).status, 2);
+}
+
+// --device cuda where no GPU is visible (CI) is a usage error naming the flag, not an internal error.
+TEST(TrainTool, CudaWithoutAGpuIsRefused) {
+    if (cuda_device_available()) GTEST_SKIP() << "a GPU is present: this checks the machine without one";
+    const auto r = run_tool("train --device cuda --steps 1 --out-dir " + fresh_dir("nogpu"));
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;
 }
 
 // --routing-trace writes the run's per-step, per-layer loads in the format `moekit plan` reads, and plan reads it.
