@@ -173,6 +173,11 @@ void check_out_dir(const TrainArgs& a) {
         throw UsageError(str("--out-dir=", a.out_dir, ": not writable (", e.what(), ")"));
     }
     fs::remove(probe, ec);
+    if (!a.routing_trace.empty()) {  // its folder must exist now, not after the run
+        const fs::path folder = fs::absolute(a.routing_trace, ec).parent_path();
+        MOEKIT_REQUIRE(fs::is_directory(folder, ec) && !fs::is_directory(a.routing_trace, ec), "--routing-trace=",
+                       a.routing_trace, ": must name a file in an existing folder");
+    }
     if (!a.o.save_dir.empty()) {
         MOEKIT_REQUIRE(fs::weakly_canonical(a.o.save_dir, ec) != fs::weakly_canonical(a.out_dir, ec), "--save=",
                        a.o.save_dir, " and --out-dir=", a.out_dir, " must be different folders");

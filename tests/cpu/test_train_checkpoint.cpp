@@ -203,6 +203,10 @@ TEST(TrainTool, RoutingTraceFeedsMoekitPlan) {
     }
     const auto plan = run_tool("plan --trace " + trace + " --moe-num-echo-experts 2 --expert-model-parallel-size 2");
     EXPECT_EQ(plan.status, 0) << plan.output;
+    const auto bad = run_tool("train --steps 3" + kTinyFlags + " --out-dir " + dir + " --overwrite --routing-trace " +
+                              dir + "/no/such/folder/t.json");
+    EXPECT_EQ(bad.status, 2) << bad.output;
+    EXPECT_NE(bad.output.find("--routing-trace"), std::string::npos) << bad.output;
 }
 
 // SIGINT mid-run: exit 130, and report.json holds the steps done so far, marked as interrupted.
