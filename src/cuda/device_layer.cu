@@ -43,6 +43,18 @@ struct RelaxedCapture {
     ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
 };
 
+// Makes the layer's GPU current for a call and gives the caller's back after it (no call when they agree).
+struct DeviceGuard {
+    int previous = -1, wanted;
+    explicit DeviceGuard(int device) : wanted(device) {
+        MOEKIT_CUDA_CHECK(cudaGetDevice(&previous));
+        if (previous != wanted) MOEKIT_CUDA_CHECK(cudaSetDevice(wanted));
+    }
+    ~DeviceGuard() {
+        if (previous >= 0 && previous != wanted) cudaSetDevice(previous);
+    }
+};
+
 class CudaLayerImpl final : public CudaLayer {
 public:
     CudaLayerImpl(const MoeConfig& config, const LayerBounds& bounds, int device) : bounds_(bounds), device_(device) {
@@ -52,7 +64,7 @@ public:
         MOEKIT_CUDA_CHECK(cudaGetDeviceCount(&count));
         MOEKIT_REQUIRE(device >= 0 && device < count, "Layer::create: CUDA device ", device, " does not exist (",
                        count, " visible)");
-        MOEKIT_CUDA_CHECK(cudaSetDevice(device));
+        const DeviceGuard on(device);
         layer_ = CudaMoeLayer::create(config, bounds.seq_length, bounds.micro_batch_size, /*own_io=*/false);
         config_ = config;
         config_.normalize();
@@ -75,6 +87,7 @@ public:
         check_memory("input", a.input), check_memory("output", a.output);
         check_memory("padding_mask", a.padding_mask), check_memory("jitter_seed", a.jitter_seed);
         check_stream(stream);
+        const DeviceGuard on(device_);
         io_.hidden = a.input.as<bf16>(), io_.output = a.output.as<bf16>();
         io_.padding_mask = a.padding_mask.as<uint8_t>(), io_.jitter_seed = a.jitter_seed.as<uint64_t>();
         bind_params(p);
@@ -92,6 +105,7 @@ public:
         for_each_view(g, [&](const char* name, const TensorView& v) { check_memory(name, v); });
         check_memory("grad_output", a.grad_output), check_memory("grad_input", a.grad_input);
         check_stream(stream);
+        const DeviceGuard on(device_);
         bind_params(p);
         io_.grad_output = a.grad_output.as<bf16>(), io_.grad_input = a.grad_input.as<float>();
         io_.grad_router_weight = g.router_weight.as<float>(), io_.grad_fc1 = g.fc1.as<float>();
@@ -106,6 +120,7 @@ public:
         check_view("router.expert_bias", bias, router_dtype(), {config_.num_experts()}, rules_);
         check_memory("router.expert_bias", bias);
         check_stream(stream);
+        const DeviceGuard on(device_);
         const bool f64 = bias.dtype == DType::f64;
         update_expert_bias_kernel<<<1, 256, 0, cuda_stream(stream)>>>(
             config_.num_experts(), config_.moe_router_bias_update_rate, layer_->buffers().local_tokens_per_expert,
@@ -114,6 +129,7 @@ public:
     }
     void reset_global_aux_loss_tracker(Stream stream) override {
         check_stream(stream);
+        const DeviceGuard on(device_);
         const LayerBuffers& b = layer_->buffers();
         const size_t E = size_t(config_.num_experts());
         MOEKIT_CUDA_CHECK(cudaMemsetAsync(b.global_tokens_per_expert, 0, E * sizeof(double), cuda_stream(stream)));
