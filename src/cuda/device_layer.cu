@@ -47,11 +47,14 @@ struct RelaxedCapture {
 struct DeviceGuard {
     int previous = -1, wanted;
     explicit DeviceGuard(int device) : wanted(device) {
+        const RelaxedCapture relaxed;  // the first call may come inside the caller's global-mode capture
         MOEKIT_CUDA_CHECK(cudaGetDevice(&previous));
         if (previous != wanted) MOEKIT_CUDA_CHECK(cudaSetDevice(wanted));
     }
     ~DeviceGuard() {
-        if (previous >= 0 && previous != wanted) cudaSetDevice(previous);
+        if (previous < 0 || previous == wanted) return;
+        const RelaxedCapture relaxed;
+        cudaSetDevice(previous);
     }
 };
 
