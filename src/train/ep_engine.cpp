@@ -48,21 +48,17 @@ public:
         groups_ = make_process_groups(world_, int(o.config.expert_model_parallel_size));
         for (size_t l = 0; l < weights_.size(); ++l)
             layers_.push_back(std::make_unique<cpu::MoePipeline<float>>(o.config, *groups_));
-        const int64_t T = o.config.seq_length * o.config.micro_batch_size;
         // Every rank evaluates the same held-out micro-batch (the one of the single-rank run).
-        eval_x_ = random_tokens(T, o.config.hidden_size, o.seed, kEvalStream);
-        eval_y_ = teacher_.forward(input(eval_x_, false));
-        identity_mse_ = mse(eval_x_, eval_y_);
-        require_teacher_differs(o, identity_mse_);
+        held_ = held_out_batch(o, teacher_);
     }
 
-    double identity_mse() const override { return identity_mse_; }
+    double identity_mse() const override { return held_.identity_mse; }
 
     void step() override {
         step_start_ = std::chrono::steady_clock::now();
         const int64_t step = ++step_;
         const int64_t L = int64_t(layers_.size()), E = o_.config.num_experts();
-        const int64_t T = eval_x_.rows, M = layout_.micro_batches_per_rank;
+        const int64_t T = held_.x.rows, M = layout_.micro_batches_per_rank;
         std::vector<MoeWeights<float>> grads;
         for (auto& w : weights_) grads.push_back(zeros_like(w));
         // [loss, aux, z] summed over this rank's micro-batches; counts [layer][expert] likewise.
@@ -70,10 +66,10 @@ public:
         std::vector<int64_t> counts(size_t(L * E), 0);
         for (int64_t i = 0; i < M; ++i) {
             const uint64_t stream = data_stream(step, int64_t(world_.rank()) * M + i);
-            const Matrix<float> x = random_tokens(T, eval_x_.cols, o_.seed, stream);
-            const Matrix<float> y = teacher_.forward(input(x, false));
+            const Matrix<float> x = random_tokens(T, held_.x.cols, o_.seed, stream);
+            const Matrix<float> y = teacher_.forward(stack_input(o_.config, x, false));
             const double x_to_y = mse(x, y);
-            LayerInput<float> in = input(x, true);
+            LayerInput<float> in = stack_input(o_.config, x, true);
             in.jitter_seed = stream;
             const Matrix<float> pred = forward(std::move(in));
             sums[0] += mse(pred, y) / x_to_y;
@@ -115,7 +111,7 @@ public:
     void eval() override {
         MOEKIT_CHECK(!records_.empty(), "eval() records with the last step");
         // Rank 0's value for all: every rank ran the same tokens, the record must not depend on the rank.
-        double loss = mse(forward(input(eval_x_, false)), eval_y_) / identity_mse_;
+        double loss = mse(forward(stack_input(o_.config, held_.x, false)), held_.y) / held_.identity_mse;
         loss = world_.all_gather(std::vector<double>{loss})[0];
         records_.back().eval_loss = loss;
         time_last_record();
@@ -194,17 +190,8 @@ private:
     void time_last_record() {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count();
         records_.back().tokens_per_s =
-            double(eval_x_.rows * layout_.micro_batches) / std::max(secs, 1e-9);
+            double(held_.x.rows * layout_.micro_batches) / std::max(secs, 1e-9);
     }
-    LayerInput<float> input(Matrix<float> x, bool training) const {
-        LayerInput<float> in;
-        in.hidden = std::move(x);
-        in.seq_length = o_.config.seq_length;
-        in.micro_batch_size = o_.config.micro_batch_size;
-        in.training = training;
-        return in;
-    }
-
     TrainOptions o_;
     Communicator& world_;
     RunLayout layout_;
@@ -213,8 +200,7 @@ private:
     std::vector<MoeWeights<float>> weights_;  // every expert on every rank (replicated optimizer)
     std::vector<std::unique_ptr<cpu::MoePipeline<float>>> layers_;
     Adam adam_;
-    Matrix<float> eval_x_, eval_y_;
-    double identity_mse_ = 0;
+    HeldOutBatch held_;
     int64_t step_ = 0;
     std::vector<StepRecord> records_;
     std::chrono::steady_clock::time_point step_start_;

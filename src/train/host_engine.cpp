@@ -24,23 +24,19 @@ public:
           teacher_(o.config, o.device, teacher_weights(o)),
           student_(o.config, o.device, student_weights(o)),
           adam_(o.adam) {
-        const int64_t T = o.config.seq_length * o.config.micro_batch_size;
-        eval_x_ = random_tokens(T, o.config.hidden_size, o.seed, kEvalStream);
-        eval_y_ = teacher_.forward(input(eval_x_, false));
-        identity_mse_ = mse(eval_x_, eval_y_);
-        require_teacher_differs(o, identity_mse_);
+        held_ = held_out_batch(o, teacher_);
     }
 
-    double identity_mse() const override { return identity_mse_; }
+    double identity_mse() const override { return held_.identity_mse; }
 
     void step() override {
         step_start_ = std::chrono::steady_clock::now();
         const int64_t step = ++step_;
-        const Matrix<float> x = random_tokens(eval_x_.rows, eval_x_.cols, o_.seed, uint64_t(step));
-        const Matrix<float> y = teacher_.forward(input(x, false));
+        const Matrix<float> x = random_tokens(held_.x.rows, held_.x.cols, o_.seed, uint64_t(step));
+        const Matrix<float> y = teacher_.forward(stack_input(o_.config, x, false));
         const double x_to_y = mse(x, y);
 
-        LayerInput<float> in = input(x, true);
+        LayerInput<float> in = stack_input(o_.config, x, true);
         in.jitter_seed = uint64_t(step);
         const Matrix<float> pred = student_.forward(std::move(in));
         StepRecord rec;
@@ -72,7 +68,8 @@ public:
 
     void eval() override {
         MOEKIT_CHECK(!records_.empty(), "eval() records with the last step");
-        records_.back().eval_loss = mse(student_.forward(input(eval_x_, false)), eval_y_) / identity_mse_;
+        const Matrix<float> pred = student_.forward(stack_input(o_.config, held_.x, false));
+        records_.back().eval_loss = mse(pred, held_.y) / held_.identity_mse;
         time_last_record();
     }
 
@@ -98,22 +95,12 @@ private:
     // Tokens per second of the last step, its evaluation included.
     void time_last_record() {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count();
-        records_.back().tokens_per_s = double(eval_x_.rows) / std::max(secs, 1e-9);
+        records_.back().tokens_per_s = double(held_.x.rows) / std::max(secs, 1e-9);
     }
-    LayerInput<float> input(Matrix<float> x, bool training) const {
-        LayerInput<float> in;
-        in.hidden = std::move(x);
-        in.seq_length = o_.config.seq_length;
-        in.micro_batch_size = o_.config.micro_batch_size;
-        in.training = training;
-        return in;
-    }
-
     TrainOptions o_;
     MoeStack teacher_, student_;
     Adam adam_;
-    Matrix<float> eval_x_, eval_y_;
-    double identity_mse_ = 0;
+    HeldOutBatch held_;
     int64_t step_ = 0;
     std::vector<StepRecord> records_;
     std::chrono::steady_clock::time_point step_start_;

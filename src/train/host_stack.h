@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "moekit/layer.h"
 #include "moekit/weights.h"
+#include "train/train_task.h"
 
 namespace moekit::train {
 
@@ -52,6 +53,31 @@ inline double mse(const Matrix<float>& a, const Matrix<float>& b) {
     double s = 0;
     for (size_t i = 0; i < a.data.size(); ++i) s += double(a.data[i] - b.data[i]) * (a.data[i] - b.data[i]);
     return s / double(std::max<size_t>(a.data.size(), 1));
+}
+
+// A layer input of the run's micro-batch shape.
+inline LayerInput<float> stack_input(const MoeConfig& c, Matrix<float> x, bool training) {
+    LayerInput<float> in;
+    in.hidden = std::move(x);
+    in.seq_length = c.seq_length;
+    in.micro_batch_size = c.micro_batch_size;
+    in.training = training;
+    return in;
+}
+
+// The held-out micro-batch (data stream kEvalStream), the teacher's targets for it, and MSE(x, y): the loss
+// normaliser, checked finite and positive.
+struct HeldOutBatch {
+    Matrix<float> x, y;
+    double identity_mse = 0;
+};
+inline HeldOutBatch held_out_batch(const TrainOptions& o, MoeStack& teacher) {
+    HeldOutBatch b;
+    b.x = random_tokens(o.config.seq_length * o.config.micro_batch_size, o.config.hidden_size, o.seed, kEvalStream);
+    b.y = teacher.forward(stack_input(o.config, b.x, false));
+    b.identity_mse = mse(b.x, b.y);
+    require_teacher_differs(o, b.identity_mse);
+    return b;
 }
 
 inline bool all_finite(const std::vector<MoeWeights<float>>& grads) {
