@@ -206,13 +206,7 @@ BudgetedRun<T> run_budgeted_rank(Communicator& world, int ep_size, const EpCase&
         run.grad_input = layer.backward(in.weights, grad_output, run.grads);
     });
     out.events = bud ? bud->overflow_events() : 0;
-    layer.reduce_gradients(run.grads);
-    run.probs = layer.probs();
-    run.routing_map = layer.routing_map();
-    run.losses = layer.summary().losses;
-    MoeWeights<T> w = in.weights;
-    layer.update_expert_bias(w);
-    run.expert_bias = w.expert_bias;
+    finish_rank_run(layer, in, run);
     return out;
 }
 

@@ -199,6 +199,19 @@ struct RankRun {
 };
 
 // This rank's run of the pipeline at EP = ep_size over `world` (micro-batch = world rank).
+// After a rank's forward and backward: gradients reduced as Megatron does, the router's results, and the
+// expert bias after one update (shared by every multi-rank run of the tests).
+template <typename T>
+void finish_rank_run(cpu::MoePipeline<T>& layer, const EpInputs<T>& in, RankRun<T>& run) {
+    layer.reduce_gradients(run.grads);
+    run.probs = layer.probs();
+    run.routing_map = layer.routing_map();
+    run.losses = layer.summary().losses;
+    MoeWeights<T> w = in.weights;
+    layer.update_expert_bias(w);
+    run.expert_bias = w.expert_bias;
+}
+
 template <typename T>
 RankRun<T> run_ep_rank(Communicator& world, const EpCase& k, const EpInputs<T>& in, int ep_size,
                        const std::string& dispatcher) {
@@ -213,13 +226,7 @@ RankRun<T> run_ep_rank(Communicator& world, const EpCase& k, const EpInputs<T>& 
     run.output = layer.forward(in.weights, li);
     run.grads = zeros_like(in.weights);
     run.grad_input = layer.backward(in.weights, grad_output, run.grads);
-    layer.reduce_gradients(run.grads);
-    run.probs = layer.probs();
-    run.routing_map = layer.routing_map();
-    run.losses = layer.summary().losses;
-    MoeWeights<T> w = in.weights;
-    layer.update_expert_bias(w);
-    run.expert_bias = w.expert_bias;
+    finish_rank_run(layer, in, run);
     return run;
 }
 
