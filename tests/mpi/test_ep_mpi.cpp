@@ -98,7 +98,7 @@ TEST(EpMpi, Collectives) {
 }
 
 // MOEKIT_TEST_FAIL_ON_RANK=r makes rank r alone fail here: shows that one rank's failure fails
-// every rank's exit status (checked by hand; unset in CI).
+// every rank's exit status (ctest test_ep_mpi_one_rank_fails, tests/mpi/one_rank_fails.sh; unset otherwise).
 TEST(EpMpi, FailureInjectionHook) {
     const char* env = std::getenv("MOEKIT_TEST_FAIL_ON_RANK");
     if (env && std::atoi(env) == comm::mpi_world().rank()) ADD_FAILURE() << "injected failure on this rank";
