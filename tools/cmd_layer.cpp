@@ -297,7 +297,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     Matrix<T> output, grad_input;
     RoutingSummary summary;
     if constexpr (std::is_same_v<T, float>) {
-        if (a.device != "cpu") {
+        if (a.device != "cpu" && !world) {
             // The GPU runner takes fp32 at its interface (bf16 inside) and hands probs/map back to the host.
             std::unique_ptr<LayerRunner> runner = make_layer_runner(cfg, a.device);
             try {
@@ -333,7 +333,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
             str("dtype=", a.dtype, "\neval=", a.eval, "\nweights=", weights_digest,
                 "\ninput=", digest(hidden), "\npadding_mask=", digest_bytes(padding.data(), padding.size()),
                 "\ngrad_output=", digest(grad_out), "\nranks=", world->size());
-        LayerResults<T> r = run_layer_ranks(*world, cfg, w, in, grad_out, fingerprint);
+        LayerResults<T> r = run_layer_ranks(*world, cfg, w, in, grad_out, fingerprint, a.device);
         output = std::move(r.output);
         grad_input = std::move(r.grad_input);
         grads = std::move(r.grads);
@@ -478,17 +478,14 @@ int layer_main(const std::vector<std::string>& argv) {
     MOEKIT_REQUIRE(cfg.expert_model_parallel_size == 1 || ranks > 1, "--expert-model-parallel-size=",
                    cfg.expert_model_parallel_size, " needs that many ranks: start them with mpirun -np ",
                    cfg.expert_model_parallel_size, " or add --virtual-ranks ", cfg.expert_model_parallel_size);
-    if (multi_rank) {
-        MOEKIT_REQUIRE(!a.device_given || a.device == "cpu", "--device=", a.device,
-                       ": expert parallelism (several ranks) runs on --device cpu only for now");
-        a.device = "cpu";
-    }
+    // Several ranks default to the CPU reference; --device cuda puts every rank on the GPU layer.
+    if (multi_rank && !a.device_given) a.device = "cpu";
     // An asked-for cuda that cannot run says why (no CUDA build / no GPU) before any file is read.
     if (a.device == "cuda" && !have_gpu) (void)make_layer_runner(cfg, a.device);
     if (!a.device_given && (!mpi || mpi->rank() == 0))
         std::printf("moekit layer: --device %s (default: %s)\n", a.device.c_str(),
                     a.dtype == "fp64" ? "--dtype fp64 runs on cpu only"
-                    : multi_rank      ? "expert parallelism runs on cpu only for now"
+                    : multi_rank      ? "several ranks run on cpu unless --device cuda is given"
                     : have_gpu        ? "a GPU is present"
                                       : "no GPU found");
 

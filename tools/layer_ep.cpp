@@ -1,6 +1,7 @@
 // run_layer_ranks (tools/layer_ep.h): `moekit layer` on N ranks, one micro-batch of the input per
 // rank (split along B), the CPU pipeline (src/cpu/moe_pipeline.h) at EP = --expert-model-parallel-size,
-// results gathered back into the original order. Debug hook: MOEKIT_DEBUG_KILL_RANK=r makes rank r
+// results gathered back into the original order. --device cuda runs each rank's micro-batch on the GPU
+// layer (src/cuda/ep_rank_step.h): virtual ranks share the current GPU, MPI ranks use NCCL. Debug hook: MOEKIT_DEBUG_KILL_RANK=r makes rank r
 // SIGKILL itself after the start-up check (tests/cpu/test_cmd_layer_ep.cpp: a killed rank ends the job).
 #include "layer_ep.h"
 
@@ -12,6 +13,9 @@
 #include "cpu/budget_step.h"
 #include "cpu/moe_pipeline.h"
 #include "moekit/error.h"
+#if MOEKIT_WITH_CUDA
+#include "cuda/ep_rank_step.h"
+#endif
 
 namespace moekit::tools {
 namespace {
@@ -64,6 +68,58 @@ Matrix<T> gather_batch(Communicator& world, const Matrix<T>& local, int64_t S, i
     return out;
 }
 
+// One rank's step, whatever the backend: its outputs, and grads already reduced over the groups.
+template <typename T>
+struct RankStep {
+    Matrix<T> output, grad_input, probs;
+    std::vector<uint8_t> routing_map;
+    MoeWeights<T> grads;
+    RoutingSummary summary;
+    cpu::EpLayout layout;
+};
+
+template <typename T>
+RankStep<T> cpu_rank_step(Communicator& world, const ProcessGroups& groups, const MoeConfig& config,
+                          const MoeWeights<T>& weights, const LayerInput<T>& mine, const Matrix<T>& grad_mine,
+                          LayerResults<T>& res) {
+    cpu::MoePipeline<T> layer(config, groups);
+    RankStep<T> r;
+    // One step; with a receive budget, an overflow anywhere re-runs it through alltoall (budget_step.h).
+    res.budget = cpu::run_budgeted_step<T>(layer, world, [&] {
+        r.output = layer.forward(weights, mine);
+        r.grads = zeros_like(weights);
+        r.grad_input = layer.backward(weights, grad_mine, r.grads);
+    });
+    if (auto* b = dynamic_cast<cpu::BudgetedDispatcher<T>*>(&layer.dispatcher())) {
+        res.budgeted = true;
+        res.overflow_events = b->overflow_events();
+    }
+    layer.reduce_gradients(r.grads);
+    r.probs = layer.probs();
+    r.routing_map = layer.routing_map();
+    r.summary = layer.summary();
+    r.layout = layer.layout();
+    return r;
+}
+
+template <typename T>
+RankStep<T> cuda_rank_step(const ProcessGroups& groups, const MoeConfig& config, const MoeWeights<T>& weights,
+                           const LayerInput<T>& mine, const Matrix<T>& grad_mine) {
+#if MOEKIT_WITH_CUDA
+    if constexpr (std::is_same_v<T, float>) {
+        cuda::EpRankStep s = cuda::run_ep_rank_step(config, groups, weights, mine, grad_mine);
+        RankStep<T> r{std::move(s.output), std::move(s.grad_input), std::move(s.probs), std::move(s.routing_map),
+                      std::move(s.grads), std::move(s.summary), {}};
+        r.layout = cpu::EpLayout{config.num_experts(), config.num_experts() / groups.ep_size(), groups.ep_size(),
+                                 groups.ep_rank()};
+        cpu::reduce_layer_gradients(groups, r.layout, r.grads);
+        return r;
+    }
+#endif
+    (void)groups, (void)config, (void)weights, (void)mine, (void)grad_mine;
+    throw UsageError("--device cuda with several ranks needs a CUDA build and --dtype fp32");
+}
+
 }  // namespace
 
 uint64_t digest_bytes(const void* data, size_t bytes, uint64_t seed) {
@@ -76,7 +132,7 @@ uint64_t digest_bytes(const void* data, size_t bytes, uint64_t seed) {
 template <typename T>
 LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, const MoeWeights<T>& weights,
                                 const LayerInput<T>& input, const Matrix<T>& grad_output,
-                                const std::string& fingerprint) {
+                                const std::string& fingerprint, const std::string& device) {
     const int N = world.size(), rank = world.rank();
     check_same_everywhere(world, fingerprint);
     const int64_t S = input.seq_length, B = input.micro_batch_size, H = input.hidden.cols, E = config.num_experts();
@@ -106,36 +162,25 @@ LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, co
     rank_config.micro_batch_size = Bl;
 
     const auto groups = make_process_groups(world, int(config.expert_model_parallel_size));
-    cpu::MoePipeline<T> layer(rank_config, *groups);
     LayerResults<T> res;
-    Matrix<T> out, grad_in;
-    // One step; with a receive budget, an overflow anywhere re-runs it through alltoall (budget_step.h).
-    res.budget = cpu::run_budgeted_step<T>(layer, world, [&] {
-        out = layer.forward(weights, mine);
-        res.grads = zeros_like(weights);
-        grad_in = layer.backward(weights, grad_mine, res.grads);
-    });
-    if (auto* b = dynamic_cast<cpu::BudgetedDispatcher<T>*>(&layer.dispatcher())) {
-        res.budgeted = true;
-        res.overflow_events = b->overflow_events();
-    }
-    layer.reduce_gradients(res.grads);
+    RankStep<T> step = device == "cuda" ? cuda_rank_step(*groups, rank_config, weights, mine, grad_mine)
+                                        : cpu_rank_step(world, *groups, rank_config, weights, mine, grad_mine, res);
+    res.grads = std::move(step.grads);
 
-    res.output = gather_batch(world, out, S, Bl);
-    res.grad_input = gather_batch(world, grad_in, S, Bl);
-    res.probs = gather_batch(world, layer.probs(), S, Bl);
+    res.output = gather_batch(world, step.output, S, Bl);
+    res.grad_input = gather_batch(world, step.grad_input, S, Bl);
+    res.probs = gather_batch(world, step.probs, S, Bl);
     Matrix<uint8_t> map(S * Bl, E);
-    map.data = layer.routing_map();
+    map.data = step.routing_map;
     res.routing_map = gather_batch(world, map, S, Bl).data;
-    const RoutingSummary summary = layer.summary();
-    res.tokens_per_expert = summary.tokens_per_expert;
+    res.tokens_per_expert = step.summary.tokens_per_expert;
     world.all_reduce(res.tokens_per_expert.data(), E);
-    const std::vector<LossValues> losses = world.all_gather(std::vector<LossValues>{summary.losses});
+    const std::vector<LossValues> losses = world.all_gather(std::vector<LossValues>{step.summary.losses});
     res.rank_losses = losses;
 
     // Expert grads live on their owners: EP rank j's block is taken from world rank j (EP group 0;
     // the other EP groups hold the same values after the expert-data-parallel reduction).
-    const cpu::EpLayout& ep = layer.layout();
+    const cpu::EpLayout& ep = step.layout;
     std::vector<T> local;
     for (int64_t e = ep.first_local_expert(); e < ep.first_local_expert() + ep.num_local_experts; ++e) {
         const auto& f1 = res.grads.fc1[size_t(e)].data;
@@ -160,9 +205,10 @@ LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, co
 }
 
 template LayerResults<float> run_layer_ranks<float>(Communicator&, const MoeConfig&, const MoeWeights<float>&,
-                                                    const LayerInput<float>&, const Matrix<float>&, const std::string&);
+                                                    const LayerInput<float>&, const Matrix<float>&, const std::string&,
+                                                    const std::string&);
 template LayerResults<double> run_layer_ranks<double>(Communicator&, const MoeConfig&, const MoeWeights<double>&,
                                                       const LayerInput<double>&, const Matrix<double>&,
-                                                      const std::string&);
+                                                      const std::string&, const std::string&);
 
 }  // namespace moekit::tools

@@ -1,5 +1,6 @@
 // `moekit layer` on several ranks (mpirun -np N, or --virtual-ranks N): the global input [S, B, H] is
-// split along B into one micro-batch per rank, each rank runs the CPU pipeline at the configured EP,
+// split along B into one micro-batch per rank, each rank runs the pipeline at the configured EP (the CPU
+// reference, or with device "cuda" the GPU layer: virtual ranks share one GPU, MPI ranks use NCCL),
 // and the results come back in the original token order with grads summed over ranks. Used by
 // tools/cmd_layer.cpp; file contract in docs/usage.md. Tests: tests/cpu/test_cmd_layer_ep.cpp.
 #pragma once
@@ -36,7 +37,7 @@ struct LayerResults {
 template <typename T>
 LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, const MoeWeights<T>& weights,
                                 const LayerInput<T>& input, const Matrix<T>& grad_output,
-                                const std::string& fingerprint);
+                                const std::string& fingerprint, const std::string& device = "cpu");
 
 // A digest of tensors, for the fingerprint (FNV-1a over the bytes).
 uint64_t digest_bytes(const void* data, size_t bytes, uint64_t seed = 1469598103934665603ull);

@@ -126,19 +126,25 @@ Matrix<T> MoePipeline<T>::backward(const MoeWeights<T>& w, const Matrix<T>& grad
 }
 
 template <typename T>
-void MoePipeline<T>::reduce_gradients(MoeWeights<T>& grads) {
-    Communicator& dp = *groups_.dp;
+void reduce_layer_gradients(const ProcessGroups& groups, const EpLayout& layout, MoeWeights<T>& grads) {
+    Communicator& dp = *groups.dp;
     all_reduce(dp, grads.router_weight);
-    if (shared_shape_.ffn > 0) {
+    if (!grads.shared_fc1.empty()) {
         all_reduce(dp, grads.shared_fc1);
         all_reduce(dp, grads.shared_fc2);
         if (!grads.shared_gate.empty()) all_reduce(dp, grads.shared_gate);
     }
-    const EpLayout& ep = layout();
-    for (int64_t e = ep.first_local_expert(); e < ep.first_local_expert() + ep.num_local_experts; ++e) {
-        all_reduce(*groups_.expert_dp, grads.fc1[size_t(e)]);
-        all_reduce(*groups_.expert_dp, grads.fc2[size_t(e)]);
+    for (int64_t e = layout.first_local_expert(); e < layout.first_local_expert() + layout.num_local_experts; ++e) {
+        all_reduce(*groups.expert_dp, grads.fc1[size_t(e)]);
+        all_reduce(*groups.expert_dp, grads.fc2[size_t(e)]);
     }
+}
+template void reduce_layer_gradients<float>(const ProcessGroups&, const EpLayout&, MoeWeights<float>&);
+template void reduce_layer_gradients<double>(const ProcessGroups&, const EpLayout&, MoeWeights<double>&);
+
+template <typename T>
+void MoePipeline<T>::reduce_gradients(MoeWeights<T>& grads) {
+    reduce_layer_gradients(groups_, layout(), grads);
 }
 
 template <typename T>

@@ -26,6 +26,12 @@ struct PipelineContext {
     SharedExpertContext<T> shared;  // shared expert activations and gate values
 };
 
+// Megatron's finalize_model_grads over the process groups: router, shared-expert and gate grads summed
+// over dp, the local experts' grads (those `layout` gives this rank) over expert_dp. Shared by every
+// backend's EP path (MoePipeline::reduce_gradients, the CUDA rank step of tools/layer_ep.cpp).
+template <typename T>
+void reduce_layer_gradients(const ProcessGroups& groups, const EpLayout& layout, MoeWeights<T>& grads);
+
 template <typename T>
 class MoePipeline {
 public:

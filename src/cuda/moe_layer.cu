@@ -10,6 +10,7 @@
 #include "cuda/combine.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
+#include "cuda/dispatcher.h"
 #include "cuda/losses.cuh"
 #include "cuda/moe_layer.h"
 #include "cuda/permute.cuh"
@@ -33,16 +34,19 @@ ExpertGemmKind default_gemm_kind() {
 template <typename R>
 class LayerImpl final : public CudaMoeLayer {
 public:
-    LayerImpl(const CudaLayerShape& shape, bool own_io) : shape_(shape), gemm_(expert_gemm(default_gemm_kind())) {
+    LayerImpl(const CudaLayerShape& shape, bool own_io, DeviceComm* ep)
+        : shape_(shape), gemm_(expert_gemm(default_gemm_kind())) {
         const RouterShape& r = shape.router;
         const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
+        dispatcher_ = make_cuda_dispatcher<R>(shape.dispatcher, DispatchShape{r, M, shape.ep_size, shape.ep_rank}, ep);
+        const int64_t L = dispatcher_->num_local_experts(), Me = dispatcher_->expert_max_rows();
         mask_.resize(T);
         if (own_io) {
             hidden_.resize(T * H), grad_output_.resize(T * H);
-            router_weight_.resize(E * H), expert_bias_.resize(E), fc1_.resize(E * F1 * H), fc2_.resize(E * H * F);
+            router_weight_.resize(E * H), expert_bias_.resize(E), fc1_.resize(L * F1 * H), fc2_.resize(L * H * F);
             output_.resize(T * H), grad_input_.resize(T * H);
-            grad_router_weight_.resize(E * H), grad_fc1_.resize(E * F1 * H), grad_fc2_.resize(E * H * F);
+            grad_router_weight_.resize(E * H), grad_fc1_.resize(L * F1 * H), grad_fc2_.resize(L * H * F);
         }
         hidden_r_.resize(T * H), weight_r_.resize(E * H), logits_.resize(T * E), probs_.resize(T * E);
         map_.resize(T * E), topk_idx_.resize(T * K), jitter_seed_.resize(1);
@@ -53,9 +57,9 @@ public:
         ga_steps_.resize(1);
         counts_.resize(E), offsets_.resize(E + 1), rank_.resize(T * E), row_token_.resize(M), row_prob_.resize(M);
         token_offsets_.resize(T + 1), token_rows_.resize(M), token_counts_.resize(T);
-        rows_.resize(M * H), fc1_out_.resize(M * F1), act_out_.resize(M * F), expert_out_.resize(M * H);
-        grad_rows_.resize(M * H), grad_act_.resize(M * F), grad_fc1_out_.resize(M * F1), grad_x_rows_.resize(M * H);
-        grad_row_probs_.resize(M), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
+        fc1_out_.resize(Me * F1), act_out_.resize(Me * F), expert_out_.resize(Me * H);
+        grad_rows_.resize(Me * H), grad_act_.resize(Me * F), grad_fc1_out_.resize(Me * F1), grad_x_rows_.resize(Me * H);
+        grad_row_probs_.resize(Me), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
         if (shape.has_shared) {
             const int64_t Fs = shape.shared.ffn, Fs1 = shape.shared.fc1_rows();
             shared_offsets_.resize(2);
@@ -100,13 +104,14 @@ public:
         m.saved_activation_bytes = int64_t(saved_bytes());
         return m;
     }
+    DispatchTraffic traffic() const override { return dispatcher_->traffic(); }
     void enable_stage_timing(bool on) override { timing_ = on; }
     StageTimesMs forward_times_ms() override { return times(0); }
     StageTimesMs backward_times_ms() override { return times(1); }
 
     void forward(cudaStream_t stream, bool training) override {
         const RouterShape& r = shape_.router;
-        const int64_t H = r.hidden, E = r.num_experts, M = shape_.max_rows, F = shape_.ffn, F1 = shape_.fc1_rows;
+        const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
         training_ = training;
         mark(stream, 0, LayerStage::router, true);
         router_forward<R>(r, router_tensors(), cublas_, stream, training);
@@ -114,54 +119,55 @@ public:
         mark(stream, 0, LayerStage::router, false);
         mark(stream, 0, LayerStage::permute, true);
         build_routing_plan<R>(map_.get(), probs_.get(), plan(), stream);
-        permute_rows<R>(plan(), H, buf_.hidden, rows_.get(), stream);
+        experts_ = dispatcher_->dispatch(plan(), map_.get(), probs_.get(), buf_.hidden, stream);
         mark(stream, 0, LayerStage::permute, false);
+        const int64_t L = experts_.num_experts, M = experts_.max_rows;
+        const int32_t* offsets = experts_.offsets;
         if (shape_.has_shared) {
             mark(stream, 0, LayerStage::shared_expert, true);
             shared_expert_forward(shape_.shared, shared_tensors(), gemm_, stream);
             mark(stream, 0, LayerStage::shared_expert, false);
         }
         mark(stream, 0, LayerStage::fc1, true);
-        gemm_.nt(GroupedGemmShape{E, M, F1, H}, rows_.get(), buf_.fc1, fc1_out_.get(), offsets_.get(), stream);
+        gemm_.nt(GroupedGemmShape{L, M, F1, H}, experts_.rows, buf_.fc1, fc1_out_.get(), offsets, stream);
         mark(stream, 0, LayerStage::fc1, false);
         mark(stream, 0, LayerStage::activation, true);
-        activation_forward<R>(act_shape(), offsets_.get() + E, fc1_out_.get(), row_prob_.get(), act_out_.get(), stream);
+        activation_forward<R>(act_shape(), offsets + L, fc1_out_.get(), experts_.probs, act_out_.get(), stream);
         mark(stream, 0, LayerStage::activation, false);
         mark(stream, 0, LayerStage::fc2, true);
-        gemm_.nt(GroupedGemmShape{E, M, H, F}, act_out_.get(), buf_.fc2, expert_out_.get(), offsets_.get(), stream);
+        gemm_.nt(GroupedGemmShape{L, M, H, F}, act_out_.get(), buf_.fc2, expert_out_.get(), offsets, stream);
         mark(stream, 0, LayerStage::fc2, false);
         mark(stream, 0, LayerStage::combine, true);
-        combine_forward<R>(plan(), H, expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
-                           shape_.has_shared && shape_.shared.has_gate ? s_gate_.get() : nullptr, buf_.output,
-                           stream);
+        dispatcher_->combine(plan(), expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
+                             shape_.has_shared && shape_.shared.has_gate ? s_gate_.get() : nullptr, buf_.output, stream);
         mark(stream, 0, LayerStage::combine, false);
     }
 
     void backward(cudaStream_t stream, const BackwardOptions& options) override {
         const RouterShape& r = shape_.router;
         const bool acc = options.accumulate_param_grads;
-        const int64_t H = r.hidden, E = r.num_experts, M = shape_.max_rows, F = shape_.ffn, F1 = shape_.fc1_rows;
+        const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
+        const int64_t L = experts_.num_experts, M = experts_.max_rows;
+        const int32_t* offsets = experts_.offsets;
         mark(stream, 1, LayerStage::combine, true);
-        combine_backward<R>(plan(), H, buf_.grad_output, grad_rows_.get(), stream);
+        dispatcher_->combine_backward(plan(), buf_.grad_output, grad_rows_.get(), stream);
         mark(stream, 1, LayerStage::combine, false);
         mark(stream, 1, LayerStage::fc2, true);
-        gemm_.nn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), buf_.fc2, grad_act_.get(), offsets_.get(), stream);
-        gemm_.tn(GroupedGemmShape{E, M, F, H}, grad_rows_.get(), act_out_.get(), buf_.grad_fc2, offsets_.get(), acc,
-                 stream);
+        gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows_.get(), buf_.fc2, grad_act_.get(), offsets, stream);
+        gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows_.get(), act_out_.get(), buf_.grad_fc2, offsets, acc, stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
-        activation_backward<R>(act_shape(), offsets_.get() + E, fc1_out_.get(), row_prob_.get(), grad_act_.get(),
+        activation_backward<R>(act_shape(), offsets + L, fc1_out_.get(), experts_.probs, grad_act_.get(),
                                grad_fc1_out_.get(), grad_row_probs_.get(), stream);
         mark(stream, 1, LayerStage::activation, false);
         mark(stream, 1, LayerStage::fc1, true);
-        gemm_.nn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(), offsets_.get(),
+        gemm_.nn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(), offsets, stream);
+        gemm_.tn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), experts_.rows, buf_.grad_fc1, offsets, acc,
                  stream);
-        gemm_.tn(GroupedGemmShape{E, M, H, F1}, grad_fc1_out_.get(), rows_.get(), buf_.grad_fc1, offsets_.get(),
-                 acc, stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
-        permute_rows_backward<R>(plan(), H, grad_x_rows_.get(), buf_.grad_input, options.accumulate_grad_input,
-                                 stream);
+        dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,
+                                       options.accumulate_grad_input, grad_probs_.get(), stream);
         mark(stream, 1, LayerStage::permute, false);
         if (shape_.has_shared) {
             mark(stream, 1, LayerStage::shared_expert, true);
@@ -170,7 +176,6 @@ public:
             mark(stream, 1, LayerStage::shared_expert, false);
         }
         mark(stream, 1, LayerStage::router, true);
-        scatter_row_probs_grad<R>(plan(), map_.get(), grad_row_probs_.get(), grad_probs_.get(), stream);
         router_backward_probs<R>(r, router_tensors(), grad_probs_.get(), grad_logits_.get(), stream);
         if (training_) losses_backward<R>(r, shape_.loss, loss_tensors(), grad_logits_.get(), stream);
         router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), buf_.grad_router_weight, buf_.grad_input,
@@ -199,7 +204,7 @@ public:
 
 private:
     ActivationShape act_shape() const {
-        return ActivationShape{shape_.max_rows, shape_.ffn, shape_.gated_linear_unit, shape_.act};
+        return ActivationShape{dispatcher_->expert_max_rows(), shape_.ffn, shape_.gated_linear_unit, shape_.act};
     }
     RouterTensors<R> router_tensors() {
         R* bias = shape_.router.has_expert_bias ? static_cast<R*>(buf_.expert_bias) : nullptr;
@@ -245,19 +250,19 @@ private:
         add(z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_);
         add(grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_, topk_idx_, aux_counts_, valid_counts_, ga_steps_);
         add(counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_, shared_offsets_);
-        add(local_tokens_, global_tokens_, jitter_seed_, sinkhorn_, sinkhorn_d0_, rows_, fc1_out_, act_out_);
+        add(local_tokens_, global_tokens_, jitter_seed_, sinkhorn_, sinkhorn_d0_, fc1_out_, act_out_);
         add(expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_, shared_fc1_, shared_fc2_, shared_gate_);
         add(s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_, s_grad_fc1_out_, s_grad_x_, grad_shared_fc1_);
         add(grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_);
-        return n;
+        return n + dispatcher_->allocated_bytes();
     }
     size_t saved_bytes() const {
         size_t n = 0;
         auto add = [&](const auto&... bufs) { ((n += bufs.bytes()), ...); };
         add(hidden_r_, weight_r_, logits_, probs_, map_, topk_idx_, aux_scores_, aux_map_, lse_, grad_coeff_);
         add(z_grad_coeff_, counts_, offsets_, row_token_, row_prob_, token_offsets_, token_rows_, sinkhorn_);
-        add(rows_, fc1_out_, act_out_, s_fc1_out_, s_act_, s_out_, s_gate_);
-        return n;
+        add(fc1_out_, act_out_, s_fc1_out_, s_act_, s_out_, s_gate_);
+        return n + dispatcher_->saved_bytes();
     }
     void fill_buffers() {
         LayerBuffers& b = buf_;
@@ -271,7 +276,7 @@ private:
         b.logits = logits_.get(), b.probs = probs_.get(), b.routing_map = map_.get(), b.topk_idx = topk_idx_.get();
         b.counts = counts_.get(), b.offsets = offsets_.get(), b.row_token = row_token_.get();
         b.row_prob = row_prob_.get(), b.token_offsets = token_offsets_.get(), b.token_rows = token_rows_.get();
-        b.rows = rows_.get(), b.fc1_out = fc1_out_.get(), b.act_out = act_out_.get(), b.expert_out = expert_out_.get();
+        b.rows = dispatcher_->expert_rows_buffer(), b.fc1_out = fc1_out_.get(), b.act_out = act_out_.get(), b.expert_out = expert_out_.get();
         b.grad_row_probs = grad_row_probs_.get(), b.grad_probs = grad_probs_.get(), b.grad_logits = grad_logits_.get();
         b.losses = losses_.get(), b.local_tokens_per_expert = local_tokens_.get();
         b.global_tokens_per_expert = global_tokens_.get(), b.ga_steps = ga_steps_.get();
@@ -298,6 +303,8 @@ private:
 
     CudaLayerShape shape_;
     ExpertGemm gemm_;
+    std::unique_ptr<CudaDispatcher<R>> dispatcher_;
+    ExpertInput<R> experts_;  // what the last dispatch gave the experts (backward reads it)
     LayerBuffers buf_;
     cublasHandle_t cublas_ = nullptr;
     bool training_ = true, timing_ = false;
@@ -314,7 +321,7 @@ private:
     DeviceBuffer<double> local_tokens_, global_tokens_;
     DeviceBuffer<uint64_t> jitter_seed_;
     DeviceBuffer<float> sinkhorn_, sinkhorn_d0_;
-    DeviceBuffer<bf16> rows_, fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
+    DeviceBuffer<bf16> fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
     DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
     DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;
     DeviceBuffer<float> grad_shared_fc1_, grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_;
@@ -352,6 +359,10 @@ CudaLayerShape CudaLayerShape::from_config(const MoeConfig& c, int64_t seq_lengt
     }
     s.max_rows = s.router.max_rows();
     s.router_fp64 = c.moe_router_dtype && *c.moe_router_dtype == "fp64";
+    s.dispatcher = c.moe_token_dispatcher_type;
+    s.ep_size = int(c.expert_model_parallel_size);
+    MOEKIT_REQUIRE(s.ep_size >= 1 && s.router.num_experts % s.ep_size == 0, "--expert-model-parallel-size=", s.ep_size,
+                   " must divide --num-experts=", s.router.num_experts);
     return s;
 }
 
@@ -362,14 +373,26 @@ std::string CudaLayerShape::to_string() const {
 }
 
 std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int64_t seq_length,
-                                                   int64_t micro_batch_size, bool own_io) {
+                                                   int64_t micro_batch_size, bool own_io, DeviceComm* ep) {
     MoeConfig c = config;
     c.normalize();
     MOEKIT_REQUIRE(!c.add_bias_linear, "--add-bias-linear: not supported on --device cuda");
-    const CudaLayerShape shape = CudaLayerShape::from_config(c, seq_length, micro_batch_size);
+    CudaLayerShape shape = CudaLayerShape::from_config(c, seq_length, micro_batch_size);
     shape.router.validate();
-    if (shape.router_fp64) return std::make_unique<LayerImpl<double>>(shape, own_io);
-    return std::make_unique<LayerImpl<float>>(shape, own_io);
+    if (shape.ep_size > 1) {
+        MOEKIT_CHECK(ep && ep->size() == shape.ep_size, "--expert-model-parallel-size=", shape.ep_size,
+                     ": the CUDA layer needs a device communicator over ", shape.ep_size, " ranks, got ",
+                     ep ? ep->size() : 0);
+        shape.ep_rank = ep->rank();
+        MOEKIT_REQUIRE(c.aux_loss_coeff("global_aux_loss") == 0, "--moe-router-load-balancing-type global_aux_loss "
+                       "with --expert-model-parallel-size > 1 is not supported on --device cuda yet (its token counts "
+                       "are reduced over data-parallel ranks inside the loss); use the CPU backend");
+        MOEKIT_REQUIRE(!c.moe_expert_rank_capacity_factor, "--moe-expert-rank-capacity-factor: the budgeted "
+                       "(sync-free) dispatcher is not on --device cuda yet; leave it out to use ",
+                       c.moe_token_dispatcher_type);
+    }
+    if (shape.router_fp64) return std::make_unique<LayerImpl<double>>(shape, own_io, ep);
+    return std::make_unique<LayerImpl<float>>(shape, own_io, ep);
 }
 
 }  // namespace moekit::cuda

@@ -2,7 +2,9 @@
 // R = float (or double with --moe-router-dtype fp64). Every buffer is sized at construction from
 // static bounds (T*k rows, or E*capacity with padding); forward(stream)/backward(stream) only
 // enqueue work (no allocation, no host wait), so a whole step can be captured in one CUDA graph.
-// Stages: router -> losses -> plan + permute -> shared expert -> fc1 -> act*p -> fc2 -> combine.
+// Stages: router -> losses -> plan + dispatch -> shared expert -> fc1 -> act*p -> fc2 -> combine, where
+// dispatch/combine are the dispatcher stage (src/cuda/dispatcher.h): plain permute/unpermute at EP = 1,
+// allgather or alltoall over a DeviceComm at EP > 1 (then fc1/fc2 hold the L = E/EP local experts).
 // Twin: cpu::MoeLayer (src/cpu/layer.cpp). Tests: tests/gpu/test_cuda_layer.cu, test_cuda_graph.cu.
 #pragma once
 #include <cuda_bf16.h>
@@ -13,6 +15,8 @@
 #include <memory>
 #include <vector>
 
+#include "comm/device_comm.h"
+#include "cuda/dispatcher.h"
 #include "cuda/expert_gemm.h"
 #include "cuda/losses.cuh"
 #include "cuda/router.cuh"
@@ -33,6 +37,9 @@ struct CudaLayerShape {
     SharedExpertShape shared;
     int64_t max_rows = 0;           // static bound on permuted rows
     bool router_fp64 = false;       // R = double
+    std::string dispatcher = "allgather";  // --moe-token-dispatcher-type (EP > 1)
+    int ep_size = 1, ep_rank = 0;   // this layer's place in its EP group; experts [ep_rank*L, +L) are local
+    int64_t local_experts() const { return router.num_experts / ep_size; }
 
     static CudaLayerShape from_config(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
     std::string to_string() const;
@@ -49,8 +56,8 @@ struct LayerBuffers {
     __nv_bfloat16* grad_output = nullptr;   // [T, H]
     __nv_bfloat16* router_weight = nullptr; // [E, H]
     void* expert_bias = nullptr;            // [E] R
-    __nv_bfloat16* fc1 = nullptr;           // [E, F1, H]
-    __nv_bfloat16* fc2 = nullptr;           // [E, H, F]
+    __nv_bfloat16* fc1 = nullptr;           // [L, F1, H] the local experts (L = E at EP = 1)
+    __nv_bfloat16* fc2 = nullptr;           // [L, H, F]
     __nv_bfloat16* shared_fc1 = nullptr;    // [Fs1, H]
     __nv_bfloat16* shared_fc2 = nullptr;    // [H, Fs]
     __nv_bfloat16* shared_gate = nullptr;   // [H]
@@ -58,8 +65,8 @@ struct LayerBuffers {
     __nv_bfloat16* output = nullptr;        // [T, H]
     float* grad_input = nullptr;            // [T, H]
     float* grad_router_weight = nullptr;    // [E, H]
-    float* grad_fc1 = nullptr;              // [E, F1, H]
-    float* grad_fc2 = nullptr;              // [E, H, F]
+    float* grad_fc1 = nullptr;              // [L, F1, H]
+    float* grad_fc2 = nullptr;              // [L, H, F]
     float* grad_shared_fc1 = nullptr;       // [Fs1, H]
     float* grad_shared_fc2 = nullptr;       // [H, Fs]
     float* grad_shared_gate = nullptr;      // [H]
@@ -101,9 +108,10 @@ using StageTimesMs = std::array<float, size_t(LayerStage::count)>;
 class CudaMoeLayer {
 public:
     // Allocates everything (the I/O buffers only with own_io); throws UsageError for configurations
-    // --device cuda does not support.
+    // --device cuda does not support. With --expert-model-parallel-size N > 1, `ep` is this rank's
+    // device communicator over its EP group of N ranks (kept by reference; collective with the peers).
     static std::unique_ptr<CudaMoeLayer> create(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size,
-                                                bool own_io = true);
+                                                bool own_io = true, DeviceComm* ep = nullptr);
     virtual ~CudaMoeLayer() = default;
 
     virtual const CudaLayerShape& shape() const = 0;
@@ -117,6 +125,8 @@ public:
     virtual void forward(cudaStream_t stream, bool training) = 0;
     virtual void backward(cudaStream_t stream, const BackwardOptions& options = {}) = 0;
 
+    // The dispatcher stage's traffic in the last step (bytes sent to other ranks, host syncs).
+    virtual DispatchTraffic traffic() const = 0;
     // Bytes of the layer's own allocations (workspace) and of the part saved from forward to backward.
     virtual LayerMemory memory() const = 0;
 

@@ -1,0 +1,88 @@
+// CUDA dispatcher stage (Megatron MoETokenDispatcher, megatron-moe.md §1.3): moves a rank's routed rows to
+// the EP ranks that own their experts and back. The layer (src/cuda/moe_layer.cu) builds the routing plan
+// over the global experts; the dispatcher turns it into the local experts' input and returns their
+// output to the tokens. Implementations: dispatch_local.cu (EP = 1: permute/combine, no communication),
+// dispatch_allgather.cu (device all-gathers, static buffers, no host sync), dispatch_alltoall.cu (host
+// split sizes: the synchronous baseline). Twin: src/cpu/dispatcher.h. Tests: tests/gpu/test_cuda_ep.cu.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "comm/device_comm.h"
+#include "cuda/permute.cuh"
+#include "cuda/router.cuh"
+
+namespace moekit::cuda {
+
+// What the local experts consume; device memory owned by the dispatcher, valid until the next dispatch.
+template <typename R>
+struct ExpertInput {
+    int64_t num_experts = 0;                // L local experts
+    int64_t max_rows = 0;                   // static bound on offsets[L]
+    const __nv_bfloat16* rows = nullptr;    // [max_rows, H] grouped by local expert
+    const R* probs = nullptr;               // [max_rows] routing prob of each row
+    const int32_t* offsets = nullptr;       // [L + 1] on the device
+};
+
+// Traffic of the last step, for benchmarks (host values; the synchronous dispatchers know them).
+struct DispatchTraffic {
+    int64_t bytes_sent = 0;   // by this rank, forward + backward, to other ranks
+    int64_t host_syncs = 0;   // device-to-host waits in the last forward + backward
+};
+
+template <typename R>
+class CudaDispatcher {
+public:
+    virtual ~CudaDispatcher() = default;
+    virtual std::string name() const = 0;
+    virtual int64_t num_local_experts() const = 0;
+    virtual int64_t expert_max_rows() const = 0;
+    virtual size_t allocated_bytes() const = 0;
+    virtual size_t saved_bytes() const = 0;  // what forward keeps for backward
+    virtual DispatchTraffic traffic() const { return {}; }
+    virtual __nv_bfloat16* expert_rows_buffer() = 0;  // the [max_rows, H] rows (stage tests)
+
+    // plan over this rank's [T, E] routing, hidden [T, H] -> the local experts' rows.
+    virtual ExpertInput<R> dispatch(const RoutingPlan<R>& plan, const uint8_t* routing_map, const R* probs,
+                                    const __nv_bfloat16* hidden, cudaStream_t stream) = 0;
+    // expert_out [max_rows, H] -> out [T, H] = sum of each token's rows (+ shared_out * gate; both optional).
+    virtual void combine(const RoutingPlan<R>& plan, const __nv_bfloat16* expert_out, const __nv_bfloat16* shared_out,
+                         const float* shared_gate, __nv_bfloat16* out, cudaStream_t stream) = 0;
+    // grad_out [T, H] -> grad of expert_out [max_rows, H].
+    virtual void combine_backward(const RoutingPlan<R>& plan, const __nv_bfloat16* grad_out,
+                                  __nv_bfloat16* grad_expert_out, cudaStream_t stream) = 0;
+    // Grads of the expert rows [max_rows, H] and their probs [max_rows] -> grad_input [T, H] (= or +=) and
+    // dense grad_probs [T, E] (zero off the map).
+    virtual void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* routing_map,
+                                   const __nv_bfloat16* grad_rows, const R* grad_row_probs, float* grad_input,
+                                   bool accumulate, R* grad_probs, cudaStream_t stream) = 0;
+};
+
+// Static bounds of a rank's dispatcher.
+struct DispatchShape {
+    RouterShape router;          // this rank's tokens, all E experts
+    int64_t plan_max_rows = 0;   // bound on this rank's permuted rows (RouterShape::max_rows)
+    int ep_size = 1, ep_rank = 0;
+    int64_t local_experts() const { return router.num_experts / ep_size; }
+    // Rows one source rank can send to one EP rank: L * capacity with padding, else T * min(k, L).
+    int64_t rows_per_source() const;
+};
+
+// --moe-token-dispatcher-type allgather | alltoall (flex = alltoall here); EP = 1 is the local one whatever
+// the type. `ep` (null at EP = 1) is kept by reference.
+template <typename R>
+std::unique_ptr<CudaDispatcher<R>> make_cuda_dispatcher(const std::string& type, const DispatchShape& shape,
+                                                        DeviceComm* ep);
+
+template <typename R>
+std::unique_ptr<CudaDispatcher<R>> make_local_dispatcher(const DispatchShape& shape);
+template <typename R>
+std::unique_ptr<CudaDispatcher<R>> make_allgather_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
+template <typename R>
+std::unique_ptr<CudaDispatcher<R>> make_alltoall_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
+
+}  // namespace moekit::cuda

@@ -1,0 +1,206 @@
+// Expert parallelism on ONE GPU with virtual ranks (the local-gpu DeviceComm): on every rank the CUDA EP
+// layer (src/cuda/ep_rank_step.h) is compared with the CPU oracle cpu::MoeLayer at EP = 1 on the same
+// micro-batch: output and input gradient per rank, router/shared gradients summed over ranks, each
+// rank's local experts' gradients against the sum over all micro-batches, tokens per expert exact,
+// losses per micro-batch; EP = 2, 4, 8, both dispatchers, routing variants. Also the device
+// transport's own collectives (all-gather, uneven all-to-all-v, deterministic all-reduce).
+#include <cstdio>
+#include <functional>
+#include <mutex>
+
+#include "comm/device_comm.h"
+#include "cuda/device_buffer.h"
+#include "cuda/ep_rank_step.h"
+#include "gpu/cuda_layer_test_util.h"
+#include "moekit/comm.h"
+
+namespace moekit::test {
+namespace {
+
+std::vector<float> flat(const std::vector<Matrix<float>>& ms, int64_t first, int64_t count) {
+    std::vector<float> v;
+    for (int64_t e = first; e < first + count; ++e) v.insert(v.end(), ms[size_t(e)].data.begin(), ms[size_t(e)].data.end());
+    return v;
+}
+
+void all_reduce(Communicator& c, Matrix<float>& m) {
+    if (!m.data.empty()) c.all_reduce(m.data.data(), m.size());
+}
+
+struct EpGpuCase {
+    std::string name;
+    std::function<void(MoeConfig&)> edit;
+    bool padding = false;
+};
+
+std::vector<EpGpuCase> ep_cases() {
+    return {
+        {"softmax_post_swiglu", [](MoeConfig&) {}},
+        {"sigmoid_bias_groups_seqaux",
+         [](MoeConfig& c) {
+             c.moe_router_score_function = "sigmoid", c.moe_router_enable_expert_bias = true;
+             c.moe_router_num_groups = 4, c.moe_router_group_topk = 2, c.moe_router_topk = 4;
+             c.moe_router_load_balancing_type = {"seq_aux_loss"}, c.moe_aux_loss_coeff = {0.02};
+         }},
+        {"shared_gate_gelu_fp64",
+         [](MoeConfig& c) {
+             c.activation_func = "gelu", c.moe_shared_expert_intermediate_size = 48, c.moe_shared_expert_gate = true;
+             c.moe_router_dtype = "fp64";
+         }},
+        {"capacity_drop_position",
+         [](MoeConfig& c) { c.moe_expert_capacity_factor = 0.75, c.moe_token_drop_policy = "position"; }},
+        {"capacity_pad", [](MoeConfig& c) { c.moe_expert_capacity_factor = 1.0, c.moe_pad_expert_input_to_capacity = true; }},
+        {"padding_mask_aux_z", [](MoeConfig&) {}, true},
+        {"uneven_empty_experts",  // sigmoid k=1 with a dominating bias on expert 0: most experts get nothing
+         [](MoeConfig& c) {
+             c.moe_router_score_function = "sigmoid", c.moe_router_topk = 1, c.moe_router_enable_expert_bias = true;
+         }},
+    };
+}
+
+// Every rank: its micro-batch (seeded by rank) through the CUDA EP layer and the CPU oracle at EP = 1.
+void run_case(const EpGpuCase& tc, int ranks, const std::string& dispatcher) {
+    const uint64_t seed = 20261123;
+    std::mutex print;
+    comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+        const int r = world.rank();
+        MoeConfig c = small_config();
+        tc.edit(c);
+        MoeWeights<float> w = bf16_weights(c, seed);
+        if (tc.name == "uneven_empty_experts") w.expert_bias[0] = 100.0;
+        LayerInput<float> in = bf16_input(c, seed + 1000 * uint64_t(r + 1));
+        if (tc.padding) {
+            in.padding_mask.assign(size_t(in.hidden.rows), 0);
+            for (int64_t t = 0; t < in.hidden.rows; ++t) in.padding_mask[size_t(t)] = ((t + r) % 5 == 3 || t >= 28);
+        }
+        Matrix<float> grad_out = random_matrix<float>(in.hidden.rows, in.hidden.cols, seed + uint64_t(r), 2, 1.0);
+        round_bf16(grad_out);
+        SCOPED_TRACE(tc.name + " " + dispatcher + " EP=" + std::to_string(ranks) + " rank " + std::to_string(r) +
+                     " seed=" + std::to_string(seed));
+
+        cpu::MoeLayer<float> oracle(c);
+        MoeWeights<float> g_ref = zeros_like(w);
+        const Matrix<float> out_ref = oracle.forward(w, in);
+        const RoutingSummary s_ref = oracle.summary();
+        const Matrix<float> dx_ref = oracle.backward(w, grad_out, g_ref);
+
+        MoeConfig ce = c;
+        ce.expert_model_parallel_size = ranks;
+        ce.moe_token_dispatcher_type = dispatcher;
+        const auto groups = make_process_groups(world, ranks);
+        cuda::EpRankStep got = cuda::run_ep_rank_step(ce, *groups, w, in, grad_out);
+
+        ASSERT_GT(norm(out_ref.data), 0.0);
+        EXPECT_LT(rel_err(got.output.data, out_ref.data), 1e-2) << "output";
+        EXPECT_LT(rel_err(got.grad_input.data, dx_ref.data), 2e-2) << "grad input";
+        EXPECT_EQ(got.summary.tokens_per_expert, s_ref.tokens_per_expert) << "tokens per expert";
+        EXPECT_EQ(got.routing_map, oracle.routing_map()) << "routing map";
+        EXPECT_NEAR(got.summary.losses.aux_loss, s_ref.losses.aux_loss, 1e-5 * std::abs(s_ref.losses.aux_loss) + 1e-9);
+        EXPECT_NEAR(got.summary.losses.seq_aux_loss, s_ref.losses.seq_aux_loss,
+                    1e-5 * std::abs(s_ref.losses.seq_aux_loss) + 1e-9);
+        EXPECT_NEAR(got.summary.losses.z_loss, s_ref.losses.z_loss, 1e-5 * std::abs(s_ref.losses.z_loss) + 1e-9);
+        if (ranks > 1) EXPECT_EQ(got.host_syncs, dispatcher == "alltoall" ? 1 : 0) << "host syncs per step";
+
+        // Gradients summed over the micro-batches: the oracle's by an all-reduce, the EP layer's router and
+        // shared grads by the data-parallel reduction; its local experts' grads already hold every rank's rows.
+        for (auto* g : {&g_ref.router_weight, &g_ref.shared_fc1, &g_ref.shared_fc2, &g_ref.shared_gate,
+                        &got.grads.router_weight, &got.grads.shared_fc1, &got.grads.shared_fc2, &got.grads.shared_gate})
+            all_reduce(world, *g);
+        for (size_t e = 0; e < g_ref.fc1.size(); ++e) all_reduce(world, g_ref.fc1[e]), all_reduce(world, g_ref.fc2[e]);
+        constexpr double kGradTol = 2e-2;
+        EXPECT_LT(rel_err(got.grads.router_weight.data, g_ref.router_weight.data), kGradTol) << "grad router";
+        const int64_t L = c.num_experts() / ranks, first = int64_t(r) * L;
+        const std::vector<float> f1_ref = flat(g_ref.fc1, first, L), f2_ref = flat(g_ref.fc2, first, L);
+        if (norm(f1_ref) > 0) {
+            EXPECT_LT(rel_err(flat(got.grads.fc1, first, L), f1_ref), kGradTol) << "grad fc1 (local experts)";
+            EXPECT_LT(rel_err(flat(got.grads.fc2, first, L), f2_ref), kGradTol) << "grad fc2 (local experts)";
+        } else {
+            EXPECT_EQ(norm(flat(got.grads.fc1, first, L)), 0.0) << "experts without tokens have no gradient";
+        }
+        if (!w.shared_fc1.empty()) {
+            EXPECT_LT(rel_err(got.grads.shared_fc1.data, g_ref.shared_fc1.data), kGradTol) << "grad shared fc1";
+            EXPECT_LT(rel_err(got.grads.shared_fc2.data, g_ref.shared_fc2.data), kGradTol) << "grad shared fc2";
+        }
+        if (!w.shared_gate.empty())
+            EXPECT_LT(rel_err(got.grads.shared_gate.data, g_ref.shared_gate.data), kGradTol) << "grad shared gate";
+        std::lock_guard<std::mutex> lock(print);
+        std::printf("  %-28s %-9s EP=%d rank %d: out %.2e dx %.2e dW_router %.2e dW_fc1 %.2e sent %lld B\n",
+                    tc.name.c_str(), dispatcher.c_str(), ranks, r, rel_err(got.output.data, out_ref.data),
+                    rel_err(got.grad_input.data, dx_ref.data),
+                    rel_err(got.grads.router_weight.data, g_ref.router_weight.data),
+                    norm(f1_ref) > 0 ? rel_err(flat(got.grads.fc1, first, L), f1_ref) : 0.0,
+                    static_cast<long long>(got.bytes_sent));
+    });
+}
+
+class CudaEpVsCpu : public ::testing::TestWithParam<std::tuple<EpGpuCase, int, std::string>> {};
+
+TEST_P(CudaEpVsCpu, VirtualRanksMatchOracle) {
+    SKIP_WITHOUT_GPU();
+    const auto& [tc, ranks, dispatcher] = GetParam();
+    run_case(tc, ranks, dispatcher);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaEpVsCpu,
+                         ::testing::Combine(::testing::ValuesIn(ep_cases()), ::testing::Values(2, 4, 8),
+                                            ::testing::Values(std::string("allgather"), std::string("alltoall"))),
+                         [](const auto& info) {
+                             return std::get<0>(info.param).name + "_ep" + std::to_string(std::get<1>(info.param)) +
+                                    "_" + std::get<2>(info.param);
+                         });
+
+TEST(LocalDeviceComm, CollectivesMoveTheRightBytes) {
+    SKIP_WITHOUT_GPU();
+    const int n = 3;
+    comm::run_virtual_ranks(n, [&](Communicator& world) {
+        const int r = world.rank();
+        auto dc = cuda::make_device_comm(world);
+        EXPECT_EQ(dc->transport(), "local-gpu");
+        cudaStream_t s;
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+        // all_gather of 5 floats per rank.
+        cuda::DeviceBuffer<float> a(5), all(5 * n);
+        std::vector<float> mine(5);
+        for (int i = 0; i < 5; ++i) mine[size_t(i)] = float(100 * r + i);
+        a.upload(mine);
+        dc->all_gather(a.get(), 5 * sizeof(float), all.get(), s);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        const std::vector<float> got = all.download();
+        for (int p = 0; p < n; ++p)
+            for (int i = 0; i < 5; ++i) EXPECT_EQ(got[size_t(p * 5 + i)], float(100 * p + i));
+        // all_to_all_v: rank r sends (r + p + 1) ints valued 1000 r + 10 p + i to peer p.
+        std::vector<int64_t> sb(n), rb(n);
+        std::vector<int32_t> send;
+        for (int p = 0; p < n; ++p) {
+            sb[size_t(p)] = int64_t(r + p + 1) * 4, rb[size_t(p)] = int64_t(p + r + 1) * 4;
+            for (int i = 0; i < r + p + 1; ++i) send.push_back(1000 * r + 10 * p + i);
+        }
+        int64_t total = 0;
+        for (int64_t b : rb) total += b / 4;
+        cuda::DeviceBuffer<int32_t> sd(int64_t(send.size())), rd(total);
+        sd.upload(send);
+        dc->all_to_all_v(sd.get(), sb.data(), rd.get(), rb.data(), s);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        const std::vector<int32_t> recv = rd.download();
+        size_t at = 0;
+        for (int p = 0; p < n; ++p)
+            for (int i = 0; i < p + r + 1; ++i) EXPECT_EQ(recv[at++], 1000 * p + 10 * r + i) << "from " << p;
+        // Deterministic all-reduce: every rank ends with the same bits (rank-order sums).
+        cuda::DeviceBuffer<float> x(7), scratch(7 * n);
+        std::vector<float> xv(7);
+        for (int i = 0; i < 7; ++i) xv[size_t(i)] = 0.1f * float(r + 1) + 1e-3f * float(i);
+        x.upload(xv);
+        cuda::all_reduce_sum(*dc, x.get(), 7, scratch.get(), s);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        const std::vector<float> sum = x.download();
+        for (int i = 0; i < 7; ++i) {
+            float expect = 0;
+            for (int p = 0; p < n; ++p) expect += 0.1f * float(p + 1) + 1e-3f * float(i);
+            EXPECT_EQ(sum[size_t(i)], expect);
+        }
+        cudaStreamDestroy(s);
+    });
+}
+
+}  // namespace
+}  // namespace moekit::test
