@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Expert parallelism on one GPU: build, the EP test (virtual ranks EP=2/4/8, both dispatchers, vs the CPU
 # oracle), the whole GPU label, compute-sanitizer on the EP kernels, `moekit layer --device cuda
-# --virtual-ranks 4` against the CPU, and (when asked with EP_BENCH=1) the EP benchmark.
+# --virtual-ranks 4` against the CPU, (EP_BENCH=1) the EP benchmark, and EP=1 against the layer before the
+# pipeline when .ep_baseline/ holds that tree (git archive 695b969 | tar -x -C .ep_baseline; carried).
 # usage: scripts/device_ep.sh; results in $OUT (summary.txt last lines = the verdict).
 set -o pipefail
 OUT=${OUT:-/tmp/moekit-out}
@@ -18,6 +19,9 @@ log "test_cuda_ep"
 timeout 300 $B/test_cuda_ep >"$OUT/test_cuda_ep.log" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 grep -E "FAILED|PASSED|Failure|error" "$OUT/test_cuda_ep.log" | head -40 | tee -a "$OUT/summary.txt"
+log "NCCL transport under mpirun -np 1 (one GPU here; -np 2 needs two)"
+timeout 120 mpirun --allow-run-as-root -np 1 -x LD_LIBRARY_PATH $B/test_cuda_ep --gtest_filter='NcclDeviceComm.*' 2>&1 \
+  | grep -E "PASSED|FAILED|SKIPPED|Failure|error" | head -5 | tee -a "$OUT/summary.txt"
 log "ctest (all labels)"
 (cd $B && timeout 300 ctest -j 8 --output-on-failure --timeout 250 2>&1) >"$OUT/ctest.log"
 grep -E "tests passed|tests failed|^ *(cpu|gpu) +=|\(Failed\)|\(Timeout\)" "$OUT/ctest.log" | tee -a "$OUT/summary.txt"
@@ -35,6 +39,12 @@ for d in cpu cuda; do
     echo "layer $d $disp exit $?" | tee -a "$OUT/summary.txt"
   done
 done
+# Per tensor: the relative error of cuda vs cpu, worst three shown, and the single-rank (EP=1) cuda vs cpu
+# run of the same flags for scale.
+for d in cpu cuda; do
+  $B/moekit layer --device $d --init random --hidden-size 128 --num-experts 16 --moe-ffn-hidden-size 64 \
+    --moe-router-topk 4 --seq-length 64 --micro-batch-size 8 --swiglu --out /tmp/ep1_${d}.safetensors >/dev/null 2>&1
+done
 python3 - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import json, struct, math
 def load(p):
@@ -43,16 +53,59 @@ def load(p):
         if k == "__metadata__" or t["dtype"] != "F32": continue
         s, e = t["data_offsets"]; out[k] = struct.unpack("<%df" % ((e - s) // 4), b[8 + n + s:8 + n + e])
     return out
-for disp in ("allgather", "alltoall"):
-    a, c = load("/tmp/ep_cpu_%s.safetensors" % disp), load("/tmp/ep_cuda_%s.safetensors" % disp)
-    worst = 0
+def compare(a_path, c_path, label):
+    a, c = load(a_path), load(c_path); errs = []
     for k in a:
         num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a[k], c[k]))); den = math.sqrt(sum(x * x for x in a[k]))
-        if den > 0: worst = max(worst, num / den)
-    print("moekit layer %s: cuda vs cpu worst relative error over %d tensors: %.2e" % (disp, len(a), worst))
+        if den > 0: errs.append((num / den, k))
+    errs.sort(reverse=True)
+    print("%s: cuda vs cpu over %d tensors, worst: %s" % (label, len(errs), ", ".join("%s %.2e" % (k, e) for e, k in errs[:3])))
+for disp in ("allgather", "alltoall"):
+    compare("/tmp/ep_cpu_%s.safetensors" % disp, "/tmp/ep_cuda_%s.safetensors" % disp, "moekit layer EP=4 " + disp)
+compare("/tmp/ep1_cpu.safetensors", "/tmp/ep1_cuda.safetensors", "moekit layer EP=1 (one rank)")
 PY
 if [ "${EP_BENCH:-0}" = 1 ]; then
-  log "moekit bench EP"
-  timeout 300 $B/moekit bench --ep-only --json "$OUT/bench_ep.json" 2>&1 | tail -40 | tee -a "$OUT/summary.txt"
+  log "moekit bench: EP=4 and 8 on virtual ranks"
+  for preset in mixtral qwen3-30b dsv3-ep8; do
+    for ep in 4 8; do
+      for disp in alltoall allgather; do
+        timeout 120 $B/moekit bench --preset $preset --expert-model-parallel-size $ep --virtual-ranks $ep \
+          --moe-token-dispatcher-type $disp --iters 10 --json "$OUT/bench_ep_${preset}_${ep}_${disp}.json" \
+          >"$OUT/bench_ep_${preset}_${ep}_${disp}.txt" 2>&1
+        tail -1 "$OUT/bench_ep_${preset}_${ep}_${disp}.txt" | sed "s/^/$preset EP=$ep $disp: /" | tee -a "$OUT/summary.txt"
+      done
+    done
+  done
+fi
+if [ -d .ep_baseline ]; then
+  log "EP=1 through the pipeline vs the layer before it (.ep_baseline = 695b969), same call, alternating"
+  ln -sfn "$PWD/.third_party" .ep_baseline/.third_party
+  (cd .ep_baseline && cmake -S . -B build-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+     >"$OUT/build_base.log" 2>&1 && timeout 300 cmake --build build-base --target moekit >>"$OUT/build_base.log" 2>&1) \
+     || { echo "baseline build failed" | tee -a "$OUT/summary.txt"; }
+  for preset in mixtral dsv3-ep8 qwen3-30b; do
+    for round in 1 2; do
+      for which in base new; do
+        bin=$B/moekit; [ $which = base ] && bin=.ep_baseline/build-base/moekit
+        timeout 120 $bin bench --preset $preset --iters 10 --json "$OUT/ep1_${which}_${preset}_${round}.json" >/dev/null 2>&1
+      done
+    done
+  done
+  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys, statistics
+out = sys.argv[1]
+for preset in ("mixtral", "dsv3-ep8", "qwen3-30b"):
+    row = {}
+    for which in ("base", "new"):
+        g, e = [], []
+        for rnd in (1, 2):
+            try: j = json.load(open("%s/ep1_%s_%s_%d.json" % (out, which, preset, rnd)))
+            except Exception as ex: continue
+            g.append(j["grouped"]["graph_fwd_bwd_ms"]); e.append(j["grouped"]["eager_fwd_bwd_ms"])
+        row[which] = (min(g) if g else float("nan"), min(e) if e else float("nan"))
+    b, n = row["base"], row["new"]
+    print("%-10s graph fwd+bwd: before %.3f ms, pipeline %.3f ms (x%.3f); eager: %.3f vs %.3f (x%.3f)"
+          % (preset, b[0], n[0], n[0] / b[0], b[1], n[1], n[1] / b[1]))
+PY
 fi
 log "done"

@@ -20,15 +20,18 @@ namespace {
 constexpr const char* kUsage =
     "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
     "                    [--device cuda] [--scope layer|mlp]\n"
+    "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
     "--scope mlp: the expert MLP alone on top-k routing counts) with the sync-free grouped GEMMs (the step captured "
     "in\n"
     "one CUDA graph: no host sync) and with the synchronous cuBLAS baseline (host syncs counted), against the floor:\n"
-    "dense cuBLAS GEMMs of the expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; fwd+bwd = 3 x fwd).";
+    "dense cuBLAS GEMMs of the expert shapes (forward = fc1 [T*k,H]x[H,2F] + fc2 [T*k,F]x[F,H]; fwd+bwd = 3 x fwd).\n"
+    "With --expert-model-parallel-size N --virtual-ranks N: the layer at EP=N on this one GPU (N virtual ranks of T/N\n"
+    "tokens and E/N experts each): per-rank stage times, bytes sent, host syncs, the whole step vs EP=1 on all T.";
 
 int run_bench(const std::vector<std::string>& args) {
-    std::string preset, skew, json_path, device = "cuda", scope = "layer";
-    int64_t iters = 20;
+    std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall";
+    int64_t iters = 20, ep = 1, virtual_ranks = 0;
     // The project's flag table: --help lists these, unknown flags get a suggestion, bad values name the flag.
     moekit::FlagParser p(kUsage);
     p.section("bench");
@@ -38,6 +41,9 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--iters", &iters, "timed iterations per measurement (>= 1)");
     p.add("--device", &device, "cuda (the only device moekit bench times)");
     p.add("--scope", &scope, "layer: the whole layer step | mlp: the expert MLP alone");
+    p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
+    p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");
+    p.add("--moe-token-dispatcher-type", &dispatcher, "allgather | alltoall (the EP benchmark; default alltoall)");
     if (!p.parse(args)) return 0;  // --help was printed
     MOEKIT_REQUIRE(iters >= 1 && iters <= 1'000'000, "--iters=", iters, " must be a positive integer (at most 1000000)");
 #ifndef MOEKIT_WITH_CUDA
@@ -47,6 +53,14 @@ int run_bench(const std::vector<std::string>& args) {
                    "flags)");
     MOEKIT_REQUIRE(device == "cuda", "--device=", device, ": moekit bench runs on cuda only");
     MOEKIT_REQUIRE(scope == "layer" || scope == "mlp", "--scope=", scope, " must be layer or mlp");
+    MOEKIT_REQUIRE(ep >= 1 && ep <= 64, "--expert-model-parallel-size=", ep, " must be in [1, 64]");
+    MOEKIT_REQUIRE(virtual_ranks == 0 || virtual_ranks == ep, "--virtual-ranks=", virtual_ranks,
+                   " must equal --expert-model-parallel-size=", ep, " (one virtual rank per EP rank)");
+    MOEKIT_REQUIRE(ep == 1 || virtual_ranks == ep, "--expert-model-parallel-size=", ep, " needs --virtual-ranks ", ep,
+                   " (the EP benchmark runs the ranks on this one GPU)");
+    MOEKIT_REQUIRE(ep == 1 || scope == "layer", "--scope=", scope, ": the EP benchmark times the whole layer");
+    MOEKIT_REQUIRE(dispatcher == "allgather" || dispatcher == "alltoall", "--moe-token-dispatcher-type=", dispatcher,
+                   " must be allgather or alltoall");
 #ifdef MOEKIT_WITH_CUDA
     namespace b = moekit::cuda::bench;
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
@@ -54,8 +68,14 @@ int run_bench(const std::vector<std::string>& args) {
     o.iters = int(iters);
     if (!skew.empty()) o.zipf_s = b::parse_skew(skew);
     const b::Preset& chosen = b::find_preset(preset);
-    nlohmann::json r = scope == "layer" ? b::bench_layer(chosen, o) : b::bench_expert_mlp(chosen, o);
-    std::printf("%s", (scope == "layer" ? b::format_layer_table(r) : b::format_mlp_table(r)).c_str());
+    nlohmann::json r;
+    if (ep > 1) {
+        r = b::bench_layer_ep(chosen, o, int(ep), dispatcher);
+        std::printf("%s", b::format_layer_ep_table(r).c_str());
+    } else {
+        r = scope == "layer" ? b::bench_layer(chosen, o) : b::bench_expert_mlp(chosen, o);
+        std::printf("%s", (scope == "layer" ? b::format_layer_table(r) : b::format_mlp_table(r)).c_str());
+    }
     if (!json_path.empty()) {
         std::ofstream f(json_path);
         MOEKIT_REQUIRE(f.good(), "--json=", json_path, ": cannot open for writing");

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "moekit/config.h"
+
 namespace moekit::cuda::bench {
 
 struct Preset {
@@ -39,6 +41,16 @@ nlohmann::json bench_expert_mlp(const Preset& p, const Options& o);
 // The whole CUDA layer (bench_layer.cu): router on random inputs (zipf skew through a per-expert logit bias),
 // per-stage times, one-graph step for the sync-free path, the sync baseline, and the same floor.
 nlohmann::json bench_layer(const Preset& p, const Options& o);
+
+// The layer configuration of a preset (SwiGLU, softmax top-k, aux loss, fp32 router), one sequence of T tokens.
+MoeConfig preset_config(const Preset& p);
+
+// The CUDA layer under expert parallelism on ONE GPU (bench_layer_ep.cu): `ep` virtual ranks, each with
+// T/ep of the preset's tokens and E/ep experts, eager fwd+bwd steps through `dispatcher` (allgather |
+// alltoall): whole-step wall time, each rank's step and stage times, bytes each rank sends, host syncs,
+// against the EP = 1 layer on all T tokens timed in the same call.
+nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher);
+std::string format_layer_ep_table(const nlohmann::json& r);
 
 // Human-readable tables of the results above.
 std::string format_gemm_table(const nlohmann::json& r);

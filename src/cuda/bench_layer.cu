@@ -20,6 +20,13 @@ __global__ void set_column_kernel(bf16* p, int64_t rows, int64_t cols, int64_t c
         p[r * cols + col] = __float2bfloat16(value);
 }
 
+double median_of(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace
+
 MoeConfig preset_config(const Preset& p) {
     MoeConfig c;
     c.hidden_size = p.hidden;
@@ -36,13 +43,6 @@ MoeConfig preset_config(const Preset& p) {
     c.validate();
     return c;
 }
-
-double median_of(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-}  // namespace
 
 nlohmann::json bench_layer(const Preset& p, const Options& o) {
     const MoeConfig config = preset_config(p);

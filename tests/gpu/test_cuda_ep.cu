@@ -149,57 +149,67 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaEpVsCpu,
                                     "_" + std::get<2>(info.param);
                          });
 
+// The transport's collectives on `world` (local-gpu for virtual ranks, NCCL for MPI ranks).
+void check_device_collectives(Communicator& world, const std::string& transport) {
+    const int r = world.rank(), n = world.size();
+    auto dc = cuda::make_device_comm(world);
+    EXPECT_EQ(dc->transport(), transport);
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    // all_gather of 5 floats per rank.
+    cuda::DeviceBuffer<float> a(5), all(5 * n);
+    std::vector<float> mine(5);
+    for (int i = 0; i < 5; ++i) mine[size_t(i)] = float(100 * r + i);
+    a.upload(mine);
+    dc->all_gather(a.get(), 5 * sizeof(float), all.get(), s);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const std::vector<float> got = all.download();
+    for (int p = 0; p < n; ++p)
+        for (int i = 0; i < 5; ++i) EXPECT_EQ(got[size_t(p * 5 + i)], float(100 * p + i));
+    // all_to_all_v: rank r sends (r + p + 1) ints valued 1000 r + 10 p + i to peer p.
+    std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
+    std::vector<int32_t> send;
+    for (int p = 0; p < n; ++p) {
+        sb[size_t(p)] = int64_t(r + p + 1) * 4, rb[size_t(p)] = int64_t(p + r + 1) * 4;
+        for (int i = 0; i < r + p + 1; ++i) send.push_back(1000 * r + 10 * p + i);
+    }
+    int64_t total = 0;
+    for (int64_t b : rb) total += b / 4;
+    cuda::DeviceBuffer<int32_t> sd(int64_t(send.size())), rd(total);
+    sd.upload(send);
+    dc->all_to_all_v(sd.get(), sb.data(), rd.get(), rb.data(), s);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const std::vector<int32_t> recv = rd.download();
+    size_t at = 0;
+    for (int p = 0; p < n; ++p)
+        for (int i = 0; i < p + r + 1; ++i) EXPECT_EQ(recv[at++], 1000 * p + 10 * r + i) << "from " << p;
+    // Deterministic all-reduce: every rank ends with the same bits (rank-order sums).
+    cuda::DeviceBuffer<float> x(7), scratch(7 * n);
+    std::vector<float> xv(7);
+    for (int i = 0; i < 7; ++i) xv[size_t(i)] = 0.1f * float(r + 1) + 1e-3f * float(i);
+    x.upload(xv);
+    cuda::all_reduce_sum(*dc, x.get(), 7, scratch.get(), s);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const std::vector<float> sum = x.download();
+    for (int i = 0; i < 7; ++i) {
+        float expect = 0.1f + 1e-3f * float(i);
+        for (int p = 1; p < n; ++p) expect += 0.1f * float(p + 1) + 1e-3f * float(i);
+        EXPECT_EQ(sum[size_t(i)], expect);
+    }
+    cudaStreamDestroy(s);
+}
+
 TEST(LocalDeviceComm, CollectivesMoveTheRightBytes) {
     SKIP_WITHOUT_GPU();
-    const int n = 3;
-    comm::run_virtual_ranks(n, [&](Communicator& world) {
-        const int r = world.rank();
-        auto dc = cuda::make_device_comm(world);
-        EXPECT_EQ(dc->transport(), "local-gpu");
-        cudaStream_t s;
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-        // all_gather of 5 floats per rank.
-        cuda::DeviceBuffer<float> a(5), all(5 * n);
-        std::vector<float> mine(5);
-        for (int i = 0; i < 5; ++i) mine[size_t(i)] = float(100 * r + i);
-        a.upload(mine);
-        dc->all_gather(a.get(), 5 * sizeof(float), all.get(), s);
-        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-        const std::vector<float> got = all.download();
-        for (int p = 0; p < n; ++p)
-            for (int i = 0; i < 5; ++i) EXPECT_EQ(got[size_t(p * 5 + i)], float(100 * p + i));
-        // all_to_all_v: rank r sends (r + p + 1) ints valued 1000 r + 10 p + i to peer p.
-        std::vector<int64_t> sb(n), rb(n);
-        std::vector<int32_t> send;
-        for (int p = 0; p < n; ++p) {
-            sb[size_t(p)] = int64_t(r + p + 1) * 4, rb[size_t(p)] = int64_t(p + r + 1) * 4;
-            for (int i = 0; i < r + p + 1; ++i) send.push_back(1000 * r + 10 * p + i);
-        }
-        int64_t total = 0;
-        for (int64_t b : rb) total += b / 4;
-        cuda::DeviceBuffer<int32_t> sd(int64_t(send.size())), rd(total);
-        sd.upload(send);
-        dc->all_to_all_v(sd.get(), sb.data(), rd.get(), rb.data(), s);
-        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-        const std::vector<int32_t> recv = rd.download();
-        size_t at = 0;
-        for (int p = 0; p < n; ++p)
-            for (int i = 0; i < p + r + 1; ++i) EXPECT_EQ(recv[at++], 1000 * p + 10 * r + i) << "from " << p;
-        // Deterministic all-reduce: every rank ends with the same bits (rank-order sums).
-        cuda::DeviceBuffer<float> x(7), scratch(7 * n);
-        std::vector<float> xv(7);
-        for (int i = 0; i < 7; ++i) xv[size_t(i)] = 0.1f * float(r + 1) + 1e-3f * float(i);
-        x.upload(xv);
-        cuda::all_reduce_sum(*dc, x.get(), 7, scratch.get(), s);
-        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-        const std::vector<float> sum = x.download();
-        for (int i = 0; i < 7; ++i) {
-            float expect = 0;
-            for (int p = 0; p < n; ++p) expect += 0.1f * float(p + 1) + 1e-3f * float(i);
-            EXPECT_EQ(sum[size_t(i)], expect);
-        }
-        cudaStreamDestroy(s);
-    });
+    comm::run_virtual_ranks(3, [&](Communicator& world) { check_device_collectives(world, "local-gpu"); });
+}
+
+// Run under mpirun (scripts/device_ep.sh: -np 1 on a one-GPU machine; -np 2 where two GPUs exist).
+TEST(NcclDeviceComm, CollectivesUnderMpirun) {
+    SKIP_WITHOUT_GPU();
+    if (!cuda::nccl_available()) GTEST_SKIP() << "built without NCCL";
+    if (!comm::mpi_launched()) GTEST_SKIP() << "not started by mpirun (scripts/device_ep.sh runs it so)";
+    check_device_collectives(comm::mpi_world(), "nccl");
 }
 
 }  // namespace

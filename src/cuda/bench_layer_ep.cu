@@ -1,0 +1,183 @@
+// `moekit bench --expert-model-parallel-size N --virtual-ranks N`: the CUDA layer at EP = N on ONE GPU, N
+// virtual ranks (threads, own streams, the local-gpu DeviceComm), each with T/N of the preset's tokens and
+// E/N experts; against the EP = 1 layer on all T tokens in the same call. Ranks share the GPU, so the
+// whole-step time is the comparison that means something (the same total work, plus the exchanges);
+// per-rank stage times show the load balance (the busiest rank's expert time is what ECHO evens out).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <mutex>
+
+#include "comm/device_comm.h"
+#include "cuda/bench_expert_mlp.h"
+#include "cuda/bench_util.cuh"
+#include "cuda/moe_layer.h"
+#include "moekit/comm.h"
+#include "moekit/error.h"
+
+namespace moekit::cuda::bench {
+namespace {
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Router rows identical on every rank (one seed); each rank its own tokens and its local experts' weights.
+void fill_layer(CudaMoeLayer& layer, int64_t T, const Preset& p, const Options& o, int rank) {
+    const LayerBuffers& b = layer.buffers();
+    const int64_t H = p.hidden, F = p.ffn, L = layer.shape().local_experts();
+    const float w = 0.02f * std::sqrt(3.f);
+    fill_uniform(b.hidden, size_t(T * H), 1.f, o.seed + 11 + 100 * uint64_t(rank));
+    fill_uniform(b.grad_output, size_t(T * H), 1.f, o.seed + 12 + 100 * uint64_t(rank));
+    fill_uniform(b.router_weight, size_t(p.experts * H), w, o.seed + 13);
+    fill_uniform(b.fc1, size_t(L * 2 * F * H), w, o.seed + 14 + 100 * uint64_t(rank));
+    fill_uniform(b.fc2, size_t(L * H * F), w, o.seed + 15 + 100 * uint64_t(rank));
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+double stage_sum(const StageTimesMs& t, std::initializer_list<LayerStage> stages) {
+    double s = 0;
+    for (LayerStage st : stages) s += t[size_t(st)];
+    return s;
+}
+
+}  // namespace
+
+nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher) {
+    MOEKIT_REQUIRE(ep >= 2 && p.tokens % ep == 0 && p.experts % ep == 0, "--expert-model-parallel-size=", ep,
+                   " must be >= 2 and divide the preset's ", p.tokens, " tokens and ", p.experts, " experts");
+    const int64_t T = p.tokens, Tr = T / ep;
+    nlohmann::json out{{"preset", p.name}, {"ep", ep},          {"dispatcher", dispatcher}, {"T", T},
+                       {"tokens_per_rank", Tr}, {"iters", o.iters}, {"H", p.hidden}, {"E", p.experts},
+                       {"topk", p.topk},        {"F", p.ffn}};
+    cudaDeviceProp prop{};
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    out["device"] = prop.name;
+
+    // EP = 1 on all T tokens, eager steps: the reference the EP step is compared with.
+    {
+        auto layer = CudaMoeLayer::create(preset_config(p), T, 1);
+        fill_layer(*layer, T, p, o, 0);
+        cudaStream_t s;
+        MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        out["ep1_step_ms"] = time_ms([&] { layer->forward(s, true), layer->backward(s); }, s, o.warmup, o.iters);
+        MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+    }
+
+    std::mutex mutex;
+    std::vector<nlohmann::json> ranks(static_cast<size_t>(ep));
+    std::vector<double> wall;
+    comm::run_virtual_ranks(ep, [&](Communicator& world) {
+        const int r = world.rank();
+        MoeConfig c = preset_config(p);
+        c.expert_model_parallel_size = ep;
+        c.moe_token_dispatcher_type = dispatcher;
+        std::unique_ptr<DeviceComm> dc = make_device_comm(world);
+        auto layer = CudaMoeLayer::create(c, Tr, 1, true, dc.get());
+        fill_layer(*layer, Tr, p, o, r);
+        cudaStream_t s;
+        MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        cudaEvent_t e0, e1;
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
+        std::vector<double> mine, walls;
+        for (int it = 0; it < o.warmup + o.iters; ++it) {
+            world.barrier();
+            const auto t0 = std::chrono::steady_clock::now();
+            MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
+            layer->forward(s, true);
+            layer->backward(s);
+            MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
+            MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+            world.barrier();  // the step ends when the last rank's stream is done
+            const double w = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            float ms = 0;
+            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (it >= o.warmup) mine.push_back(ms), walls.push_back(w);
+        }
+        // Stage timing (events only; the ranks still run together).
+        layer->enable_stage_timing(true);
+        std::vector<double> expert, dispatch, combine, router;
+        for (int it = 0; it < o.iters; ++it) {
+            world.barrier();
+            layer->forward(s, true);
+            layer->backward(s);
+            const StageTimesMs f = layer->forward_times_ms(), g = layer->backward_times_ms();
+            const auto experts = {LayerStage::fc1, LayerStage::activation, LayerStage::fc2};
+            expert.push_back(stage_sum(f, experts) + stage_sum(g, experts));
+            dispatch.push_back(f[size_t(LayerStage::permute)] + g[size_t(LayerStage::permute)]);
+            combine.push_back(f[size_t(LayerStage::combine)] + g[size_t(LayerStage::combine)]);
+            router.push_back(f[size_t(LayerStage::router)] + g[size_t(LayerStage::router)]);
+        }
+        layer->enable_stage_timing(false);
+        const std::vector<int64_t> counts = layer->read_tokens_per_expert();
+        const DispatchTraffic traffic = layer->traffic();
+        const LayerMemory mem = layer->memory();
+        nlohmann::json j{{"rank", r},
+                         {"step_ms", median(mine)},
+                         {"expert_ms", median(expert)},
+                         {"dispatch_ms", median(dispatch)},
+                         {"combine_ms", median(combine)},
+                         {"router_ms", median(router)},
+                         {"bytes_sent", traffic.bytes_sent},
+                         {"host_syncs_per_step", traffic.host_syncs},
+                         {"memory_bytes", mem.workspace_bytes}};
+        int64_t routed = 0;
+        for (int64_t v : counts) routed += v;
+        j["rows_routed"] = routed;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+        std::lock_guard<std::mutex> lock(mutex);
+        ranks[size_t(r)] = j;
+        if (r == 0) wall = walls;
+    });
+    out["ranks"] = ranks;
+    out["whole_step_ms"] = median(wall);
+    out["whole_step_vs_ep1"] = out["whole_step_ms"].get<double>() / out["ep1_step_ms"].get<double>();
+    int64_t bytes = 0;
+    double max_expert = 0, sum_expert = 0;
+    for (const auto& j : ranks) {
+        bytes += j["bytes_sent"].get<int64_t>();
+        max_expert = std::max(max_expert, j["expert_ms"].get<double>());
+        sum_expert += j["expert_ms"].get<double>();
+    }
+    out["bytes_sent_total"] = bytes;
+    out["expert_ms_max_over_mean"] = sum_expert > 0 ? max_expert / (sum_expert / ep) : 0.0;
+    return out;
+}
+
+std::string format_layer_ep_table(const nlohmann::json& r) {
+    std::string out = str("moekit bench --preset ", r["preset"].get<std::string>(), " --expert-model-parallel-size ",
+                          r["ep"].get<int>(), " --virtual-ranks ", r["ep"].get<int>(), " --moe-token-dispatcher-type ",
+                          r["dispatcher"].get<std::string>(), "  (T ", r["T"].get<int64_t>(), " = ",
+                          r["tokens_per_rank"].get<int64_t>(), " per rank) on ", r["device"].get<std::string>(),
+                          " (all ranks share it)\n");
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-5s %10s %10s %10s %10s %10s %12s %6s %9s\n", "rank", "step ms", "router",
+                  "dispatch", "experts", "combine", "sent MiB", "syncs", "mem MiB");
+    out += line;
+    for (const auto& j : r["ranks"]) {
+        std::snprintf(line, sizeof line, "  %-5d %10.3f %10.3f %10.3f %10.3f %10.3f %12.2f %6lld %9.0f\n",
+                      j["rank"].get<int>(), j["step_ms"].get<double>(), j["router_ms"].get<double>(),
+                      j["dispatch_ms"].get<double>(), j["expert_ms"].get<double>(), j["combine_ms"].get<double>(),
+                      double(j["bytes_sent"].get<int64_t>()) / (1 << 20),
+                      static_cast<long long>(j["host_syncs_per_step"].get<int64_t>()),
+                      double(j["memory_bytes"].get<int64_t>()) / (1 << 20));
+        out += line;
+    }
+    std::snprintf(line, sizeof line,
+                  "  whole EP step %.3f ms vs EP=1 on all tokens %.3f ms (x%.2f); %.1f MiB sent per step; expert "
+                  "time max/mean over ranks %.3f\n",
+                  r["whole_step_ms"].get<double>(), r["ep1_step_ms"].get<double>(),
+                  r["whole_step_vs_ep1"].get<double>(), double(r["bytes_sent_total"].get<int64_t>()) / (1 << 20),
+                  r["expert_ms_max_over_mean"].get<double>());
+    out += line;
+    return out;
+}
+
+}  // namespace moekit::cuda::bench
