@@ -22,9 +22,11 @@ grep -E "FAILED|PASSED|Failure|error" "$OUT/test_cuda_ep.log" | head -40 | tee -
 log "NCCL transport under mpirun -np 1 (one GPU here; -np 2 needs two)"
 timeout 120 mpirun --allow-run-as-root -np 1 -x LD_LIBRARY_PATH $B/test_cuda_ep --gtest_filter='NcclDeviceComm.*' 2>&1 \
   | grep -E "PASSED|FAILED|SKIPPED|Failure|error" | head -5 | tee -a "$OUT/summary.txt"
-log "ctest (all labels)"
-(cd $B && timeout 300 ctest -j 8 --output-on-failure --timeout 250 2>&1) >"$OUT/ctest.log"
-grep -E "tests passed|tests failed|^ *(cpu|gpu) +=|\(Failed\)|\(Timeout\)" "$OUT/ctest.log" | tee -a "$OUT/summary.txt"
+if [ "${SKIP_CTEST:-0}" != 1 ]; then
+  log "ctest (all labels)"
+  (cd $B && timeout 300 ctest -j 8 --output-on-failure --timeout 250 2>&1) >"$OUT/ctest.log"
+  grep -E "tests passed|tests failed|^ *(cpu|gpu) +=|\(Failed\)|\(Timeout\)" "$OUT/ctest.log" | tee -a "$OUT/summary.txt"
+fi
 log "compute-sanitizer memcheck + racecheck on the EP layer (EP=2, both dispatchers)"
 for tool in memcheck racecheck; do
   MOEKIT_EXPERT_GEMM=sync_baseline timeout 200 compute-sanitizer --error-exitcode 9 --tool $tool $B/test_cuda_ep \
