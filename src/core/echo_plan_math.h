@@ -226,15 +226,26 @@ MOEKIT_HD bool echo_search_update(int64_t* lo, int64_t* hi, const uint8_t* feasi
 // out[s * stride] = overlap of source s's tokens of e with [lo, hi), for every source s.
 MOEKIT_HD void echo_fill_interval(const EchoDims& d, const int64_t* counts, int64_t e, int64_t lo, int64_t hi,
                                   int64_t* out, int64_t stride) {
+    // In chunks: the chunk's counts are all loaded before any store (the compiler cannot move loads past
+    // stores it cannot prove apart), so a GPU thread waits for one memory latency per chunk, not per source.
+    constexpr int64_t kChunk = 8;
     int64_t begin = 0;
+    for (int64_t s0 = 0; s0 < d.ep; s0 += kChunk) {
+        int64_t c[kChunk];
 #if defined(__CUDA_ARCH__)
-#pragma unroll 8
+#pragma unroll
 #endif
-    for (int64_t s = 0; s < d.ep; ++s) {
-        const int64_t end = begin + counts[s * d.num_experts + e];
-        const int64_t a = begin > lo ? begin : lo, b = end < hi ? end : hi;
-        out[s * stride] = b > a ? b - a : 0;
-        begin = end;
+        for (int64_t u = 0; u < kChunk; ++u) c[u] = s0 + u < d.ep ? counts[(s0 + u) * d.num_experts + e] : 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int64_t u = 0; u < kChunk; ++u) {
+            if (s0 + u >= d.ep) break;
+            const int64_t end = begin + c[u];
+            const int64_t a = begin > lo ? begin : lo, b = end < hi ? end : hi;
+            out[(s0 + u) * stride] = b > a ? b - a : 0;
+            begin = end;
+        }
     }
 }
 
