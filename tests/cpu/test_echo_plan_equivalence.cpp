@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "core/rng.h"
 #include "cpu/echo_reference_planner.h"
 #include "cpu/echo_test_util.h"
 #include "echo/planner.h"
@@ -16,52 +15,6 @@
 
 namespace moekit {
 namespace {
-
-// Kinds beyond echo_test_util's: many equal counts (ties everywhere), whole experts empty, a few ranks
-// far over the others, and counts so large the total passes 2^31.
-enum class Extra { ties, empty_experts, hot_ranks, huge };
-const char* extra_name(Extra k) {
-    switch (k) {
-        case Extra::ties:
-            return "ties";
-        case Extra::empty_experts:
-            return "empty_experts";
-        case Extra::hot_ranks:
-            return "hot_ranks";
-        case Extra::huge:
-            return "huge";
-    }
-    return "?";
-}
-
-std::vector<int64_t> extra_counts(const EchoDims& d, Extra kind, uint64_t seed) {
-    Rng rng(seed, 0xec40'e9a1);
-    const int64_t EP = d.ep, E = d.num_experts, L = E / EP;
-    std::vector<int64_t> c(EP * E, 0);
-    std::vector<uint8_t> empty(E, 0);
-    for (int64_t e = 0; e < E; ++e) empty[e] = rng.uniform() < 0.4;
-    const int64_t hot = rng.below(EP);
-    for (int64_t s = 0; s < EP; ++s)
-        for (int64_t e = 0; e < E; ++e) {
-            int64_t& v = c[s * E + e];
-            switch (kind) {
-                case Extra::ties:
-                    v = 4 * rng.below(3);  // 0, 4, 8: equal totals, loads and bases all over
-                    break;
-                case Extra::empty_experts:
-                    v = empty[e] ? 0 : rng.below(300);
-                    break;
-                case Extra::hot_ranks:
-                    v = (e / L == hot || e / L == (hot + 1) % EP) ? 200 + rng.below(800) : rng.below(50);
-                    break;
-                case Extra::huge:
-                    v = int64_t(rng.below(1 << 20)) << 14;  // up to 2^34 per entry
-                    break;
-            }
-        }
-    c[rng.below(EP * E)] += 1 + rng.below(100);  // never all zero
-    return c;
-}
 
 void expect_same_as_reference(const EchoDims& d, const std::vector<int64_t>& counts, EchoAlgorithm alg) {
     const echo::EchoPlan now = echo::plan(d, counts, alg);
@@ -86,10 +39,10 @@ TEST(EchoPlanEquivalence, SameBytesAsTheReferencePlanner) {
                         ++seed;
                         const bool extra = kind >= 5;
                         const std::string name =
-                            extra ? extra_name(Extra(kind - 5)) : test::kind_name(test::CountKind(kind));
+                            extra ? test::extra_name(test::Extra(kind - 5)) : test::kind_name(test::CountKind(kind));
                         SCOPED_TRACE(echo::to_string(d) + " " + name + " " + echo::algorithm_name(alg) + " seed " +
                                      std::to_string(seed));
-                        const auto counts = extra ? extra_counts(d, Extra(kind - 5), seed)
+                        const auto counts = extra ? test::extra_counts(d, test::Extra(kind - 5), seed)
                                                   : test::random_counts(d, test::CountKind(kind), seed);
                         expect_same_as_reference(d, counts, alg);
                         const echo::EchoPlan p = echo::plan(d, counts, alg);
