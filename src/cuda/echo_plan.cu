@@ -93,8 +93,8 @@ __global__ void __launch_bounds__(kEchoThreads)
     for (int64_t e0 = 0; e0 < E; e0 += nt / g) {  // uniform trip count: every lane reaches the shuffles
         const int64_t e = e0 + tid / g;
         int64_t sum = 0;
-        if (e < E) {
-#pragma unroll 8
+        if (e < E) {  // independent loads in flight: EP=64 over 2 lanes waits two memory latencies
+#pragma unroll 16
             for (int64_t s = part; s < EP; s += g) sum += counts[s * E + e];
         }
         for (int o = 1; o < g; o <<= 1) sum += shfl_xor(sum, o);
