@@ -5,9 +5,11 @@
 // both algorithms. This is the net that lets the executors change without changing a plan.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "core/rng.h"
 #include "cpu/echo_reference_planner.h"
 #include "cpu/echo_test_util.h"
 #include "echo/planner.h"
@@ -75,6 +77,47 @@ TEST(EchoPlanEquivalence, ZipfE256Ep64ManySeeds) {
                 expect_same_as_reference({ep, 256, 2}, step.counts, alg);
                 if (HasFatalFailure()) return;
             }
+    }
+}
+
+// The two ways the CUDA kernel computes what the CPU executor does in one loop: an expert's list position
+// as the sum of g lanes' partial counts (j = lane, lane + g, ...), and a search round's new bracket as a
+// min then a max of per-candidate terms reduced in tree order (the warp shuffles' order), not in sequence.
+TEST(EchoPlanEquivalence, KernelSplitsOfPositionsAndSearchUpdate) {
+    Rng rng(33000, 0xec40'5b1f);
+    for (int trial = 0; trial < 50; ++trial) {
+        SCOPED_TRACE("trial " + std::to_string(trial) + " seed 33000");
+        const int64_t n = 1 + rng.below(300);
+        std::vector<int64_t> key(n);
+        for (int64_t& k : key) k = rng.below(4) == 0 ? -1 : rng.below(6);  // many ties and unlisted
+        for (int64_t g : {1, 2, 4, 8, 16, 32})
+            for (int64_t i = 0; i < n; ++i) {
+                int64_t pos = 0;
+                for (int64_t lane = 0; lane < g; ++lane) pos += echo_desc_position_part(key.data(), lane, n, g, i);
+                ASSERT_EQ(pos, echo_desc_position(key.data(), n, i)) << "g " << g << " i " << i;
+            }
+        // A round with random feasibility (also non-monotone in the target) over a random bracket.
+        const int64_t lo = int64_t(rng.below(1000)) - 1, hi = lo + 2 + rng.below(rng.below(2) ? 100 : 100000);
+        std::vector<uint8_t> feasible(kEchoSearchWays);
+        std::vector<int64_t> cand(kEchoSearchWays);
+        for (int i = 0; i < kEchoSearchWays; ++i)
+            feasible[i] = rng.below(3) == 0, cand[i] = echo_search_candidate(lo, hi, i, kEchoSearchWays);
+        int64_t seq_lo = lo, seq_hi = hi;
+        echo_search_update(&seq_lo, &seq_hi, feasible.data(), kEchoSearchWays);
+        auto tree = [](std::vector<int64_t> v, bool take_min) {  // pairwise halving, as a shuffle reduction
+            for (size_t w = v.size() / 2; w > 0; w /= 2)
+                for (size_t k = 0; k < w; ++k)
+                    v[k] = take_min ? std::min(v[k], v[k + w]) : std::max(v[k], v[k + w]);
+            return v[0];
+        };
+        std::vector<int64_t> terms(kEchoSearchWays);
+        for (int i = 0; i < kEchoSearchWays; ++i) terms[i] = echo_search_hi_term(cand[i], feasible[i], hi);
+        const int64_t new_hi = tree(terms, true);
+        for (int i = 0; i < kEchoSearchWays; ++i) terms[i] = echo_search_lo_term(cand[i], feasible[i], new_hi, lo);
+        const int64_t new_lo = tree(terms, false);
+        EXPECT_EQ(new_hi, seq_hi);
+        EXPECT_EQ(new_lo, seq_lo);
+        EXPECT_LT(new_lo, new_hi);
     }
 }
 
