@@ -77,6 +77,9 @@ MOEKIT_HD int64_t echo_walk_base(const EchoDims& d, const int64_t* expert_total,
 MOEKIT_HD int64_t echo_desc_position_part(const int64_t* key, int64_t begin, int64_t end, int64_t step, int64_t i) {
     const int64_t ki = key[i];
     int64_t pos = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 4
+#endif
     for (int64_t j = begin; j < end; j += step) pos += key[j] > ki || (key[j] == ki && j < i);
     return pos;
 }
