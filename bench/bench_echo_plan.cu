@@ -1,7 +1,9 @@
 // ECHO planner on the GPU alone (src/cuda/echo_plan.cu): time per plan for E=256, S=2 per rank at
 // EP = 8, 16, 32, 64 on Zipf 1.2 top-8 counts of 4096 tokens per rank (the issue-9 target: <= 50 us at
 // EP=64), back-to-back launches and CUDA-graph replays, each plan first checked bit for bit against the
-// CPU executor. usage: bench_echo_plan [--iters N] [--algorithm waterfill|greedy|all] [--json FILE]
+// CPU executor, then where the time goes: the profiled kernel's clock64 stamps per phase (cycles at the
+// SM clock, shown in us at the device's rated clock), search rounds and listed experts.
+// usage: bench_echo_plan [--iters N] [--algorithm waterfill|greedy|all] [--json FILE]
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -23,7 +25,32 @@ struct Row {
     int64_t ep, num_experts, slots_per_rank, clones;
     double before, after, us_stream, us_graph;
     bool matches_cpu;
+    std::vector<double> phase_us;  // [kEchoPlanPhases], mean over the profiled runs
+    double profiled_us = 0;        // first stamp to last, mean
+    int64_t rounds = 0, listed = 0;
 };
+
+// Mean cycles of each phase over `runs` launches of the profiled kernel (the caller checks the plan it leaves).
+void profile_one(const EchoDims& d, EchoAlgorithm alg, const int64_t* dcounts, const cuda::EchoDevicePlan& view,
+                 cudaStream_t stream, int runs, Row* row) {
+    cuda::DeviceBuffer<int64_t> prof(cuda::kEchoPlanProfileSize);
+    int khz = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+    std::vector<double> cycles(cuda::kEchoPlanPhases, 0.0);
+    double whole = 0;
+    for (int i = 0; i < runs; ++i) {
+        cuda::echo_plan_profiled(d, alg, dcounts, view, prof.get(), stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto p = prof.download();
+        for (int k = 0; k < cuda::kEchoPlanPhases; ++k) cycles[k] += double(p[k + 1] - p[k]);
+        whole += double(p[cuda::kEchoPlanPhases] - p[0]);
+        row->rounds = p[cuda::kEchoPlanPhases + 1], row->listed = p[cuda::kEchoPlanPhases + 2];
+    }
+    const double us_per_cycle = 1000.0 / double(khz);
+    row->phase_us.clear();
+    for (double c : cycles) row->phase_us.push_back(c / runs * us_per_cycle);
+    row->profiled_us = whole / runs * us_per_cycle;
+}
 
 Row bench_one(const EchoDims& d, EchoAlgorithm alg, const std::vector<int64_t>& counts, int iters) {
     cuda::DeviceBuffer<int64_t> dcounts(d.ep * d.num_experts), slot_tokens(d.num_slots()),
@@ -41,6 +68,14 @@ Row bench_one(const EchoDims& d, EchoAlgorithm alg, const std::vector<int64_t>& 
     const bool same = slot_expert.download() == cpu.slot_expert && slot_tokens.download() == cpu.slot_tokens &&
                       clone_tokens.download() == cpu.clone_tokens && home_tokens.download() == cpu.home_tokens &&
                       after.download() == cpu.rank_load_after && s[0] == cpu.target && s[1] == cpu.num_clones;
+
+    Row row{};
+    profile_one(d, alg, dcounts.get(), view, stream, 100, &row);
+    const auto s2 = summary.download();
+    const bool same_profiled = slot_expert.download() == cpu.slot_expert && slot_tokens.download() == cpu.slot_tokens &&
+                               clone_tokens.download() == cpu.clone_tokens &&
+                               home_tokens.download() == cpu.home_tokens && after.download() == cpu.rank_load_after &&
+                               s2[0] == cpu.target && s2[1] == cpu.num_clones;
 
     cudaEvent_t t0, t1;
     MOEKIT_CUDA_CHECK(cudaEventCreate(&t0));
@@ -72,16 +107,13 @@ Row bench_one(const EchoDims& d, EchoAlgorithm alg, const std::vector<int64_t>& 
     MOEKIT_CUDA_CHECK(cudaEventDestroy(t0));
     MOEKIT_CUDA_CHECK(cudaEventDestroy(t1));
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
-    return {echo::algorithm_name(alg),
-            d.ep,
-            d.num_experts,
-            d.slots_per_rank,
-            cpu.num_clones,
-            cpu.max_over_mean_before(),
-            cpu.max_over_mean_after(),
-            1000.0 * ms_stream / iters,
-            1000.0 * ms_graph / iters,
-            same};
+    row.algorithm = echo::algorithm_name(alg);
+    row.ep = d.ep, row.num_experts = d.num_experts, row.slots_per_rank = d.slots_per_rank;
+    row.clones = cpu.num_clones;
+    row.before = cpu.max_over_mean_before(), row.after = cpu.max_over_mean_after();
+    row.us_stream = 1000.0 * ms_stream / iters, row.us_graph = 1000.0 * ms_graph / iters;
+    row.matches_cpu = same && same_profiled;
+    return row;
 }
 
 }  // namespace
@@ -121,6 +153,7 @@ int main(int argc, char** argv) {
         std::printf("%-10s %4s %4s %3s %16s %15s %7s %12s %12s %10s\n", "algorithm", "EP", "E", "S", "max/mean before",
                     "max/mean after", "clones", "us (stream)", "us (graph)", "= CPU plan");
         nlohmann::json rows = nlohmann::json::array();
+        std::vector<Row> results;
         bool all_same = true;
         for (int64_t ep : {8, 16, 32, 64}) {
             echo::ZipfRouting z;
@@ -131,6 +164,7 @@ int main(int argc, char** argv) {
                 if (which != "all" && which != echo::algorithm_name(alg)) continue;
                 const Row r = bench_one(d, alg, trace.steps[0].counts, iters);
                 all_same = all_same && r.matches_cpu;
+                results.push_back(r);
                 std::printf("%-10s %4lld %4lld %3lld %16.4f %15.4f %7lld %12.2f %12.2f %10s\n", r.algorithm.c_str(),
                             (long long)r.ep, (long long)r.num_experts, (long long)r.slots_per_rank, r.before, r.after,
                             (long long)r.clones, r.us_stream, r.us_graph, r.matches_cpu ? "yes" : "NO");
@@ -144,8 +178,23 @@ int main(int argc, char** argv) {
                                 {"clones", r.clones},
                                 {"us_per_plan_stream", r.us_stream},
                                 {"us_per_plan_graph", r.us_graph},
-                                {"matches_cpu", r.matches_cpu}});
+                                {"matches_cpu", r.matches_cpu},
+                                {"profile_phase_us", r.phase_us},
+                                {"profile_us", r.profiled_us},
+                                {"search_rounds", r.rounds},
+                                {"listed_experts", r.listed}});
             }
+        }
+        // Where the time goes: one column per phase of the profiled kernel (us at the rated SM clock; the
+        // stamps cover the kernel body, not the launch).
+        std::printf("\nWhere the time goes (profiled kernel, mean of 100 plans, us at the rated SM clock):\n");
+        std::printf("%-10s %4s", "algorithm", "EP");
+        for (int k = 0; k < cuda::kEchoPlanPhases; ++k) std::printf(" %26s", cuda::echo_plan_phase_name(k));
+        std::printf(" %10s %7s %7s\n", "body", "rounds", "listed");
+        for (const Row& r : results) {
+            std::printf("%-10s %4lld", r.algorithm.c_str(), (long long)r.ep);
+            for (double us : r.phase_us) std::printf(" %26.2f", us);
+            std::printf(" %10.2f %7lld %7lld\n", r.profiled_us, (long long)r.rounds, (long long)r.listed);
         }
         if (!json_path.empty()) io::write_file_atomically(json_path, rows.dump(1) + "\n");
         if (!all_same) {

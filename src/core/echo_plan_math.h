@@ -30,6 +30,9 @@ struct EchoDims {
 // expert_total[e] = sum over source ranks of counts[s, e].
 MOEKIT_HD int64_t echo_expert_total(const EchoDims& d, const int64_t* counts, int64_t e) {
     int64_t sum = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 8
+#endif
     for (int64_t s = 0; s < d.ep; ++s) sum += counts[s * d.num_experts + e];
     return sum;
 }
@@ -57,35 +60,53 @@ MOEKIT_HD int64_t echo_ahead_sum(const EchoDims& d, const int64_t* expert_total,
 }
 
 // Tokens expert e must give away so that its rank's load falls to `target`: the largest experts of
-// an overloaded rank carry its excess (MoE Echo's rule).
-MOEKIT_HD int64_t echo_spill(const EchoDims& d, const int64_t* expert_total, const int64_t* rank_load,
-                             const int64_t* ahead_sum, int64_t e, int64_t target) {
-    const int64_t excess = rank_load[d.home_rank(e)] - target - ahead_sum[e];
+// an overloaded rank carry its excess (MoE Echo's rule). base = rank_load[home] - ahead_sum[e], the rank
+// load still above the target when e starts to spill (echo_walk_base).
+MOEKIT_HD int64_t echo_spill_of(int64_t base, int64_t total, int64_t target) {
+    const int64_t excess = base - target;
     if (excess <= 0) return 0;
-    return excess < expert_total[e] ? excess : expert_total[e];
+    return excess < total ? excess : total;
+}
+MOEKIT_HD int64_t echo_walk_base(const EchoDims& d, const int64_t* expert_total, const int64_t* rank_load, int64_t e) {
+    return rank_load[d.home_rank(e)] - echo_ahead_sum(d, expert_total, e);
 }
 
 // Position of item i when items are sorted by key descending, ties by lower index: the number of
 // items that precede it. Each executor fills order[position(i)] = i (a permutation, no sort needed).
-MOEKIT_HD int64_t echo_desc_position(const int64_t* key, int64_t n, int64_t i) {
+// [begin, end) counts only part of the items (the GPU splits one count over a few lanes).
+MOEKIT_HD int64_t echo_desc_position_part(const int64_t* key, int64_t begin, int64_t end, int64_t step, int64_t i) {
+    const int64_t ki = key[i];
     int64_t pos = 0;
-    for (int64_t j = 0; j < n; ++j) pos += key[j] > key[i] || (key[j] == key[i] && j < i);
+#if defined(__CUDA_ARCH__)
+#pragma unroll 4
+#endif
+    for (int64_t j = begin; j < end; j += step) pos += key[j] > ki || (key[j] == ki && j < i);
     return pos;
+}
+MOEKIT_HD int64_t echo_desc_position(const int64_t* key, int64_t n, int64_t i) {
+    return echo_desc_position_part(key, 0, n, 1, i);
 }
 // The same ascending (ties by lower index).
 MOEKIT_HD int64_t echo_asc_position(const int64_t* key, int64_t n, int64_t i) {
+    const int64_t ki = key[i];
     int64_t pos = 0;
-    for (int64_t j = 0; j < n; ++j) pos += key[j] < key[i] || (key[j] == key[i] && j < i);
+    for (int64_t j = 0; j < n; ++j) pos += key[j] < ki || (key[j] == ki && j < i);
     return pos;
 }
 
-// Key of the expert walk order. waterfill: the rank load still above the target when e starts to
-// spill (rank_load - ahead_sum), so for any target the walk meets the experts of the most overloaded
-// ranks first, each rank's largest first. greedy: MoE Echo's order, spill at the mean, descending.
-MOEKIT_HD int64_t echo_walk_key(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* expert_total,
-                                const int64_t* rank_load, const int64_t* ahead_sum, int64_t e, int64_t mean_floor) {
-    if (algorithm == EchoAlgorithm::greedy) return echo_spill(d, expert_total, rank_load, ahead_sum, e, mean_floor);
-    return rank_load[d.home_rank(e)] - ahead_sum[e];
+// The walk list. The water-fill visits experts in a fixed order and gives each its spill over the target.
+// waterfill order: by base descending (for any target the walk meets the experts of the most overloaded
+// ranks first, each rank's largest first); greedy: MoE Echo's order, by the spill at floor(mean)
+// descending. Ties by lower index. Only experts that can give a piece are listed: waterfill, those with
+// tokens (the walk at target T visits the list's prefix with base > T: base is descending); greedy, those
+// spilling at the mean (the walk visits them all). An expert left out would only be stepped over.
+// echo_list_key: the sort key of expert e, or -1 when it is not listed (every listed key is >= 1).
+MOEKIT_HD int64_t echo_list_key(EchoAlgorithm algorithm, int64_t base, int64_t total, int64_t mean_floor) {
+    if (algorithm == EchoAlgorithm::greedy) {
+        const int64_t spill = echo_spill_of(base, total, mean_floor);
+        return spill > 0 ? spill : -1;
+    }
+    return total > 0 ? base : -1;
 }
 
 // Records a piece (expert, tokens) on receiver rank r. strict: the next free slot (the caller checked
@@ -108,34 +129,59 @@ MOEKIT_HD void echo_record_piece(const EchoDims& d, int64_t r, int64_t used, int
     }
 }
 
-// The water-fill: experts in expert_order give their spill over `target`; receivers (ranks in
-// rank_order = load ascending, so largest spare capacity first) take pieces up to `target` in a
-// two-pointer walk. strict (waterfill): at most S pieces per rank; returns false if some spill is left.
-// Not strict (greedy): unlimited pieces, each rank keeps its S largest (echo_record_piece).
-// slot_expert/slot_tokens may be null (a feasibility test); else they must hold -1 / 0 on entry.
-MOEKIT_HD bool echo_walk(const EchoDims& d, bool strict, int64_t target, const int64_t* expert_total,
-                         const int64_t* rank_load, const int64_t* ahead_sum, const int32_t* expert_order,
-                         const int32_t* rank_order, int32_t* slot_expert, int64_t* slot_tokens) {
-    int64_t recv = 0, used = 0, room = d.ep > 0 ? target - rank_load[rank_order[0]] : 0;
-    for (int64_t i = 0; i < d.num_experts; ++i) {
-        const int64_t e = expert_order[i];
-        int64_t left = echo_spill(d, expert_total, rank_load, ahead_sum, e, target);
-        // Both walk orders put every expert that spills before the first one whose rank is already at
-        // or under the target without it, so the walk can stop there (it visits only the spilling ones).
-        if (left == 0 && rank_load[d.home_rank(e)] - ahead_sum[e] <= target) break;
-        while (left > 0) {
-            if (recv >= d.ep || room <= 0 || d.slots_per_rank == 0) return false;  // ascending loads: none later
-            const int64_t take = left < room ? left : room;
-            const int64_t r = rank_order[recv];
-            if (slot_expert) echo_record_piece(d, r, used, e, take, slot_expert, slot_tokens);
-            left -= take, room -= take, ++used;
-            if (room == 0 || (strict && used == d.slots_per_rank)) {
-                ++recv, used = 0;
-                room = recv < d.ep ? target - rank_load[rank_order[recv]] : 0;
-            }
+// The water-fill at `target`: the listed experts (list_base / list_cap = base / tokens, list_expert = id,
+// in walk order, then a sentinel base -1) give their spill; receivers (recv_load = loads of the ranks in
+// rank_order, ascending, so largest spare capacity first, then two sentinels >= every target) take
+// pieces up to the target in a two-pointer walk, one piece per step. strict (waterfill): at most S pieces
+// per rank; returns false if some spill is left. Not strict (greedy): unlimited pieces, each rank keeps
+// its S largest (echo_record_piece). kRecord: slot_expert/slot_tokens must hold -1 / 0 on entry.
+// I: the arithmetic type; int32_t is exact when the total token count fits (echo_walk picks it), and
+// halves the latency of the one serial chain of the planner.
+template <class I, bool kStrict, bool kRecord>
+MOEKIT_HD bool echo_walk_typed(const EchoDims& d, int64_t target, const int64_t* list_base, const int64_t* list_cap,
+                               const int32_t* list_expert, const int64_t* recv_load, const int32_t* rank_order,
+                               int32_t* slot_expert, int64_t* slot_tokens) {
+    const I T = I(target);
+    const I first = I(list_base[0]);
+    if (first <= T) return true;                // nothing spills
+    if (d.slots_per_rank == 0) return false;  // spill and no slot
+    I left = first - T < I(list_cap[0]) ? first - T : I(list_cap[0]);
+    I room = T - I(recv_load[0]);
+    // The next expert's and receiver's values are loaded one step ahead, off the serial chain.
+    I next_base = I(list_base[1]), next_cap = I(list_cap[1]), next_load = I(recv_load[1]);
+    int64_t i = 0, k = 0, used = 0;
+    for (;;) {
+        if (room <= 0) return false;  // ascending loads: no later receiver has room either
+        const I take = left < room ? left : room;
+        if (kRecord) echo_record_piece(d, rank_order[k], used, list_expert[i], int64_t(take), slot_expert, slot_tokens);
+        left -= take, room -= take, ++used;
+        if (left == 0) {
+            ++i;
+            if (next_base <= T) return true;  // the rest of the list is at or under the target
+            left = next_base - T < next_cap ? next_base - T : next_cap;
+            next_base = I(list_base[i + 1]), next_cap = I(list_cap[i + 1]);
+        }
+        if (room == 0 || (kStrict && used == d.slots_per_rank)) {
+            ++k, used = 0;
+            room = T - next_load;
+            next_load = I(recv_load[k + 1]);
         }
     }
-    return true;
+}
+
+// int32 arithmetic is exact when every quantity of the walk (loads, targets, spills, rooms, all within
+// [-total, total]) fits.
+MOEKIT_HD bool echo_walk_fits_int32(int64_t total) { return total <= int64_t(0x7fffffff); }
+
+template <bool kStrict, bool kRecord>
+MOEKIT_HD bool echo_walk(const EchoDims& d, int64_t total, int64_t target, const int64_t* list_base,
+                         const int64_t* list_cap, const int32_t* list_expert, const int64_t* recv_load,
+                         const int32_t* rank_order, int32_t* slot_expert, int64_t* slot_tokens) {
+    if (echo_walk_fits_int32(total))
+        return echo_walk_typed<int32_t, kStrict, kRecord>(d, target, list_base, list_cap, list_expert, recv_load,
+                                                          rank_order, slot_expert, slot_tokens);
+    return echo_walk_typed<int64_t, kStrict, kRecord>(d, target, list_base, list_cap, list_expert, recv_load,
+                                                      rank_order, slot_expert, slot_tokens);
 }
 
 // Search round: candidate i (< ways) strictly between lo (infeasible) and hi (feasible); -1 if unused.
@@ -146,65 +192,81 @@ MOEKIT_HD int64_t echo_search_candidate(int64_t lo, int64_t hi, int64_t i, int64
     return lo + gap * (i + 1) / (ways + 1);
 }
 
-// After a round (feasible[i] for each candidate): hi = smallest feasible candidate, lo = largest
-// infeasible candidate below it. Returns false when the bracket did not change (cannot happen for
+// After a round: hi = the smallest feasible candidate (min over the candidates of echo_search_hi_term),
+// then lo = the largest infeasible candidate below it (max of echo_search_lo_term). Executors reduce the
+// terms in any order (min and max): a loop on the CPU, warp shuffles on the GPU.
+MOEKIT_HD int64_t echo_search_hi_term(int64_t cand, bool feasible, int64_t old_hi) {
+    return cand >= 0 && feasible && cand < old_hi ? cand : old_hi;
+}
+MOEKIT_HD int64_t echo_search_lo_term(int64_t cand, bool feasible, int64_t new_hi, int64_t old_lo) {
+    return cand >= 0 && !feasible && cand < new_hi && cand > old_lo ? cand : old_lo;
+}
+
+// The round's update, sequentially. Returns false when the bracket did not change (cannot happen for
 // gap > 1, kept as a guard against an endless loop).
 MOEKIT_HD bool echo_search_update(int64_t* lo, int64_t* hi, const uint8_t* feasible, int64_t ways) {
     const int64_t old_lo = *lo, old_hi = *hi;
     int64_t new_hi = old_hi;
     for (int64_t i = 0; i < ways; ++i) {
-        const int64_t c = echo_search_candidate(old_lo, old_hi, i, ways);
-        if (c >= 0 && feasible[i] && c < new_hi) new_hi = c;
+        const int64_t t = echo_search_hi_term(echo_search_candidate(old_lo, old_hi, i, ways), feasible[i], old_hi);
+        new_hi = t < new_hi ? t : new_hi;
     }
     int64_t new_lo = old_lo;
     for (int64_t i = 0; i < ways; ++i) {
-        const int64_t c = echo_search_candidate(old_lo, old_hi, i, ways);
-        if (c >= 0 && !feasible[i] && c < new_hi && c > new_lo) new_lo = c;
+        const int64_t t =
+            echo_search_lo_term(echo_search_candidate(old_lo, old_hi, i, ways), feasible[i], new_hi, old_lo);
+        new_lo = t > new_lo ? t : new_lo;
     }
     *lo = new_lo, *hi = new_hi;
     return new_lo != old_lo || new_hi != old_hi;
 }
 
-// Tokens of expert e that stay home: its total minus what its clones take.
-MOEKIT_HD int64_t echo_home_tokens(const EchoDims& d, const int64_t* expert_total, const int32_t* slot_expert,
-                                   const int64_t* slot_tokens, int64_t e) {
-    int64_t moved = 0;
-    for (int64_t j = 0; j < d.num_slots(); ++j)
-        if (slot_expert[j] == e) moved += slot_tokens[j];
-    return expert_total[e] - moved;
-}
+// Tokens of each expert that stay home: home[e] = total[e] minus the tokens of every slot cloning e
+// (executors subtract the slots in any order: integer sums).
 
 // Source split: the tokens of expert e, concatenated in source-rank order, are cut into consecutive
 // intervals: home first, then its clones in slot order, so each source rank sends to few destinations.
 // out[s * stride] = overlap of source s's tokens of e with [lo, hi), for every source s.
 MOEKIT_HD void echo_fill_interval(const EchoDims& d, const int64_t* counts, int64_t e, int64_t lo, int64_t hi,
                                   int64_t* out, int64_t stride) {
+    // In chunks: the chunk's counts are all loaded before any store (the compiler cannot move loads past
+    // stores it cannot prove apart), so a GPU thread waits for one memory latency per chunk, not per source.
+    constexpr int64_t kChunk = 8;
     int64_t begin = 0;
-    for (int64_t s = 0; s < d.ep; ++s) {
-        const int64_t end = begin + counts[s * d.num_experts + e];
-        const int64_t a = begin > lo ? begin : lo, b = end < hi ? end : hi;
-        out[s * stride] = b > a ? b - a : 0;
-        begin = end;
+    for (int64_t s0 = 0; s0 < d.ep; s0 += kChunk) {
+        int64_t c[kChunk];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int64_t u = 0; u < kChunk; ++u) c[u] = s0 + u < d.ep ? counts[(s0 + u) * d.num_experts + e] : 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int64_t u = 0; u < kChunk; ++u) {
+            if (s0 + u >= d.ep) break;
+            const int64_t end = begin + c[u];
+            const int64_t a = begin > lo ? begin : lo, b = end < hi ? end : hi;
+            out[(s0 + u) * stride] = b > a ? b - a : 0;
+            begin = end;
+        }
     }
 }
 
 // Start of slot j's interval among its expert's tokens (home tokens first, then earlier slots).
-MOEKIT_HD int64_t echo_slot_begin(const EchoDims& d, const int64_t* expert_total, const int32_t* slot_expert,
-                                  const int64_t* slot_tokens, int64_t j) {
-    const int64_t e = slot_expert[j];
-    int64_t begin = echo_home_tokens(d, expert_total, slot_expert, slot_tokens, e);
+MOEKIT_HD int64_t echo_slot_begin(const int64_t* home, const int32_t* slot_expert, const int64_t* slot_tokens,
+                                  int64_t j) {
+    const int32_t e = slot_expert[j];
+    int64_t begin = home[e];
     for (int64_t i = 0; i < j; ++i)
         if (slot_expert[i] == e) begin += slot_tokens[i];
     return begin;
 }
 
 // Load of rank r with the plan: its home experts' remaining tokens plus its slots' tokens.
-MOEKIT_HD int64_t echo_rank_load_after(const EchoDims& d, const int64_t* expert_total, const int32_t* slot_expert,
-                                       const int64_t* slot_tokens, int64_t r) {
+MOEKIT_HD int64_t echo_rank_load_after(const EchoDims& d, const int64_t* home, const int64_t* slot_tokens, int64_t r) {
     const int64_t L = d.experts_per_rank();
     int64_t load = 0;
-    for (int64_t e = r * L; e < (r + 1) * L; ++e)
-        load += echo_home_tokens(d, expert_total, slot_expert, slot_tokens, e);
+    for (int64_t e = r * L; e < (r + 1) * L; ++e) load += home[e];
     for (int64_t j = r * d.slots_per_rank; j < (r + 1) * d.slots_per_rank; ++j) load += slot_tokens[j];
     return load;
 }

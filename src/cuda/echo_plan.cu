@@ -1,7 +1,8 @@
-// ECHO planner kernel (see echo_plan.cuh): one block. Per-expert and per-rank statistics and the walk
-// orders are computed one entry per thread; the waterfill search tests kEchoSearchWays targets per round,
-// one per thread, each a scalar-state walk over the spilling experts; thread 0 records the plan; the
-// source split and the loads after are again one entry per thread.
+// ECHO planner kernel (see echo_plan.cuh): one block of kEchoThreads. Every phase is one entry per thread
+// or a warp-shuffle reduction; the only serial parts are the walks themselves: each search round tests
+// kEchoSearchWays targets at once (one thread each, a flat one-piece-per-step walk over the precomputed
+// list, src/core/echo_plan_math.h), the round's update is a block min/max, and thread 0 records the walk
+// at the found target. A profiled instantiation stamps clock64() after each phase (bench_echo_plan).
 #include "core/echo_plan_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/echo_plan.cuh"
@@ -11,120 +12,228 @@ namespace moekit::cuda {
 
 namespace {
 
-constexpr int kEchoThreads = kEchoSearchWays;  // one search candidate per thread
+constexpr int kEchoThreads = 2 * kEchoSearchWays;  // the search uses the first kEchoSearchWays
+constexpr int kEchoWarps = kEchoThreads / 32;
 constexpr size_t kMaxSharedBytes = 48 * 1024;  // without an opt-in attribute (not set inside a capture)
+static_assert(kEchoThreads >= kEchoSearchWays && kEchoThreads % 32 == 0, "one search candidate per thread");
 
-// Dynamic shared memory: int64 total[E], load[EP], ahead[E], key[E], slot_tokens[EP*S]; int32 expert_order[E],
-// rank_order[EP], slot_expert[EP*S]; uint8 feasible[kEchoSearchWays]. The slots are planned in shared memory
-// (the split reads them hundreds of times per thread) and copied out at the end.
+// Dynamic shared memory: int64 total[E], key[E], home[E], list_base[E+1], list_cap[E+1], load[EP],
+// recv_load[EP+2], slot_tokens[EP*S]; int32 list_expert[E+1], rank_order[EP], slot_expert[EP*S]. The slots are
+// planned in shared memory (the split reads them many times) and copied out at the end.
 size_t shared_bytes(const EchoDims& d) {
-    return size_t(3 * d.num_experts + d.ep + d.num_slots()) * sizeof(int64_t) +
-           size_t(d.num_experts + d.ep + d.num_slots()) * sizeof(int32_t) + kEchoSearchWays;
+    const int64_t E = d.num_experts, EP = d.ep, slots = d.num_slots();
+    return size_t(5 * E + 2 + 2 * EP + 2 + slots) * sizeof(int64_t) + size_t(E + 1 + EP + slots) * sizeof(int32_t);
 }
 
+// Lanes per expert in the per-expert loops that scan all sources or all experts: as many as the block
+// has to spare (a power of two up to a warp), so E=256 in 512 threads uses two lanes per expert.
+__device__ __forceinline__ int lanes_per_expert(int64_t E) {
+    int g = 1;
+    while (g < 32 && 2 * g * E <= kEchoThreads) g *= 2;
+    return g;
+}
+
+__device__ __forceinline__ int64_t shfl_xor(int64_t v, int offset) {
+    return int64_t(__shfl_xor_sync(0xffffffffu, (unsigned long long)v, offset));
+}
+__device__ __forceinline__ int64_t warp_sum(int64_t v) {
+    for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o);
+    return v;
+}
+__device__ __forceinline__ int64_t warp_max(int64_t v) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, shfl_xor(v, o));
+    return v;
+}
+__device__ __forceinline__ int64_t warp_min(int64_t v) {
+    for (int o = 16; o > 0; o >>= 1) v = min(v, shfl_xor(v, o));
+    return v;
+}
+
+// Every thread gets the block's min (kMin) or max of v: one value per warp into scratch[kEchoWarps], one
+// barrier. Callers alternate two scratch arrays, so no second barrier is needed before the next use.
+template <bool kMin>
+__device__ __forceinline__ int64_t block_min_or_max(int64_t v, int64_t* scratch) {
+    v = kMin ? warp_min(v) : warp_max(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int64_t r = scratch[0];
+#pragma unroll
+    for (int w = 1; w < kEchoWarps; ++w) r = kMin ? min(r, scratch[w]) : max(r, scratch[w]);
+    return r;
+}
+
+template <bool kProfile>
 __global__ void __launch_bounds__(kEchoThreads)
-    echo_plan_kernel(EchoDims d, EchoAlgorithm algorithm, const int64_t* __restrict__ counts, EchoDevicePlan out) {
+    echo_plan_kernel(EchoDims d, EchoAlgorithm algorithm, const int64_t* __restrict__ counts, EchoDevicePlan out,
+                     int64_t* __restrict__ profile) {
     extern __shared__ int64_t smem[];
     const int64_t E = d.num_experts, EP = d.ep, slots = d.num_slots();
     int64_t* total = smem;
-    int64_t* load = total + E;
-    int64_t* ahead = load + EP;
-    int64_t* key = ahead + E;
-    int64_t* slot_tokens = key + E;
-    int32_t* expert_order = reinterpret_cast<int32_t*>(slot_tokens + slots);
-    int32_t* rank_order = expert_order + E;
+    int64_t* key = total + E;
+    int64_t* home = key + E;  // first each expert's walk base, then its tokens that stay home
+    int64_t* list_base = home + E;
+    int64_t* list_cap = list_base + E + 1;
+    int64_t* load = list_cap + E + 1;
+    int64_t* recv_load = load + EP;
+    int64_t* slot_tokens = recv_load + EP + 2;
+    int32_t* list_expert = reinterpret_cast<int32_t*>(slot_tokens + slots);
+    int32_t* rank_order = list_expert + E + 1;
     int32_t* slot_expert = rank_order + EP;
-    uint8_t* feasible = reinterpret_cast<uint8_t*>(slot_expert + slots);
-    __shared__ int64_t mean_floor, lo, hi;
-    __shared__ bool stop;
-    const int tid = threadIdx.x, nt = blockDim.x;
+    __shared__ int64_t red_a[kEchoWarps], red_b[kEchoWarps];
+    __shared__ unsigned long long s_sum, s_listed, s_clones;
+    __shared__ long long s_max;
+    const int tid = threadIdx.x, nt = kEchoThreads;
+    __shared__ int64_t stamp[kEchoPlanPhases + 1];  // thread 0's clock64() stamps (profiled instantiation)
+    if (kProfile && tid == 0) stamp[0] = clock64();
+    if (tid == 0) s_sum = 0, s_listed = 0, s_clones = 0, s_max = 0;
+    const int g = lanes_per_expert(E), part = tid % g;
 
-    // Statistics.
-    for (int64_t e = tid; e < E; e += nt) total[e] = echo_expert_total(d, counts, e);
-    __syncthreads();
-    for (int64_t r = tid; r < EP; r += nt) load[r] = echo_rank_load(d, total, r);
-    for (int64_t e = tid; e < E; e += nt) ahead[e] = echo_ahead_sum(d, total, e);
+    // Phase 1, statistics: expert totals (g lanes per expert split the sources; integer sums, any order),
+    // rank loads with their block sum and max.
+    for (int64_t e0 = 0; e0 < E; e0 += nt / g) {  // uniform trip count: every lane reaches the shuffles
+        const int64_t e = e0 + tid / g;
+        int64_t sum = 0;
+        if (e < E) {  // independent loads in flight: EP=64 over 2 lanes waits two memory latencies
+#pragma unroll 16
+            for (int64_t s = part; s < EP; s += g) sum += counts[s * E + e];
+        }
+        for (int o = 1; o < g; o <<= 1) sum += shfl_xor(sum, o);
+        if (e < E && part == 0) total[e] = sum;
+    }
     for (int64_t j = tid; j < slots; j += nt) slot_expert[j] = -1, slot_tokens[j] = 0;
     __syncthreads();
-    if (tid == 0) {
+    {
         int64_t sum = 0, mx = 0;
-        for (int64_t r = 0; r < EP; ++r) sum += load[r], mx = load[r] > mx ? load[r] : mx;
-        mean_floor = sum / EP, lo = echo_search_floor(d, sum), hi = mx, stop = false;
+        for (int64_t r = tid; r < EP; r += nt) {
+            load[r] = echo_rank_load(d, total, r);
+            out.rank_load_before[r] = load[r];
+            sum += load[r], mx = max(mx, load[r]);
+        }
+        sum = warp_sum(sum), mx = warp_max(mx);
+        if ((tid & 31) == 0 && mx > 0) atomicAdd(&s_sum, (unsigned long long)sum), atomicMax(&s_max, (long long)mx);
     }
     __syncthreads();
-    for (int64_t e = tid; e < E; e += nt) key[e] = echo_walk_key(d, algorithm, total, load, ahead, e, mean_floor);
+    if (kProfile && tid == 0) stamp[1] = clock64();
+
+    // Phase 2, the walk list and the receivers: keys, then positions (g lanes per expert), scattered.
+    const int64_t all = int64_t(s_sum), max_before = s_max, mean_floor = all / EP;
+    {
+        int64_t listed = 0;
+        for (int64_t e = tid; e < E; e += nt) {
+            home[e] = echo_walk_base(d, total, load, e);
+            key[e] = echo_list_key(algorithm, home[e], total[e], mean_floor);
+            listed += key[e] >= 0;
+        }
+        listed = warp_sum(listed);
+        if ((tid & 31) == 0 && listed > 0) atomicAdd(&s_listed, (unsigned long long)listed);
+    }
     for (int64_t r = tid; r < EP; r += nt) {
-        rank_order[echo_asc_position(load, EP, r)] = int32_t(r);
-        out.rank_load_before[r] = load[r];
+        const int64_t pos = echo_asc_position(load, EP, r);
+        rank_order[pos] = int32_t(r), recv_load[pos] = load[r];
     }
+    if (tid == 0) recv_load[EP] = recv_load[EP + 1] = all;  // sentinels: no room at any target
     __syncthreads();
-    for (int64_t e = tid; e < E; e += nt) expert_order[echo_desc_position(key, E, e)] = int32_t(e);
+    for (int64_t e0 = 0; e0 < E; e0 += nt / g) {
+        const int64_t e = e0 + tid / g;
+        const bool listed = e < E && key[e] >= 0;
+        int64_t pos = listed ? echo_desc_position_part(key, part, E, g, e) : 0;
+        for (int o = 1; o < g; o <<= 1) pos += shfl_xor(pos, o);
+        if (listed && part == 0) list_base[pos] = home[e], list_cap[pos] = total[e], list_expert[pos] = int32_t(e);
+    }
+    const int64_t n_listed = int64_t(s_listed);
+    if (tid == 0) list_base[n_listed] = -1, list_cap[n_listed] = 0, list_expert[n_listed] = -1;  // sentinel
     __syncthreads();
+    if (kProfile && tid == 0) stamp[2] = clock64();
 
-    // Targets and the recorded walk.
-    if (algorithm == EchoAlgorithm::greedy) {
-        if (tid == 0) {
-            hi = mean_floor;
-            echo_walk(d, false, mean_floor, total, load, ahead, expert_order, rank_order, slot_expert, slot_tokens);
-        }
-    } else {
-        while (true) {
-            const int64_t l = lo, h = hi;  // the same for every thread: read after a barrier
-            if (h - l <= 1 || stop) break;
-            for (int64_t i = tid; i < kEchoSearchWays; i += nt) {
-                const int64_t cand = echo_search_candidate(l, h, i, kEchoSearchWays);
-                feasible[i] = cand >= 0 &&
-                              echo_walk(d, true, cand, total, load, ahead, expert_order, rank_order, nullptr, nullptr);
+    // Phase 3, the target: greedy's is floor(mean); waterfill searches kEchoSearchWays candidates a round.
+    for (int64_t e = tid; e < E; e += nt) home[e] = total[e];  // minus the clones' tokens in phase 5
+    int64_t target = mean_floor, rounds = 0;
+    if (algorithm == EchoAlgorithm::waterfill) {
+        int64_t lo = echo_search_floor(d, all), hi = max_before;  // the same in every thread
+        while (hi - lo > 1) {
+            int64_t cand = -1;
+            bool feasible = false;
+            if (tid < kEchoSearchWays) {
+                cand = echo_search_candidate(lo, hi, tid, kEchoSearchWays);
+                feasible = cand >= 0 && echo_walk<true, false>(d, all, cand, list_base, list_cap, list_expert,
+                                                               recv_load, rank_order, nullptr, nullptr);
             }
-            __syncthreads();
-            if (tid == 0) {
-                int64_t nl = l, nh = h;
-                stop = !echo_search_update(&nl, &nh, feasible, kEchoSearchWays);
-                lo = nl, hi = nh;
-            }
-            __syncthreads();
+            const int64_t new_hi = block_min_or_max<true>(echo_search_hi_term(cand, feasible, hi), red_a);
+            const int64_t new_lo = block_min_or_max<false>(echo_search_lo_term(cand, feasible, new_hi, lo), red_b);
+            const bool changed = new_lo != lo || new_hi != hi;
+            lo = new_lo, hi = new_hi, ++rounds;
+            if (!changed) break;  // cannot happen for a gap > 1 (echo_search_update)
         }
-        if (tid == 0) echo_walk(d, true, hi, total, load, ahead, expert_order, rank_order, slot_expert, slot_tokens);
+        target = hi;
+    }
+    if (kProfile && tid == 0) stamp[3] = clock64();
+
+    // Phase 4, thread 0 records the walk at the target.
+    if (tid == 0) {
+        if (algorithm == EchoAlgorithm::greedy)
+            echo_walk<false, true>(d, all, target, list_base, list_cap, list_expert, recv_load, rank_order,
+                                   slot_expert, slot_tokens);
+        else
+            echo_walk<true, true>(d, all, target, list_base, list_cap, list_expert, recv_load, rank_order,
+                                  slot_expert, slot_tokens);
     }
     __syncthreads();
+    if (kProfile && tid == 0) stamp[4] = clock64();
 
-    // Source split, loads after, summary; the slots go out to global memory.
-    for (int64_t e = tid; e < E; e += nt) {
-        const int64_t h = echo_home_tokens(d, total, slot_expert, slot_tokens, e);
-        echo_fill_interval(d, counts, e, 0, h, out.home_tokens + e, E);
+    // Phase 5: home remainders (integer sums, any order), source split, loads after, summary.
+    {
+        int64_t clones = 0;
+        for (int64_t j = tid; j < slots; j += nt) {
+            const int32_t e = slot_expert[j];
+            if (e < 0) continue;
+            ++clones;
+            atomicAdd(reinterpret_cast<unsigned long long*>(home + e), (unsigned long long)(-slot_tokens[j]));
+        }
+        clones = warp_sum(clones);
+        if ((tid & 31) == 0 && clones > 0) atomicAdd(&s_clones, (unsigned long long)clones);
     }
-    for (int64_t j = tid; j < slots; j += nt) {
-        const int64_t e = slot_expert[j];
+    __syncthreads();
+    for (int64_t item = tid; item < E + slots; item += nt) {
+        if (item < E) {
+            echo_fill_interval(d, counts, item, 0, home[item], out.home_tokens + item, E);
+            continue;
+        }
+        const int64_t j = item - E;
+        const int32_t e = slot_expert[j];
         if (e < 0) {
             for (int64_t s = 0; s < EP; ++s) out.clone_tokens[s * slots + j] = 0;
         } else {
-            const int64_t b = echo_slot_begin(d, total, slot_expert, slot_tokens, j);
+            const int64_t b = echo_slot_begin(home, slot_expert, slot_tokens, j);
             echo_fill_interval(d, counts, e, b, b + slot_tokens[j], out.clone_tokens + j, slots);
         }
-        out.slot_expert[j] = slot_expert[j], out.slot_tokens[j] = slot_tokens[j];
+        out.slot_expert[j] = e, out.slot_tokens[j] = slot_tokens[j];
     }
-    for (int64_t r = tid; r < EP; r += nt)
-        out.rank_load_after[r] = echo_rank_load_after(d, total, slot_expert, slot_tokens, r);
-    if (tid == 0) {
-        int64_t clones = 0;
-        for (int64_t j = 0; j < slots; ++j) clones += slot_expert[j] >= 0;
-        out.summary[0] = hi, out.summary[1] = clones;
+    for (int64_t r = tid; r < EP; r += nt) out.rank_load_after[r] = echo_rank_load_after(d, home, slot_tokens, r);
+    if (tid == 0) out.summary[0] = target, out.summary[1] = int64_t(s_clones);
+    if (kProfile) {
+        __syncthreads();
+        if (tid == 0) {
+            stamp[5] = clock64();
+            for (int i = 0; i <= kEchoPlanPhases; ++i) profile[i] = stamp[i];
+            profile[kEchoPlanPhases + 1] = rounds, profile[kEchoPlanPhases + 2] = n_listed;
+        }
     }
 }
 
 void launch_echo_plan_kernel(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* counts,
-                             const EchoDevicePlan& plan, cudaStream_t stream) {
+                             const EchoDevicePlan& plan, int64_t* profile, cudaStream_t stream) {
     const size_t bytes = shared_bytes(d);
-    MOEKIT_REQUIRE(bytes <= kMaxSharedBytes, "ECHO planner on the GPU: EP=", d.ep, " E=", d.num_experts, " needs ",
-                   bytes, " bytes of shared memory, more than the ", kMaxSharedBytes, " a single block gets");
-    echo_plan_kernel<<<1, kEchoThreads, bytes, stream>>>(d, algorithm, counts, plan);
+    MOEKIT_REQUIRE(bytes <= kMaxSharedBytes, "ECHO planner on the GPU: EP=", d.ep, " E=", d.num_experts, " S=",
+                   d.slots_per_rank, " needs ", bytes, " bytes of shared memory, more than the ", kMaxSharedBytes,
+                   " a single block gets");
+    if (profile)
+        echo_plan_kernel<true><<<1, kEchoThreads, bytes, stream>>>(d, algorithm, counts, plan, profile);
+    else
+        echo_plan_kernel<false><<<1, kEchoThreads, bytes, stream>>>(d, algorithm, counts, plan, nullptr);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-void echo_plan(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* counts, const EchoDevicePlan& plan,
-               cudaStream_t stream) {
+void check_args(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* counts, const EchoDevicePlan& plan) {
     MOEKIT_REQUIRE(d.ep >= 1 && d.num_experts > 0 && d.num_experts % d.ep == 0 && d.slots_per_rank >= 0,
                    "ECHO planner on the GPU: EP=", d.ep, " E=", d.num_experts, " S=", d.slots_per_rank,
                    " (needs EP >= 1, E > 0 divisible by EP, S >= 0)");
@@ -133,7 +242,21 @@ void echo_plan(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* counts
     MOEKIT_CHECK(counts && plan.home_tokens && plan.rank_load_before && plan.rank_load_after && plan.summary &&
                      (d.slots_per_rank == 0 || (plan.slot_expert && plan.slot_tokens && plan.clone_tokens)),
                  "ECHO planner on the GPU: a device pointer of the plan is null");
-    launch_echo_plan_kernel(d, algorithm, counts, plan, stream);
+}
+
+}  // namespace
+
+void echo_plan(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* counts, const EchoDevicePlan& plan,
+               cudaStream_t stream) {
+    check_args(d, algorithm, counts, plan);
+    launch_echo_plan_kernel(d, algorithm, counts, plan, nullptr, stream);
+}
+
+void echo_plan_profiled(const EchoDims& d, EchoAlgorithm algorithm, const int64_t* counts,
+                        const EchoDevicePlan& plan, int64_t* profile, cudaStream_t stream) {
+    check_args(d, algorithm, counts, plan);
+    MOEKIT_CHECK(profile, "ECHO planner on the GPU: the profile array is null");
+    launch_echo_plan_kernel(d, algorithm, counts, plan, profile, stream);
 }
 
 }  // namespace moekit::cuda

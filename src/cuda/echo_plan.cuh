@@ -27,4 +27,18 @@ struct EchoDevicePlan {
 void echo_plan(const EchoDims& dims, EchoAlgorithm algorithm, const int64_t* counts, const EchoDevicePlan& plan,
                cudaStream_t stream);
 
+// Where the planner's time goes (bench_echo_plan --profile): the same plan from an instantiation that
+// stamps the SM clock (clock64, cycles) at the start and after each phase. profile: device int64
+// [kEchoPlanProfileSize] = kEchoPlanPhases + 1 stamps, then search rounds, then listed experts.
+constexpr int kEchoPlanPhases = 5;
+constexpr int kEchoPlanProfileSize = kEchoPlanPhases + 3;
+inline const char* echo_plan_phase_name(int phase) {
+    constexpr const char* kNames[kEchoPlanPhases] = {"stats (totals, loads)", "walk list + receivers",
+                                                     "search rounds", "recorded walk (thread 0)",
+                                                     "split + loads after"};
+    return phase >= 0 && phase < kEchoPlanPhases ? kNames[phase] : "?";
+}
+void echo_plan_profiled(const EchoDims& dims, EchoAlgorithm algorithm, const int64_t* counts,
+                        const EchoDevicePlan& plan, int64_t* profile, cudaStream_t stream);
+
 }  // namespace moekit::cuda

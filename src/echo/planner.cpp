@@ -1,5 +1,6 @@
 // ECHO planner, CPU executor (see planner.h): the same steps, helpers and orders as the one-block CUDA
-// kernel in src/cuda/echo_plan.cu, run sequentially, so the two plans agree bit for bit.
+// kernel in src/cuda/echo_plan.cu, run sequentially, so the two plans agree bit for bit. The plan equals
+// that of the executor before its speed-up (tests/cpu/echo_reference_planner.h) byte for byte.
 #include "echo/planner.h"
 
 #include <algorithm>
@@ -56,64 +57,72 @@ EchoPlan plan(const EchoDims& d, const std::vector<int64_t>& counts, EchoAlgorit
                        " must be >= 0");
     const int64_t* c = counts.data();
 
-    // Statistics and the two walk orders (the kernel computes each entry in its own thread).
-    std::vector<int64_t> total(E), load(EP), ahead(E), key(E);
+    // Statistics, the walk list and the receivers (the kernel computes each entry in its own thread).
+    std::vector<int64_t> total(E), load(EP), base(E), key(E);
     for (int64_t e = 0; e < E; ++e) total[e] = echo_expert_total(d, c, e);
     int64_t all = 0;
     for (int64_t r = 0; r < EP; ++r) all += load[r] = echo_rank_load(d, total.data(), r);
-    for (int64_t e = 0; e < E; ++e) ahead[e] = echo_ahead_sum(d, total.data(), e);
-    const int64_t mean_floor = all / EP;
-    for (int64_t e = 0; e < E; ++e)
-        key[e] = echo_walk_key(d, algorithm, total.data(), load.data(), ahead.data(), e, mean_floor);
-    std::vector<int32_t> expert_order(E), rank_order(EP);
-    for (int64_t e = 0; e < E; ++e) expert_order[echo_desc_position(key.data(), E, e)] = int32_t(e);
-    for (int64_t r = 0; r < EP; ++r) rank_order[echo_asc_position(load.data(), EP, r)] = int32_t(r);
-    const int64_t max_before = *std::max_element(load.begin(), load.end());
+    const int64_t mean_floor = all / EP, max_before = *std::max_element(load.begin(), load.end());
+    for (int64_t e = 0; e < E; ++e) {
+        base[e] = echo_walk_base(d, total.data(), load.data(), e);
+        key[e] = echo_list_key(algorithm, base[e], total[e], mean_floor);
+    }
+    // List and receivers, each with its sentinels (base -1: under every target; load `all`: no room).
+    std::vector<int64_t> list_base(E + 1, -1), list_cap(E + 1, 0), recv_load(EP + 2, all);
+    std::vector<int32_t> list_expert(E + 1, -1), rank_order(EP);
+    for (int64_t e = 0; e < E; ++e) {
+        if (key[e] < 0) continue;
+        const int64_t pos = echo_desc_position(key.data(), E, e);
+        list_base[pos] = base[e], list_cap[pos] = total[e], list_expert[pos] = int32_t(e);
+    }
+    for (int64_t r = 0; r < EP; ++r) {
+        const int64_t pos = echo_asc_position(load.data(), EP, r);
+        rank_order[pos] = int32_t(r), recv_load[pos] = load[r];
+    }
 
     EchoPlan p;
     p.dims = d;
     p.algorithm = algorithm;
     p.slot_expert.assign(slots, -1);
     p.slot_tokens.assign(slots, 0);
-    auto walk = [&](bool strict, int64_t target, bool record) {
-        return echo_walk(d, strict, target, total.data(), load.data(), ahead.data(), expert_order.data(),
-                         rank_order.data(), record ? p.slot_expert.data() : nullptr,
-                         record ? p.slot_tokens.data() : nullptr);
-    };
     if (algorithm == EchoAlgorithm::greedy) {
-        p.target = mean_floor;
-        walk(false, mean_floor, true);  // spill that finds no room stays home
+        p.target = mean_floor;  // spill that finds no room stays home
+        echo_walk<false, true>(d, all, mean_floor, list_base.data(), list_cap.data(), list_expert.data(),
+                               recv_load.data(), rank_order.data(), p.slot_expert.data(), p.slot_tokens.data());
     } else {
         int64_t lo = echo_search_floor(d, all), hi = max_before;
         std::vector<uint8_t> feasible(kEchoSearchWays);
         while (hi - lo > 1) {
             for (int64_t i = 0; i < kEchoSearchWays; ++i) {
                 const int64_t cand = echo_search_candidate(lo, hi, i, kEchoSearchWays);
-                feasible[i] = cand >= 0 && walk(true, cand, false);
+                feasible[i] = cand >= 0 && echo_walk<true, false>(d, all, cand, list_base.data(), list_cap.data(),
+                                                                  list_expert.data(), recv_load.data(),
+                                                                  rank_order.data(), nullptr, nullptr);
             }
             if (!echo_search_update(&lo, &hi, feasible.data(), kEchoSearchWays)) break;
         }
         p.target = hi;
-        const bool ok = walk(true, hi, true);
+        const bool ok = echo_walk<true, true>(d, all, hi, list_base.data(), list_cap.data(), list_expert.data(),
+                                              recv_load.data(), rank_order.data(), p.slot_expert.data(),
+                                              p.slot_tokens.data());
         MOEKIT_CHECK(ok, "the water-fill failed at a target it met during the search (", hi, ")");
     }
 
-    // Source split and loads after.
+    // Home remainders, source split and loads after.
+    std::vector<int64_t>& home = total;  // total[e] minus its clones' tokens
+    for (int64_t j = 0; j < slots; ++j)
+        if (p.slot_expert[j] >= 0) home[p.slot_expert[j]] -= p.slot_tokens[j];
     p.home_tokens.assign(EP * E, 0);
     p.clone_tokens.assign(EP * slots, 0);
-    for (int64_t e = 0; e < E; ++e) {
-        const int64_t h = echo_home_tokens(d, total.data(), p.slot_expert.data(), p.slot_tokens.data(), e);
-        echo_fill_interval(d, c, e, 0, h, p.home_tokens.data() + e, E);
-    }
+    for (int64_t e = 0; e < E; ++e) echo_fill_interval(d, c, e, 0, home[e], p.home_tokens.data() + e, E);
     for (int64_t j = 0; j < slots; ++j) {
         if (p.slot_expert[j] < 0) continue;  // the column stays zero
-        const int64_t b = echo_slot_begin(d, total.data(), p.slot_expert.data(), p.slot_tokens.data(), j);
+        const int64_t b = echo_slot_begin(home.data(), p.slot_expert.data(), p.slot_tokens.data(), j);
         echo_fill_interval(d, c, p.slot_expert[j], b, b + p.slot_tokens[j], p.clone_tokens.data() + j, slots);
     }
     p.rank_load_before = load;
     p.rank_load_after.resize(EP);
-    for (int64_t r = 0; r < EP; ++r)
-        p.rank_load_after[r] = echo_rank_load_after(d, total.data(), p.slot_expert.data(), p.slot_tokens.data(), r);
+    for (int64_t r = 0; r < EP; ++r) p.rank_load_after[r] = echo_rank_load_after(d, home.data(), p.slot_tokens.data(), r);
     p.num_clones = std::count_if(p.slot_expert.begin(), p.slot_expert.end(), [](int32_t e) { return e >= 0; });
     return p;
 }

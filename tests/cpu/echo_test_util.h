@@ -1,5 +1,6 @@
 // Helpers of the ECHO planner tests (tests/cpu/test_echo_planner.cpp, tests/gpu/test_echo_plan.cu): seeded
-// count matrices of several kinds, and an independent check of every plan invariant.
+// count matrices of several kinds (and extra kinds for the planner equivalence tests), and an independent
+// check of every plan invariant.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -63,6 +64,52 @@ inline std::vector<int64_t> random_counts(const EchoDims& d, CountKind kind, uin
             }
         }
     if (kind == CountKind::sparse) c[rng.below(EP * E)] += 1 + rng.below(1000);  // never all zero
+    return c;
+}
+
+// Kinds beyond echo_test_util's: many equal counts (ties everywhere), whole experts empty, a few ranks
+// far over the others, and counts so large the total passes 2^31.
+enum class Extra { ties, empty_experts, hot_ranks, huge };
+inline const char* extra_name(Extra k) {
+    switch (k) {
+        case Extra::ties:
+            return "ties";
+        case Extra::empty_experts:
+            return "empty_experts";
+        case Extra::hot_ranks:
+            return "hot_ranks";
+        case Extra::huge:
+            return "huge";
+    }
+    return "?";
+}
+
+inline std::vector<int64_t> extra_counts(const EchoDims& d, Extra kind, uint64_t seed) {
+    Rng rng(seed, 0xec40'e9a1);
+    const int64_t EP = d.ep, E = d.num_experts, L = E / EP;
+    std::vector<int64_t> c(EP * E, 0);
+    std::vector<uint8_t> empty(E, 0);
+    for (int64_t e = 0; e < E; ++e) empty[e] = rng.uniform() < 0.4;
+    const int64_t hot = rng.below(EP);
+    for (int64_t s = 0; s < EP; ++s)
+        for (int64_t e = 0; e < E; ++e) {
+            int64_t& v = c[s * E + e];
+            switch (kind) {
+                case Extra::ties:
+                    v = 4 * rng.below(3);  // 0, 4, 8: equal totals, loads and bases all over
+                    break;
+                case Extra::empty_experts:
+                    v = empty[e] ? 0 : rng.below(300);
+                    break;
+                case Extra::hot_ranks:
+                    v = (e / L == hot || e / L == (hot + 1) % EP) ? 200 + rng.below(800) : rng.below(50);
+                    break;
+                case Extra::huge:
+                    v = int64_t(rng.below(1 << 20)) << 14;  // up to 2^34 per entry
+                    break;
+            }
+        }
+    c[rng.below(EP * E)] += 1 + rng.below(100);  // never all zero
     return c;
 }
 

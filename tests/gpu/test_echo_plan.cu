@@ -1,7 +1,8 @@
 // ECHO planner on the GPU (src/cuda/echo_plan.cu) against the CPU executor (src/echo/planner.cpp): every
 // array of the plan equal bit for bit on seeded random count matrices (both algorithms, odd shapes,
-// zeros, one expert takes all, the E=256/EP=64 Zipf case), the plan invariants on the device plan, and
-// the planner captured in a CUDA graph and replayed on new counts. Skips without a GPU.
+// zeros, one expert takes all, the E=256/EP=64 Zipf case, the equivalence grid with ties and int64 totals,
+// the profiled kernel too), the plan invariants on the device plan, and the planner captured in a CUDA
+// graph and replayed on new counts. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -93,6 +94,48 @@ TEST(CudaEchoPlan, MatchesCpuBitwiseOnRandomCounts) {
                 expect_same_plan(gpu, echo::plan(d, counts, alg));
             }
     }
+}
+
+// The grid of the CPU equivalence test (tests/cpu/test_echo_plan_equivalence.cpp): EP 1/2/8/64, 1/3/4
+// experts per rank, S 0/1/2/4, every count kind including ties, empty experts and totals past 2^31 (the
+// walk's int64 path), both algorithms; the plain and the profiled kernel both equal the CPU plan.
+TEST(CudaEchoPlan, MatchesCpuOnTheEquivalenceGrid) {
+    SKIP_WITHOUT_GPU();
+    uint64_t seed = 41000;
+    cuda::DeviceBuffer<int64_t> profile(cuda::kEchoPlanProfileSize);
+    for (int64_t ep : {1, 2, 8, 64})
+        for (int64_t per_rank : {1, 3, 4})
+            for (int64_t S : {0, 1, 2, 4}) {
+                const EchoDims d{ep, ep * per_rank, S};
+                DevicePlan dev(d);
+                for (int kind = 0; kind < 9; ++kind)
+                    for (EchoAlgorithm alg : {EchoAlgorithm::greedy, EchoAlgorithm::waterfill}) {
+                        ++seed;
+                        const bool extra = kind >= 5;
+                        SCOPED_TRACE(echo::to_string(d) + " " +
+                                     (extra ? test::extra_name(test::Extra(kind - 5))
+                                            : test::kind_name(CountKind(kind))) +
+                                     " " + echo::algorithm_name(alg) + " seed " + std::to_string(seed));
+                        const auto counts = extra ? test::extra_counts(d, test::Extra(kind - 5), seed)
+                                                  : test::random_counts(d, CountKind(kind), seed);
+                        const echo::EchoPlan cpu = echo::plan(d, counts, alg);
+                        dev.counts.upload(counts);
+                        cuda::echo_plan(d, alg, dev.counts.get(), dev.view(), nullptr);
+                        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+                        expect_same_plan(dev.download(alg), cpu);
+                        cuda::echo_plan_profiled(d, alg, dev.counts.get(), dev.view(), profile.get(), nullptr);
+                        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+                        expect_same_plan(dev.download(alg), cpu);
+                        const auto p = profile.download();
+                        for (int k = 0; k < cuda::kEchoPlanPhases; ++k) EXPECT_LE(p[k], p[k + 1]) << "phase " << k;
+                        // The search runs (at least one round) exactly when waterfill's initial bracket is open.
+                        const bool searches = alg == EchoAlgorithm::waterfill &&
+                                              cpu.max_before() - echo_search_floor(d, cpu.total_tokens()) > 1;
+                        EXPECT_EQ(p[cuda::kEchoPlanPhases + 1] > 0, searches)
+                            << "search rounds " << p[cuda::kEchoPlanPhases + 1];
+                        if (HasFailure()) return;
+                    }
+            }
 }
 
 // The benchmark's case: E=256, EP=64, S=2, Zipf 1.2 top-8 routing of 4096 tokens per rank.
