@@ -27,11 +27,6 @@ if [ "${SKIP_CTEST:-0}" != 1 ]; then
   (cd $B && timeout 300 ctest -j 8 --output-on-failure --timeout 250 2>&1) >"$OUT/ctest.log"
   grep -E "tests passed|tests failed|^ *(cpu|gpu) +=|\(Failed\)|\(Timeout\)" "$OUT/ctest.log" | tee -a "$OUT/summary.txt"
 fi
-log "compute-sanitizer memcheck + racecheck on the EP layer (EP=2, both dispatchers)"
-for tool in memcheck racecheck; do
-  MOEKIT_EXPERT_GEMM=sync_baseline timeout 200 compute-sanitizer --error-exitcode 9 --tool $tool $B/test_cuda_ep \
-    --gtest_filter='*softmax_post_swiglu_ep2*:*capacity_pad_ep2*:LocalDeviceComm.*' 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
-done
 log "moekit layer --device cuda --virtual-ranks 4 vs --device cpu"
 for d in cpu cuda; do
   for disp in allgather alltoall; do
@@ -67,19 +62,23 @@ for disp in ("allgather", "alltoall"):
 compare("/tmp/ep1_cpu.safetensors", "/tmp/ep1_cuda.safetensors", "moekit layer EP=1 (one rank)")
 PY
 if [ "${EP_BENCH:-0}" = 1 ]; then
-  log "moekit bench: EP=4 and 8 on virtual ranks"
+  log "moekit bench: EP=4 and 8 on virtual ranks (alltoall, allgather, budgeted f=1.25)"
+  mkdir -p "$OUT/bench"
   for preset in mixtral qwen3-30b dsv3-ep8; do
     for ep in 4 8; do
-      for disp in alltoall allgather; do
-        timeout 120 $B/moekit bench --preset $preset --expert-model-parallel-size $ep --virtual-ranks $ep \
-          --moe-token-dispatcher-type $disp --iters 10 --json "$OUT/bench_ep_${preset}_${ep}_${disp}.json" \
-          >"$OUT/bench_ep_${preset}_${ep}_${disp}.txt" 2>&1
-        tail -1 "$OUT/bench_ep_${preset}_${ep}_${disp}.txt" | sed "s/^/$preset EP=$ep $disp: /" | tee -a "$OUT/summary.txt"
+      for disp in alltoall allgather budgeted; do
+        extra="--moe-token-dispatcher-type $disp"
+        [ $disp = budgeted ] && extra="--moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25"
+        f="$OUT/bench/ep_${preset}_${ep}_${disp}"
+        timeout 120 $B/moekit bench --preset $preset --expert-model-parallel-size $ep --virtual-ranks $ep $extra \
+          --iters 10 --json "$f.json" >"$f.txt" 2>&1
+        grep -E "whole|budgeted|error" "$f.txt" | sed "s/^/$preset EP=$ep $disp: /" | tee -a "$OUT/summary.txt"
       done
     done
   done
 fi
-if [ -d .ep_baseline ]; then
+if [ -d .ep_baseline ] && [ "${EP1_BASELINE:-1}" = 1 ]; then
+  mkdir -p "$OUT/bench"
   log "EP=1 through the pipeline vs the layer before it (.ep_baseline = 695b969), same call, alternating"
   ln -sfn "$PWD/.third_party" .ep_baseline/.third_party
   (cd .ep_baseline && cmake -S . -B build-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
@@ -89,7 +88,7 @@ if [ -d .ep_baseline ]; then
     for round in 1 2; do
       for which in base new; do
         bin=$B/moekit; [ $which = base ] && bin=.ep_baseline/build-base/moekit
-        timeout 120 $bin bench --preset $preset --iters 10 --json "$OUT/ep1_${which}_${preset}_${round}.json" >/dev/null 2>&1
+        timeout 120 $bin bench --preset $preset --iters 10 --json "$OUT/bench/ep1_${which}_${preset}_${round}.json" >/dev/null 2>&1
       done
     done
   done
@@ -101,7 +100,7 @@ for preset in ("mixtral", "dsv3-ep8", "qwen3-30b"):
     for which in ("base", "new"):
         g, e = [], []
         for rnd in (1, 2):
-            try: j = json.load(open("%s/ep1_%s_%s_%d.json" % (out, which, preset, rnd)))
+            try: j = json.load(open("%s/bench/ep1_%s_%s_%d.json" % (out, which, preset, rnd)))
             except Exception as ex: continue
             g.append(j["grouped"]["graph_fwd_bwd_ms"]); e.append(j["grouped"]["eager_fwd_bwd_ms"])
         row[which] = (min(g) if g else float("nan"), min(e) if e else float("nan"))
@@ -110,4 +109,19 @@ for preset in ("mixtral", "dsv3-ep8", "qwen3-30b"):
           % (preset, b[0], n[0], n[0] / b[0], b[1], n[1], n[1] / b[1]))
 PY
 fi
+log "ECHO planner: GPU tests and benchmark"
+timeout 120 $B/test_echo_plan 2>&1 | grep -E "PASSED|FAILED|Failure" | head -5 | tee -a "$OUT/summary.txt"
+timeout 120 $B/bench_echo_plan --json "$OUT/bench_echo_plan.json" > "$OUT/bench_echo_plan.txt" 2>&1
+tail -30 "$OUT/bench_echo_plan.txt" | tee -a "$OUT/summary.txt"
+log "compute-sanitizer memcheck + racecheck on the EP dispatch kernels (EP=2, every dispatcher)"
+for tool in memcheck racecheck; do
+  MOEKIT_DEVICE_WAIT_S=60 MOEKIT_EXPERT_GEMM=sync_baseline timeout 240 compute-sanitizer --error-exitcode 9 --tool $tool \
+    $B/test_cuda_ep --gtest_filter='*softmax_post_swiglu_ep2*:*capacity_pad_ep2*:LocalDeviceComm.*' 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+done
+log "budgeted dispatch kernels under sanitizers (EP=2 graph + overflow tests)"
+for tool in memcheck racecheck; do
+  MOEKIT_DEVICE_WAIT_S=60 MOEKIT_EXPERT_GEMM=sync_baseline timeout 300 compute-sanitizer --error-exitcode 9 --tool $tool \
+    $B/test_cuda_ep --gtest_filter='*budgeted_ep2*:CudaEpBudgeted.ReceiveBuffer*' 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+done
+(cd "$OUT" && tar czf bench.tgz bench 2>/dev/null && rm -rf bench)
 log "done"

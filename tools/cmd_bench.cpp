@@ -32,6 +32,7 @@ constexpr const char* kUsage =
 int run_bench(const std::vector<std::string>& args) {
     std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall";
     int64_t iters = 20, ep = 1, virtual_ranks = 0;
+    double receive_factor = 0;
     // The project's flag table: --help lists these, unknown flags get a suggestion, bad values name the flag.
     moekit::FlagParser p(kUsage);
     p.section("bench");
@@ -44,6 +45,8 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");
     p.add("--moe-token-dispatcher-type", &dispatcher, "allgather | alltoall (the EP benchmark; default alltoall)");
+    p.add("--moe-expert-rank-capacity-factor", &receive_factor,
+          "f > 0: the budgeted sync-free dispatcher with ceil(T*k*f) receive rows (the EP benchmark, alltoall)");
     if (!p.parse(args)) return 0;  // --help was printed
     MOEKIT_REQUIRE(iters >= 1 && iters <= 1'000'000, "--iters=", iters, " must be a positive integer (at most 1000000)");
 #ifndef MOEKIT_WITH_CUDA
@@ -61,6 +64,9 @@ int run_bench(const std::vector<std::string>& args) {
     MOEKIT_REQUIRE(ep == 1 || scope == "layer", "--scope=", scope, ": the EP benchmark times the whole layer");
     MOEKIT_REQUIRE(dispatcher == "allgather" || dispatcher == "alltoall", "--moe-token-dispatcher-type=", dispatcher,
                    " must be allgather or alltoall");
+    MOEKIT_REQUIRE(receive_factor == 0 || (receive_factor > 0 && receive_factor <= 64 && dispatcher == "alltoall" && ep > 1),
+                   "--moe-expert-rank-capacity-factor=", receive_factor,
+                   " must be in (0, 64] and goes with --moe-token-dispatcher-type alltoall and EP > 1");
 #ifdef MOEKIT_WITH_CUDA
     namespace b = moekit::cuda::bench;
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
@@ -70,7 +76,7 @@ int run_bench(const std::vector<std::string>& args) {
     const b::Preset& chosen = b::find_preset(preset);
     nlohmann::json r;
     if (ep > 1) {
-        r = b::bench_layer_ep(chosen, o, int(ep), dispatcher);
+        r = b::bench_layer_ep(chosen, o, int(ep), dispatcher, receive_factor);
         std::printf("%s", b::format_layer_ep_table(r).c_str());
     } else {
         r = scope == "layer" ? b::bench_layer(chosen, o) : b::bench_expert_mlp(chosen, o);

@@ -11,11 +11,29 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "moekit/comm.h"
 
 namespace moekit::cuda {
 
+// Symmetric memory for device-initiated transfers: the same number of bytes on every rank, and every
+// peer's buffer addressable from this rank's kernels (local-gpu: the other virtual ranks' allocations on
+// the same GPU; nccl: ncclMemAlloc + a NCCL_WIN_COLL_SYMMETRIC window, peers reached through NVLink/P2P).
+// Zero-filled at allocation. Freed by the destructor, which every rank reaches after its last use.
+class SymmetricBuffer {
+public:
+    virtual ~SymmetricBuffer() = default;
+    void* local() const { return peers_[size_t(rank_)]; }
+    void* peer(int q) const { return peers_[size_t(q)]; }
+    const std::vector<void*>& peers() const { return peers_; }  // [size()] rank q's buffer, as seen here
+    int64_t bytes() const { return bytes_; }
+
+protected:
+    std::vector<void*> peers_;
+    int rank_ = 0;
+    int64_t bytes_ = 0;
+};
 class DeviceComm {
 public:
     virtual ~DeviceComm() = default;
@@ -31,6 +49,8 @@ public:
     // size() entries. My send_bytes[p] must equal p's recv_bytes[me] (checked where the transport can).
     virtual void all_to_all_v(const void* send, const int64_t* send_bytes, void* recv, const int64_t* recv_bytes,
                               cudaStream_t stream) = 0;
+    // Collective: `bytes` (the same on every rank) of symmetric memory.
+    virtual std::unique_ptr<SymmetricBuffer> alloc_symmetric(int64_t bytes) = 0;
 };
 
 // Virtual rank `host.rank()` of `host.size()` on the current GPU; collective over `host` (a local group).

@@ -66,7 +66,41 @@ public:
         finish(stream);
     }
 
+    std::unique_ptr<SymmetricBuffer> alloc_symmetric(int64_t bytes) override {
+        return std::make_unique<LocalSymmetric>(host_, bytes);
+    }
+
 private:
+    // cudaMalloc on every virtual rank; the pointers are exchanged through the host group (one address space).
+    class LocalSymmetric final : public SymmetricBuffer {
+    public:
+        LocalSymmetric(Communicator& host, int64_t bytes) : host_(host) {
+            const std::vector<int64_t> sizes = host.all_gather(std::vector<int64_t>{bytes});
+            for (int64_t b : sizes)
+                MOEKIT_CHECK(b == bytes, "symmetric allocation: virtual ranks ask for different sizes (", b, " vs ",
+                             bytes, " bytes)");
+            void* mine = nullptr;
+            if (bytes > 0) {
+                MOEKIT_CUDA_CHECK(cudaMalloc(&mine, size_t(bytes)));
+                MOEKIT_CUDA_CHECK(cudaMemset(mine, 0, size_t(bytes)));
+            }
+            const std::vector<int64_t> all = host.all_gather(std::vector<int64_t>{int64_t(reinterpret_cast<intptr_t>(mine))});
+            for (int64_t p : all) peers_.push_back(reinterpret_cast<void*>(intptr_t(p)));
+            rank_ = host.rank(), bytes_ = bytes;
+        }
+        ~LocalSymmetric() override {
+            // Every rank frees only after every rank is done with every buffer (no peer writes after this).
+            try {
+                host_.barrier();
+            } catch (...) {
+            }
+            if (local()) cudaFree(local());
+        }
+
+    private:
+        Communicator& host_;
+    };
+
     // Rendezvous 1: every rank's [send pointer, ready event, extra...] once its stream has the data.
     std::vector<int64_t> publish(const void* send, cudaStream_t stream, const std::vector<int64_t>& extra) {
         MOEKIT_CUDA_CHECK(cudaEventRecord(ready_, stream));

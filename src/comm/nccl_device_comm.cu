@@ -14,6 +14,7 @@
 
 #if MOEKIT_WITH_NCCL
 #include <nccl.h>
+#include <nccl_device.h>
 #endif
 
 namespace moekit::cuda {
@@ -29,6 +30,44 @@ int local_rank_from_env() {
         if (const char* v = std::getenv(name)) return std::atoi(v);
     return -1;
 }
+
+// Peers' addresses of a symmetric window, as the NCCL device API computes them (LSA = this node's GPUs).
+__global__ void peer_pointers_kernel(ncclWindow_t win, int n, void** out) {
+    for (int q = threadIdx.x; q < n; q += blockDim.x) out[q] = ncclGetPeerPointer(win, 0, q);
+}
+
+// ncclMemAlloc (cuMem, what symmetric windows require) registered as a NCCL_WIN_COLL_SYMMETRIC window.
+class NcclSymmetric final : public SymmetricBuffer {
+public:
+    NcclSymmetric(ncclComm_t comm, Communicator& host, int64_t bytes) : comm_(comm), host_(host) {
+        rank_ = host.rank(), bytes_ = bytes;
+        const size_t n = size_t(std::max<int64_t>(bytes, 1));
+        MOEKIT_NCCL_CHECK(ncclMemAlloc(&mem_, n));
+        MOEKIT_CUDA_CHECK(cudaMemset(mem_, 0, n));
+        MOEKIT_NCCL_CHECK(ncclCommWindowRegister(comm_, mem_, n, &win_, NCCL_WIN_COLL_SYMMETRIC));
+        void** dev = nullptr;
+        MOEKIT_CUDA_CHECK(cudaMalloc(&dev, sizeof(void*) * size_t(host.size())));
+        peer_pointers_kernel<<<1, 64>>>(win_, host.size(), dev);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        peers_.resize(size_t(host.size()));
+        MOEKIT_CUDA_CHECK(cudaMemcpy(peers_.data(), dev, sizeof(void*) * peers_.size(), cudaMemcpyDeviceToHost));
+        MOEKIT_CUDA_CHECK(cudaFree(dev));
+    }
+    ~NcclSymmetric() override {
+        try {
+            host_.barrier();  // no peer writes here any more
+        } catch (...) {
+        }
+        if (win_) ncclCommWindowDeregister(comm_, win_);
+        if (mem_) ncclMemFree(mem_);
+    }
+
+private:
+    ncclComm_t comm_;
+    Communicator& host_;
+    void* mem_ = nullptr;
+    ncclWindow_t win_ = nullptr;
+};
 
 class NcclDeviceComm final : public DeviceComm {
 public:
@@ -72,6 +111,10 @@ public:
             s += send_bytes[p], r += recv_bytes[p];
         }
         check(ncclGroupEnd(), "ncclGroupEnd");
+    }
+
+    std::unique_ptr<SymmetricBuffer> alloc_symmetric(int64_t bytes) override {
+        return std::make_unique<NcclSymmetric>(comm_, host_, bytes);
     }
 
 private:

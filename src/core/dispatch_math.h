@@ -1,5 +1,5 @@
 // Budgeted (sync-free) expert-parallel dispatch maths, shared by the CPU twin
-// (src/cpu/dispatch_budgeted.cpp) and the future CUDA kernels: the receive budget of a rank, and the
+// (src/cpu/dispatch_budgeted.cpp) and the CUDA kernels (src/cuda/dispatch_budgeted.cu): the receive budget of a rank, and the
 // offsets every rank derives from the all-gathered [EP, E] count matrix by one scan. A receiver's
 // buffer is ordered [local expert l][source rank s] (Megatron's order after sort_chunks), so the
 // grouped GEMM reads it in place. Tests: tests/cpu/test_dispatch_budgeted.cpp.
@@ -21,18 +21,31 @@ MOEKIT_HD int64_t budget_rows(int64_t tokens, int64_t topk, double factor) {
     return align_up(int64_t(rows), kBudgetRowAlign);
 }
 
-// Start rows of every chunk (l, s) in `receiver`'s buffer, chunk index l * ep + s, from counts
-// [ep, num_experts] (row s = source rank s's rows per global expert); the receiver's local experts
-// are [receiver * L, receiver * L + L). chunk_offsets has L * ep + 1 entries; returns the total the
-// receiver would get (chunk_offsets[L * ep]). Fixed left-to-right order: every rank gets the same.
-MOEKIT_HD int64_t recv_chunk_offsets(const int64_t* counts, int64_t ep, int64_t num_experts, int64_t num_local,
-                                     int64_t receiver, int64_t* chunk_offsets) {
+// Visits every chunk (l, s) of `receiver`'s buffer in buffer order, fn(l, s, start_row, rows), from counts
+// [ep, num_experts] (row s = source rank s's rows per global expert; any integer type); the receiver's
+// local experts are [receiver * L, receiver * L + L). Returns the total the receiver would get. Fixed
+// left-to-right order: every rank derives the same offsets (CPU twin and CUDA kernels alike).
+template <typename C, typename Fn>
+MOEKIT_HD int64_t for_each_recv_chunk(const C* counts, int64_t ep, int64_t num_experts, int64_t num_local,
+                                      int64_t receiver, Fn&& fn) {
     int64_t total = 0;
     for (int64_t l = 0; l < num_local; ++l)
         for (int64_t s = 0; s < ep; ++s) {
-            chunk_offsets[l * ep + s] = total;
-            total += counts[s * num_experts + receiver * num_local + l];
+            const int64_t n = int64_t(counts[s * num_experts + receiver * num_local + l]);
+            fn(l, s, total, n);
+            total += n;
         }
+    return total;
+}
+
+// Start rows of every chunk (l, s) in `receiver`'s buffer, chunk index l * ep + s (chunk_offsets has
+// L * ep + 1 entries; the last is the total, which is also returned).
+MOEKIT_HD int64_t recv_chunk_offsets(const int64_t* counts, int64_t ep, int64_t num_experts, int64_t num_local,
+                                     int64_t receiver, int64_t* chunk_offsets) {
+    const int64_t total = for_each_recv_chunk(counts, ep, num_experts, num_local, receiver,
+                                              [&](int64_t l, int64_t s, int64_t start, int64_t) {
+                                                  chunk_offsets[l * ep + s] = start;
+                                              });
     chunk_offsets[num_local * ep] = total;
     return total;
 }

@@ -47,9 +47,11 @@ MoeConfig preset_config(const Preset& p);
 
 // The CUDA layer under expert parallelism on ONE GPU (bench_layer_ep.cu): `ep` virtual ranks, each with
 // T/ep of the preset's tokens and E/ep experts, eager fwd+bwd steps through `dispatcher` (allgather |
-// alltoall): whole-step wall time, each rank's step and stage times, bytes each rank sends, host syncs,
-// against the EP = 1 layer on all T tokens timed in the same call.
-nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher);
+// alltoall; with receive_factor > 0 the budgeted sync-free one, also captured in one graph per rank):
+// whole-step wall time, each rank's step and stage times, bytes each rank sends and a device copy of as many
+// bytes, host syncs, against the EP = 1 layer on all T tokens timed in the same call.
+nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher,
+                              double receive_factor = 0);
 std::string format_layer_ep_table(const nlohmann::json& r);
 
 // Human-readable tables of the results above.

@@ -45,13 +45,14 @@ double stage_sum(const StageTimesMs& t, std::initializer_list<LayerStage> stages
 
 }  // namespace
 
-nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher) {
+nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher,
+                              double receive_factor) {
     MOEKIT_REQUIRE(ep >= 2 && p.tokens % ep == 0 && p.experts % ep == 0, "--expert-model-parallel-size=", ep,
                    " must be >= 2 and divide the preset's ", p.tokens, " tokens and ", p.experts, " experts");
     const int64_t T = p.tokens, Tr = T / ep;
     nlohmann::json out{{"preset", p.name}, {"ep", ep},          {"dispatcher", dispatcher}, {"T", T},
                        {"tokens_per_rank", Tr}, {"iters", o.iters}, {"H", p.hidden}, {"E", p.experts},
-                       {"topk", p.topk},        {"F", p.ffn}};
+                       {"topk", p.topk},        {"F", p.ffn},          {"receive_factor", receive_factor}};
     cudaDeviceProp prop{};
     int dev = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
@@ -76,6 +77,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         MoeConfig c = preset_config(p);
         c.expert_model_parallel_size = ep;
         c.moe_token_dispatcher_type = dispatcher;
+        if (receive_factor > 0) c.moe_expert_rank_capacity_factor = receive_factor;
         std::unique_ptr<DeviceComm> dc = make_device_comm(world);
         auto layer = CudaMoeLayer::create(c, Tr, 1, true, dc.get());
         fill_layer(*layer, Tr, p, o, r);
@@ -114,9 +116,55 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
             router.push_back(f[size_t(LayerStage::router)] + g[size_t(LayerStage::router)]);
         }
         layer->enable_stage_timing(false);
+        const BudgetStatus budget = layer->end_dispatch_step();
+        // The budgeted step has no host sync: capture it (every rank its own graph) and time the replays.
+        std::vector<double> graph_walls;
+        if (receive_factor > 0) {
+            cudaGraph_t g = nullptr;
+            cudaGraphExec_t ge = nullptr;
+            MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            layer->forward(s, true);
+            layer->backward(s);
+            MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+            for (int it = 0; it < o.warmup + o.iters; ++it) {
+                world.barrier();
+                const auto t0 = std::chrono::steady_clock::now();
+                MOEKIT_CUDA_CHECK(cudaGraphLaunch(ge, s));
+                MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+                world.barrier();
+                if (it >= o.warmup)
+                    graph_walls.push_back(
+                        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+            }
+            cudaGraphExecDestroy(ge);
+            cudaGraphDestroy(g);
+        }
+        const BudgetStatus after = layer->end_dispatch_step();
         const std::vector<int64_t> counts = layer->read_tokens_per_expert();
         const DispatchTraffic traffic = layer->traffic();
         const LayerMemory mem = layer->memory();
+        // Reference for the bytes: the same payload as one device-to-device copy per rank, all ranks at once.
+        double copy_ms = 0;
+        if (traffic.bytes_sent > 0) {
+            void *a = nullptr, *b2 = nullptr;
+            MOEKIT_CUDA_CHECK(cudaMalloc(&a, size_t(traffic.bytes_sent)));
+            MOEKIT_CUDA_CHECK(cudaMalloc(&b2, size_t(traffic.bytes_sent)));
+            std::vector<double> t;
+            for (int it = 0; it < o.warmup + o.iters; ++it) {
+                world.barrier();
+                MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
+                MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b2, a, size_t(traffic.bytes_sent), cudaMemcpyDeviceToDevice, s));
+                MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
+                MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+                float ms = 0;
+                MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+                if (it >= o.warmup) t.push_back(ms);
+            }
+            copy_ms = median(t);
+            cudaFree(a);
+            cudaFree(b2);
+        }
         nlohmann::json j{{"rank", r},
                          {"step_ms", median(mine)},
                          {"expert_ms", median(expert)},
@@ -125,7 +173,12 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
                          {"router_ms", median(router)},
                          {"bytes_sent", traffic.bytes_sent},
                          {"host_syncs_per_step", traffic.host_syncs},
-                         {"memory_bytes", mem.workspace_bytes}};
+                         {"memory_bytes", mem.workspace_bytes},
+                         {"device_copy_ms", copy_ms},
+                         {"overflow", budget.overflow || after.overflow},
+                         {"budget_rows", budget.budget_rows},
+                         {"peak_rows", std::max(budget.peak_rows, after.peak_rows)}};
+        if (!graph_walls.empty()) j["graph_whole_step_ms"] = median(graph_walls);
         int64_t routed = 0;
         for (int64_t v : counts) routed += v;
         j["rows_routed"] = routed;
@@ -139,6 +192,11 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
     out["ranks"] = ranks;
     out["whole_step_ms"] = median(wall);
     out["whole_step_vs_ep1"] = out["whole_step_ms"].get<double>() / out["ep1_step_ms"].get<double>();
+    if (ranks[0].contains("graph_whole_step_ms")) {
+        out["graph_whole_step_ms"] = ranks[0]["graph_whole_step_ms"];
+        out["graph_whole_step_vs_ep1"] = out["graph_whole_step_ms"].get<double>() / out["ep1_step_ms"].get<double>();
+    }
+    out["dispatch_blocks"] = receive_factor > 0 ? 32 : 0;  // kDispatchBlocks of dispatch_budgeted.cu
     int64_t bytes = 0;
     double max_expert = 0, sum_expert = 0;
     for (const auto& j : ranks) {
@@ -158,14 +216,14 @@ std::string format_layer_ep_table(const nlohmann::json& r) {
                           r["tokens_per_rank"].get<int64_t>(), " per rank) on ", r["device"].get<std::string>(),
                           " (all ranks share it)\n");
     char line[256];
-    std::snprintf(line, sizeof line, "  %-5s %10s %10s %10s %10s %10s %12s %6s %9s\n", "rank", "step ms", "router",
-                  "dispatch", "experts", "combine", "sent MiB", "syncs", "mem MiB");
+    std::snprintf(line, sizeof line, "  %-5s %10s %10s %10s %10s %10s %12s %10s %6s %9s\n", "rank", "step ms", "router",
+                  "dispatch", "experts", "combine", "sent MiB", "copy ms", "syncs", "mem MiB");
     out += line;
     for (const auto& j : r["ranks"]) {
-        std::snprintf(line, sizeof line, "  %-5d %10.3f %10.3f %10.3f %10.3f %10.3f %12.2f %6lld %9.0f\n",
+        std::snprintf(line, sizeof line, "  %-5d %10.3f %10.3f %10.3f %10.3f %10.3f %12.2f %10.3f %6lld %9.0f\n",
                       j["rank"].get<int>(), j["step_ms"].get<double>(), j["router_ms"].get<double>(),
                       j["dispatch_ms"].get<double>(), j["expert_ms"].get<double>(), j["combine_ms"].get<double>(),
-                      double(j["bytes_sent"].get<int64_t>()) / (1 << 20),
+                      double(j["bytes_sent"].get<int64_t>()) / (1 << 20), j["device_copy_ms"].get<double>(),
                       static_cast<long long>(j["host_syncs_per_step"].get<int64_t>()),
                       double(j["memory_bytes"].get<int64_t>()) / (1 << 20));
         out += line;
@@ -177,6 +235,15 @@ std::string format_layer_ep_table(const nlohmann::json& r) {
                   r["whole_step_vs_ep1"].get<double>(), double(r["bytes_sent_total"].get<int64_t>()) / (1 << 20),
                   r["expert_ms_max_over_mean"].get<double>());
     out += line;
+    if (r.contains("graph_whole_step_ms")) {
+        std::snprintf(line, sizeof line,
+                      "  budgeted (factor %.2f, %d dispatch blocks): whole step in one graph per rank %.3f ms (x%.2f "
+                      "EP=1), overflow %s\n",
+                      r["receive_factor"].get<double>(), r["dispatch_blocks"].get<int>(),
+                      r["graph_whole_step_ms"].get<double>(), r["graph_whole_step_vs_ep1"].get<double>(),
+                      r["ranks"][0]["overflow"].get<bool>() ? "yes (re-run)" : "no");
+        out += line;
+    }
     return out;
 }
 

@@ -83,11 +83,12 @@ public:
         finish_combine(sum_.get(), shared_out, shared_gate, T, H, out, stream);
     }
 
-    void combine_backward(const RoutingPlan<R>&, const bf16* grad_out, bf16* grad_expert_out,
-                          cudaStream_t stream) override {
+    const bf16* combine_backward(const RoutingPlan<R>&, const bf16* grad_out, bf16* scratch,
+                                 cudaStream_t stream) override {
         const int64_t T = s_.router.num_tokens, H = s_.router.hidden;
         ep_.all_gather(grad_out, T * H * int64_t(sizeof(bf16)), grad_g_.get(), stream);
-        cuda::combine_backward<R>(plan(), H, grad_g_.get(), grad_expert_out, stream);
+        cuda::combine_backward<R>(plan(), H, grad_g_.get(), scratch, stream);
+        return scratch;
     }
 
     void dispatch_backward(const RoutingPlan<R>&, const uint8_t*, const bf16* grad_rows, const R* grad_row_probs,

@@ -63,13 +63,13 @@ public:
         combine_forward<R>(plan, H, back_rows_.get(), shared_out, shared_gate, out, stream);
     }
 
-    void combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* grad_expert_out,
-                          cudaStream_t stream) override {
+    const bf16* combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* scratch,
+                                 cudaStream_t stream) override {
         const int64_t H = s_.router.hidden;
         cuda::combine_backward<R>(plan, H, grad_out, back_rows_.get(), stream);
         exchange(back_rows_.get(), H * int64_t(sizeof(bf16)), input_splits_, recv_rows_.get(), output_splits_, stream);
-        copy_row_chunks(recv_rows_.get(), grad_expert_out, H * int64_t(sizeof(bf16)), to_expert_major(), chunk_count(),
-                        stream);
+        copy_row_chunks(recv_rows_.get(), scratch, H * int64_t(sizeof(bf16)), to_expert_major(), chunk_count(), stream);
+        return scratch;
     }
 
     void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* map, const bf16* grad_rows,

@@ -31,9 +31,10 @@ public:
                  bf16* out, cudaStream_t stream) override {
         combine_forward<R>(plan, shape_.router.hidden, expert_out, shared_out, shared_gate, out, stream);
     }
-    void combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* grad_expert_out,
-                          cudaStream_t stream) override {
-        cuda::combine_backward<R>(plan, shape_.router.hidden, grad_out, grad_expert_out, stream);
+    const bf16* combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* scratch,
+                                 cudaStream_t stream) override {
+        cuda::combine_backward<R>(plan, shape_.router.hidden, grad_out, scratch, stream);
+        return scratch;
     }
     void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* map, const bf16* grad_rows,
                            const R* grad_row_probs, float* grad_input, bool accumulate, R* grad_probs,
@@ -68,6 +69,7 @@ std::unique_ptr<CudaDispatcher<R>> make_cuda_dispatcher(const std::string& type,
     if (type == "allgather") return make_allgather_cuda_dispatcher<R>(shape, *ep);
     MOEKIT_REQUIRE(type == "alltoall" || type == "flex", "--moe-token-dispatcher-type=", type,
                    ": --device cuda with EP > 1 supports allgather, alltoall and flex");
+    if (shape.receive_factor > 0) return make_budgeted_cuda_dispatcher<R>(shape, *ep);
     return make_alltoall_cuda_dispatcher<R>(shape, *ep);
 }
 

@@ -28,10 +28,19 @@ struct ExpertInput {
     const int32_t* offsets = nullptr;       // [L + 1] on the device
 };
 
-// Traffic of the last step, for benchmarks (host values; the synchronous dispatchers know them).
+// Traffic of the last step, for benchmarks (host values; the budgeted dispatcher reads its count matrix).
 struct DispatchTraffic {
     int64_t bytes_sent = 0;   // by this rank, forward + backward, to other ranks
     int64_t host_syncs = 0;   // device-to-host waits in the last forward + backward
+};
+
+// The budgeted dispatcher's end-of-step verdict (megatron-moe.md §4.6). Every rank holds the whole [EP, E]
+// count matrix, so every rank computes the same verdict without another collective.
+struct BudgetStatus {
+    bool budgeted = false;   // the dispatcher has a receive budget
+    bool overflow = false;   // some rank would have received more rows than its budget: the step is invalid
+    int64_t budget_rows = 0; // per rank
+    int64_t peak_rows = 0;   // most rows any rank would have received this step
 };
 
 template <typename R>
@@ -52,14 +61,22 @@ public:
     // expert_out [max_rows, H] -> out [T, H] = sum of each token's rows (+ shared_out * gate; both optional).
     virtual void combine(const RoutingPlan<R>& plan, const __nv_bfloat16* expert_out, const __nv_bfloat16* shared_out,
                          const float* shared_gate, __nv_bfloat16* out, cudaStream_t stream) = 0;
-    // grad_out [T, H] -> grad of expert_out [max_rows, H].
-    virtual void combine_backward(const RoutingPlan<R>& plan, const __nv_bfloat16* grad_out,
-                                  __nv_bfloat16* grad_expert_out, cudaStream_t stream) = 0;
+    // grad_out [T, H] -> grad of expert_out [max_rows, H]: written to `scratch` (the caller's) or to the
+    // dispatcher's own receive buffer; returns where they are.
+    virtual const __nv_bfloat16* combine_backward(const RoutingPlan<R>& plan, const __nv_bfloat16* grad_out,
+                                                  __nv_bfloat16* scratch, cudaStream_t stream) = 0;
     // Grads of the expert rows [max_rows, H] and their probs [max_rows] -> grad_input [T, H] (= or +=) and
     // dense grad_probs [T, E] (zero off the map).
     virtual void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* routing_map,
                                    const __nv_bfloat16* grad_rows, const R* grad_row_probs, float* grad_input,
                                    bool accumulate, R* grad_probs, cudaStream_t stream) = 0;
+
+    // ---- the budgeted dispatcher's step protocol (no-ops elsewhere) ----
+    // Reads and clears the device flags (a host sync: call between steps). Throws moekit::Error naming the
+    // rank, peer and barrier if a device wait timed out.
+    virtual BudgetStatus end_step() { return {}; }
+    // While on, the calls run the synchronous alltoall path (the re-run after an overflow).
+    virtual void set_synchronous(bool) {}
 };
 
 // Static bounds of a rank's dispatcher.
@@ -67,13 +84,15 @@ struct DispatchShape {
     RouterShape router;          // this rank's tokens, all E experts
     int64_t plan_max_rows = 0;   // bound on this rank's permuted rows (RouterShape::max_rows)
     int ep_size = 1, ep_rank = 0;
+    double receive_factor = 0;   // --moe-expert-rank-capacity-factor (0 = none): the budgeted dispatcher
     int64_t local_experts() const { return router.num_experts / ep_size; }
     // Rows one source rank can send to one EP rank: L * capacity with padding, else T * min(k, L).
     int64_t rows_per_source() const;
 };
 
-// --moe-token-dispatcher-type allgather | alltoall (flex = alltoall here); EP = 1 is the local one whatever
-// the type. `ep` (null at EP = 1) is kept by reference.
+// --moe-token-dispatcher-type allgather | alltoall (flex = alltoall here); with a receive factor (EP > 1,
+// alltoall or flex) the budgeted one; EP = 1 is the local one whatever the type. `ep` (null at EP = 1) is
+// kept by reference.
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_cuda_dispatcher(const std::string& type, const DispatchShape& shape,
                                                         DeviceComm* ep);
@@ -84,5 +103,7 @@ template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_allgather_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_alltoall_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
+template <typename R>
+std::unique_ptr<CudaDispatcher<R>> make_budgeted_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
 
 }  // namespace moekit::cuda

@@ -1,6 +1,7 @@
 // run_ep_rank_step (see ep_rank_step.h): a CudaMoeLayer with its own I/O buffers over this rank's device
 // communicator; the router and shared weights in full, the L local experts [ep_rank*L, +L) stacked.
 #include "core/bf16.h"
+#include "cuda/budget_step.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/ep_rank_step.h"
@@ -92,11 +93,12 @@ EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups
     upload(b.jitter_seed, std::vector<uint64_t>{in.jitter_seed});
 
     Stream stream;
-    layer->forward(stream.s, in.training);
-    layer->backward(stream.s, BackwardOptions{});
-    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream.s));
-
     EpRankStep r;
+    const BudgetStatus budget = run_budgeted_cuda_step(*layer, stream.s, [&] {
+        layer->forward(stream.s, in.training);
+        layer->backward(stream.s, BackwardOptions{});
+    });
+
     r.output = Matrix<float>(T, H);
     const std::vector<bf16> out = download(b.output, T * H);
     for (size_t i = 0; i < out.size(); ++i) r.output.data[i] = bf16_bits_to_float(__nv_bfloat16_raw(out[i]).x);
@@ -117,6 +119,8 @@ EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups
     if (in.training) r.summary.losses = layer->read_losses();
     const DispatchTraffic traffic = layer->traffic();
     r.bytes_sent = traffic.bytes_sent, r.host_syncs = traffic.host_syncs;
+    r.budgeted = budget.budgeted, r.overflow = budget.overflow;
+    r.budget_rows = budget.budget_rows, r.peak_rows = budget.peak_rows;
     return r;
 }
 

@@ -19,6 +19,9 @@ struct EpRankStep {
     RoutingSummary summary;   // tokens per expert and losses of this rank's tokens
     int64_t bytes_sent = 0;   // by this rank's dispatcher, forward + backward
     int64_t host_syncs = 0;
+    // --moe-expert-rank-capacity-factor: the budget, and whether an overflow made the step re-run.
+    bool budgeted = false, overflow = false;
+    int64_t budget_rows = 0, peak_rows = 0;
 };
 
 // Collective over groups.ep (its transport picks the device one: local -> virtual ranks on the current

@@ -39,7 +39,8 @@ public:
         const RouterShape& r = shape.router;
         const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
-        dispatcher_ = make_cuda_dispatcher<R>(shape.dispatcher, DispatchShape{r, M, shape.ep_size, shape.ep_rank}, ep);
+        dispatcher_ = make_cuda_dispatcher<R>(
+            shape.dispatcher, DispatchShape{r, M, shape.ep_size, shape.ep_rank, shape.receive_factor}, ep);
         const int64_t L = dispatcher_->num_local_experts(), Me = dispatcher_->expert_max_rows();
         mask_.resize(T);
         if (own_io) {
@@ -54,6 +55,7 @@ public:
         aux_scores_.resize(T * E), aux_map_.resize(T * E), lse_.resize(T);
         score_sums_.resize(B * E), aux_counts_.resize(B * E), valid_counts_.resize(B * E), grad_coeff_.resize(B * E);
         z_grad_coeff_.resize(1), losses_.resize(kNumLossSlots), local_tokens_.resize(E), global_tokens_.resize(E);
+        tracker_copy_.resize(2 * E), steps_copy_.resize(1);
         ga_steps_.resize(1);
         counts_.resize(E), offsets_.resize(E + 1), rank_.resize(T * E), row_token_.resize(M), row_prob_.resize(M);
         token_offsets_.resize(T + 1), token_rows_.resize(M), token_counts_.resize(T);
@@ -105,6 +107,10 @@ public:
         return m;
     }
     DispatchTraffic traffic() const override { return dispatcher_->traffic(); }
+    BudgetStatus end_dispatch_step() override { return dispatcher_->end_step(); }
+    void set_synchronous_dispatch(bool on) override { dispatcher_->set_synchronous(on); }
+    void save_router_trackers(cudaStream_t stream) override { copy_trackers(true, stream); }
+    void restore_router_trackers(cudaStream_t stream) override { copy_trackers(false, stream); }
     void enable_stage_timing(bool on) override { timing_ = on; }
     StageTimesMs forward_times_ms() override { return times(0); }
     StageTimesMs backward_times_ms() override { return times(1); }
@@ -150,11 +156,11 @@ public:
         const int64_t L = experts_.num_experts, M = experts_.max_rows;
         const int32_t* offsets = experts_.offsets;
         mark(stream, 1, LayerStage::combine, true);
-        dispatcher_->combine_backward(plan(), buf_.grad_output, grad_rows_.get(), stream);
+        const bf16* grad_rows = dispatcher_->combine_backward(plan(), buf_.grad_output, grad_rows_.get(), stream);
         mark(stream, 1, LayerStage::combine, false);
         mark(stream, 1, LayerStage::fc2, true);
-        gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows_.get(), buf_.fc2, grad_act_.get(), offsets, stream);
-        gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows_.get(), act_out_.get(), buf_.grad_fc2, offsets, acc, stream);
+        gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, grad_act_.get(), offsets, stream);
+        gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows, act_out_.get(), buf_.grad_fc2, offsets, acc, stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
         activation_backward<R>(act_shape(), offsets + L, fc1_out_.get(), experts_.probs, grad_act_.get(),
@@ -203,6 +209,16 @@ public:
     }
 
 private:
+    void copy_trackers(bool save, cudaStream_t stream) {
+        const int64_t E = shape_.router.num_experts;
+        const auto copy = [&](void* to, const void* from, size_t bytes) {
+            MOEKIT_CUDA_CHECK(cudaMemcpyAsync(save ? to : const_cast<void*>(from), save ? from : to, bytes,
+                                              cudaMemcpyDeviceToDevice, stream));
+        };
+        copy(tracker_copy_.get(), local_tokens_.get(), size_t(E) * sizeof(double));
+        copy(tracker_copy_.get() + E, global_tokens_.get(), size_t(E) * sizeof(double));
+        copy(steps_copy_.get(), ga_steps_.get(), sizeof(int32_t));
+    }
     ActivationShape act_shape() const {
         return ActivationShape{dispatcher_->expert_max_rows(), shape_.ffn, shape_.gated_linear_unit, shape_.act};
     }
@@ -318,7 +334,8 @@ private:
     DeviceBuffer<float> grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_;
     DeviceBuffer<int32_t> topk_idx_, aux_counts_, valid_counts_, ga_steps_, counts_, offsets_, rank_, row_token_;
     DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, shared_offsets_;
-    DeviceBuffer<double> local_tokens_, global_tokens_;
+    DeviceBuffer<double> local_tokens_, global_tokens_, tracker_copy_;
+    DeviceBuffer<int32_t> steps_copy_;
     DeviceBuffer<uint64_t> jitter_seed_;
     DeviceBuffer<float> sinkhorn_, sinkhorn_d0_;
     DeviceBuffer<bf16> fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
@@ -360,6 +377,7 @@ CudaLayerShape CudaLayerShape::from_config(const MoeConfig& c, int64_t seq_lengt
     s.max_rows = s.router.max_rows();
     s.router_fp64 = c.moe_router_dtype && *c.moe_router_dtype == "fp64";
     s.dispatcher = c.moe_token_dispatcher_type;
+    s.receive_factor = c.moe_expert_rank_capacity_factor ? *c.moe_expert_rank_capacity_factor : 0.0;
     s.ep_size = int(c.expert_model_parallel_size);
     MOEKIT_REQUIRE(s.ep_size >= 1 && s.router.num_experts % s.ep_size == 0, "--expert-model-parallel-size=", s.ep_size,
                    " must divide --num-experts=", s.router.num_experts);
@@ -387,9 +405,6 @@ std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int6
         MOEKIT_REQUIRE(c.aux_loss_coeff("global_aux_loss") == 0, "--moe-router-load-balancing-type global_aux_loss "
                        "with --expert-model-parallel-size > 1 is not supported on --device cuda yet (its token counts "
                        "are reduced over data-parallel ranks inside the loss); use the CPU backend");
-        MOEKIT_REQUIRE(!c.moe_expert_rank_capacity_factor, "--moe-expert-rank-capacity-factor: the budgeted "
-                       "(sync-free) dispatcher is not on --device cuda yet; leave it out to use ",
-                       c.moe_token_dispatcher_type);
     }
     if (shape.router_fp64) return std::make_unique<LayerImpl<double>>(shape, own_io, ep);
     return std::make_unique<LayerImpl<float>>(shape, own_io, ep);

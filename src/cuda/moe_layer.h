@@ -39,6 +39,7 @@ struct CudaLayerShape {
     bool router_fp64 = false;       // R = double
     std::string dispatcher = "allgather";  // --moe-token-dispatcher-type (EP > 1)
     int ep_size = 1, ep_rank = 0;   // this layer's place in its EP group; experts [ep_rank*L, +L) are local
+    double receive_factor = 0;      // --moe-expert-rank-capacity-factor: the budgeted dispatcher (EP > 1)
     int64_t local_experts() const { return router.num_experts / ep_size; }
 
     static CudaLayerShape from_config(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
@@ -127,6 +128,13 @@ public:
 
     // The dispatcher stage's traffic in the last step (bytes sent to other ranks, host syncs).
     virtual DispatchTraffic traffic() const = 0;
+    // The budgeted dispatcher's step protocol (src/cuda/budget_step.h; no-ops for the other dispatchers):
+    // the end-of-step verdict (a host read between steps), and the synchronous re-run switch.
+    virtual BudgetStatus end_dispatch_step() = 0;
+    virtual void set_synchronous_dispatch(bool on) = 0;
+    // Device copies of the expert-bias counts and the global-aux tracker, so a re-run step counts once.
+    virtual void save_router_trackers(cudaStream_t stream) = 0;
+    virtual void restore_router_trackers(cudaStream_t stream) = 0;
     // Bytes of the layer's own allocations (workspace) and of the part saved from forward to backward.
     virtual LayerMemory memory() const = 0;
 

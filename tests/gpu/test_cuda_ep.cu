@@ -11,6 +11,8 @@
 #include "comm/device_comm.h"
 #include "cuda/device_buffer.h"
 #include "cuda/ep_rank_step.h"
+#include "cuda/moe_layer.h"
+#include "core/dispatch_math.h"
 #include "gpu/cuda_layer_test_util.h"
 #include "moekit/comm.h"
 
@@ -86,7 +88,8 @@ void run_case(const EpGpuCase& tc, int ranks, const std::string& dispatcher) {
 
         MoeConfig ce = c;
         ce.expert_model_parallel_size = ranks;
-        ce.moe_token_dispatcher_type = dispatcher;
+        ce.moe_token_dispatcher_type = dispatcher == "budgeted" ? "alltoall" : dispatcher;
+        if (dispatcher == "budgeted") ce.moe_expert_rank_capacity_factor = 2.0;  // room for the skew of 32 tokens
         const auto groups = make_process_groups(world, ranks);
         cuda::EpRankStep got = cuda::run_ep_rank_step(ce, *groups, w, in, grad_out);
 
@@ -100,6 +103,7 @@ void run_case(const EpGpuCase& tc, int ranks, const std::string& dispatcher) {
                     1e-5 * std::abs(s_ref.losses.seq_aux_loss) + 1e-9);
         EXPECT_NEAR(got.summary.losses.z_loss, s_ref.losses.z_loss, 1e-5 * std::abs(s_ref.losses.z_loss) + 1e-9);
         if (ranks > 1) EXPECT_EQ(got.host_syncs, dispatcher == "alltoall" ? 1 : 0) << "host syncs per step";
+        if (dispatcher == "budgeted") EXPECT_TRUE(got.budgeted && !got.overflow) << "peak " << got.peak_rows;
 
         // Gradients summed over the micro-batches: the oracle's by an all-reduce, the EP layer's router and
         // shared grads by the data-parallel reduction; its local experts' grads already hold every rank's rows.
@@ -143,11 +147,195 @@ TEST_P(CudaEpVsCpu, VirtualRanksMatchOracle) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaEpVsCpu,
                          ::testing::Combine(::testing::ValuesIn(ep_cases()), ::testing::Values(2, 4, 8),
-                                            ::testing::Values(std::string("allgather"), std::string("alltoall"))),
+                                            ::testing::Values(std::string("allgather"), std::string("alltoall"),
+                                                              std::string("budgeted"))),
                          [](const auto& info) {
                              return std::get<0>(info.param).name + "_ep" + std::to_string(std::get<1>(info.param)) +
                                     "_" + std::get<2>(info.param);
                          });
+
+// The budgeted (sync-free) dispatcher against the alltoall one on the same micro-batches: the same rows in
+// the same order reach the same GEMMs, so every result is bitwise equal; with a tiny factor every step
+// overflows, is flagged on every rank, and its re-run through alltoall is bitwise the dropless result.
+void run_budgeted_vs_alltoall(const EpGpuCase& tc, int ranks, double factor, bool expect_overflow) {
+    const uint64_t seed = 777;
+    comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+        const int r = world.rank();
+        MoeConfig c = small_config();
+        tc.edit(c);
+        c.expert_model_parallel_size = ranks, c.moe_token_dispatcher_type = "alltoall";
+        MoeWeights<float> w = bf16_weights(c, seed);
+        if (tc.name == "uneven_empty_experts") w.expert_bias[0] = 100.0;
+        LayerInput<float> in = bf16_input(c, seed + 97 * uint64_t(r + 1));
+        Matrix<float> grad_out = random_matrix<float>(in.hidden.rows, in.hidden.cols, seed + uint64_t(r), 5, 1.0);
+        round_bf16(grad_out);
+        SCOPED_TRACE(tc.name + " EP=" + std::to_string(ranks) + " rank " + std::to_string(r) + " factor " +
+                     std::to_string(factor));
+        const auto groups = make_process_groups(world, ranks);
+        const cuda::EpRankStep a = cuda::run_ep_rank_step(c, *groups, w, in, grad_out);
+        MoeConfig cb = c;
+        cb.moe_expert_rank_capacity_factor = factor;
+        const cuda::EpRankStep b = cuda::run_ep_rank_step(cb, *groups, w, in, grad_out);
+        EXPECT_TRUE(b.budgeted);
+        EXPECT_EQ(b.overflow, expect_overflow) << "peak " << b.peak_rows << " budget " << b.budget_rows;
+        if (!expect_overflow) EXPECT_EQ(b.host_syncs, 0);
+        EXPECT_EQ(a.output.data, b.output.data) << "output";
+        EXPECT_EQ(a.grad_input.data, b.grad_input.data) << "grad input";
+        EXPECT_EQ(a.grads.router_weight.data, b.grads.router_weight.data) << "grad router";
+        const int64_t L = c.num_experts() / ranks;
+        for (int64_t e = int64_t(r) * L; e < int64_t(r + 1) * L; ++e) {
+            EXPECT_EQ(a.grads.fc1[size_t(e)].data, b.grads.fc1[size_t(e)].data) << "grad fc1 of expert " << e;
+            EXPECT_EQ(a.grads.fc2[size_t(e)].data, b.grads.fc2[size_t(e)].data) << "grad fc2 of expert " << e;
+        }
+        EXPECT_EQ(a.grads.shared_fc1.data, b.grads.shared_fc1.data) << "grad shared fc1";
+        EXPECT_EQ(a.summary.tokens_per_expert, b.summary.tokens_per_expert);
+        EXPECT_EQ(a.routing_map, b.routing_map);
+        // The same rows leave each rank; the budgeted one also sends each row's 4-byte source index.
+        if (!expect_overflow) EXPECT_GE(b.bytes_sent, a.bytes_sent);
+    });
+}
+
+TEST(CudaEpBudgeted, EqualsAlltoallBitwise) {
+    SKIP_WITHOUT_GPU();
+    for (int ranks : {2, 4, 8})
+        for (const EpGpuCase& tc : ep_cases()) run_budgeted_vs_alltoall(tc, ranks, 2.0, false);
+}
+
+TEST(CudaEpBudgeted, OverflowIsFlaggedAndReRunEqualsDropless) {
+    SKIP_WITHOUT_GPU();
+    for (int ranks : {2, 4, 8}) {
+        run_budgeted_vs_alltoall(ep_cases()[0], ranks, 0.05, true);
+        run_budgeted_vs_alltoall(ep_cases().back(), ranks, 0.5, true);  // everything to expert 0: rank 0 overflows
+    }
+}
+
+// The rows the budgeted dispatcher delivers are the alltoall dispatcher's expert rows, bit for bit, and the
+// receive buffer past them stays as it was (nothing written beyond what arrived).
+TEST(CudaEpBudgeted, ReceiveBufferHoldsTheAlltoallRowsAndSlackIsUntouched) {
+    SKIP_WITHOUT_GPU();
+    for (int ranks : {2, 4, 8}) {
+        comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+            const int r = world.rank();
+            MoeConfig c = small_config();
+            c.expert_model_parallel_size = ranks, c.moe_token_dispatcher_type = "alltoall";
+            const MoeWeights<float> w = bf16_weights(c, 31);
+            const LayerInput<float> in = bf16_input(c, 31 + uint64_t(r));
+            const auto groups = make_process_groups(world, ranks);
+            auto dc = cuda::make_device_comm(*groups->ep);
+            std::vector<std::vector<uint16_t>> rows(2);
+            int64_t held = 0, budget = 0;
+            cudaStream_t s;  // each virtual rank its own stream (the legacy stream would serialise the ranks)
+            ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+            for (int k = 0; k < 2; ++k) {
+                MoeConfig ck = c;
+                if (k == 1) ck.moe_expert_rank_capacity_factor = 1.5;
+                auto layer = cuda::CudaMoeLayer::create(ck, c.seq_length, c.micro_batch_size, true, dc.get());
+                const cuda::LayerBuffers& b = layer->buffers();
+                const int64_t H = c.hidden_size, L = layer->shape().local_experts();
+                std::vector<__nv_bfloat16> hb(in.hidden.data.size()), wr(w.router_weight.data.size());
+                for (size_t i = 0; i < hb.size(); ++i) hb[i] = __float2bfloat16(in.hidden.data[i]);
+                for (size_t i = 0; i < wr.size(); ++i) wr[i] = __float2bfloat16(w.router_weight.data[i]);
+                cuda::upload(b.hidden, hb);
+                cuda::upload(b.router_weight, wr);
+                budget = k == 1 ? budget_rows(in.hidden.rows, c.moe_router_topk, 1.5) : 0;
+                if (k == 1) ASSERT_EQ(cudaMemset(b.rows, 0xFF, size_t(budget * H * 2)), cudaSuccess);
+                layer->forward(s, true);
+                ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+                // Rows due here: every rank's counts of my local experts.
+                const std::vector<int64_t> mine = layer->read_tokens_per_expert();
+                const std::vector<int64_t> all = world.all_gather(mine);
+                held = 0;
+                for (int s = 0; s < ranks; ++s)
+                    for (int64_t l = 0; l < L; ++l) held += all[size_t(s * c.num_experts() + r * L + l)];
+                const int64_t n = k == 1 ? budget : held;
+                std::vector<__nv_bfloat16> got = cuda::download(b.rows, n * H);
+                rows[size_t(k)].resize(got.size());
+                std::memcpy(rows[size_t(k)].data(), got.data(), got.size() * 2);
+                if (k == 1) EXPECT_FALSE(layer->end_dispatch_step().overflow);
+            }
+            const int64_t H = c.hidden_size;
+            ASSERT_LE(held, budget);
+            EXPECT_TRUE(std::equal(rows[0].begin(), rows[0].begin() + held * H, rows[1].begin()))
+                << "rank " << r << ": the budgeted receive buffer differs from the alltoall expert rows";
+            EXPECT_TRUE(std::all_of(rows[1].begin() + held * H, rows[1].end(), [](uint16_t v) { return v == 0xFFFF; }))
+                << "rank " << r << ": the slack past the " << held << " received rows was written";
+            cudaStreamDestroy(s);
+        });
+    }
+}
+
+// The whole EP layer step (forward + backward through the budgeted dispatcher) captured in one CUDA graph
+// per rank: replays on fresh inputs equal eager steps bit for bit.
+TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
+    SKIP_WITHOUT_GPU();
+    for (int ranks : {2, 4, 8}) {
+        comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+            const int r = world.rank();
+            MoeConfig c = small_config();
+            c.expert_model_parallel_size = ranks, c.moe_token_dispatcher_type = "alltoall";
+            c.moe_expert_rank_capacity_factor = 2.0;
+            const MoeWeights<float> w = bf16_weights(c, 55);
+            const auto groups = make_process_groups(world, ranks);
+            auto dc = cuda::make_device_comm(*groups->ep);
+            auto layer = cuda::CudaMoeLayer::create(c, c.seq_length, c.micro_batch_size, true, dc.get());
+            const cuda::LayerBuffers& b = layer->buffers();
+            const int64_t T = c.seq_length * c.micro_batch_size, H = c.hidden_size, L = layer->shape().local_experts();
+            const auto up = [](__nv_bfloat16* dst, const std::vector<float>& v) {
+                std::vector<__nv_bfloat16> h(v.size());
+                for (size_t i = 0; i < v.size(); ++i) h[i] = __float2bfloat16(v[i]);
+                cuda::upload(dst, h);
+            };
+            up(b.router_weight, w.router_weight.data);
+            std::vector<float> f1, f2;
+            for (int64_t e = r * L; e < (r + 1) * L; ++e) {
+                f1.insert(f1.end(), w.fc1[size_t(e)].data.begin(), w.fc1[size_t(e)].data.end());
+                f2.insert(f2.end(), w.fc2[size_t(e)].data.begin(), w.fc2[size_t(e)].data.end());
+            }
+            up(b.fc1, f1), up(b.fc2, f2);
+            cudaStream_t s;
+            ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+            const auto set_inputs = [&](uint64_t step) {
+                up(b.hidden, bf16_input(c, 1000 * step + uint64_t(r)).hidden.data);
+                up(b.grad_output, random_matrix<float>(T, H, 1000 * step + uint64_t(r), 9, 1.0).data);
+            };
+            const auto results = [&] {
+                std::vector<float> o(size_t(T * H));
+                const std::vector<__nv_bfloat16> ob = cuda::download(b.output, T * H);
+                for (size_t i = 0; i < o.size(); ++i) o[i] = __bfloat162float(ob[i]);
+                std::vector<float> g = cuda::download(b.grad_input, T * H), gw = cuda::download(b.grad_fc1, f1.size());
+                o.insert(o.end(), g.begin(), g.end());
+                o.insert(o.end(), gw.begin(), gw.end());
+                return o;
+            };
+            // Capture (thread-local: every rank captures its own stream at the same time).
+            cudaGraph_t graph = nullptr;
+            cudaGraphExec_t exec = nullptr;
+            ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+            layer->forward(s, true);
+            layer->backward(s);
+            ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+            ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+            for (uint64_t step = 1; step <= 3; ++step) {
+                set_inputs(step);
+                ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+                ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+                EXPECT_FALSE(layer->end_dispatch_step().overflow);
+                const std::vector<float> replay = results();
+                world.barrier();
+                layer->forward(s, true);
+                layer->backward(s);
+                ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+                EXPECT_FALSE(layer->end_dispatch_step().overflow);
+                EXPECT_EQ(replay, results()) << "rank " << r << " step " << step << ": graph replay != eager step";
+                world.barrier();
+            }
+            EXPECT_EQ(layer->traffic().host_syncs, 0);
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(graph);
+            cudaStreamDestroy(s);
+        });
+    }
+}
 
 // The transport's collectives on `world` (local-gpu for virtual ranks, NCCL for MPI ranks).
 void check_device_collectives(Communicator& world, const std::string& transport) {

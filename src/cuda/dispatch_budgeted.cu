@@ -1,0 +1,336 @@
+// Budgeted (sync-free) dispatcher on the GPU, EP > 1 (issue 8; megatron-moe.md §1.3, §4.6): nothing reaches
+// the host inside a step. Each rank writes its [E] counts into every peer's symmetric count matrix; after
+// a device barrier every rank derives all receive offsets from the [EP, E] matrix with the shared scan
+// (src/core/dispatch_math.h) and pushes its permutation-1 rows (and probs, and their source rows) straight
+// into the receivers' fixed buffers of budget = ceil(T*k*f) rows, [local expert][source] order = the
+// alltoall dispatcher's rows after sort_chunks, so the grouped GEMM reads them in place with device
+// offsets. Combine and dispatch-backward return rows to their sources by source row; combine-backward
+// pushes like dispatch. A barrier closes every phase (five per step). Nothing is written past a budget:
+// an overflow sets a device flag that every rank computes alike; end_step() reads it between steps and
+// the caller re-runs the step through the synchronous alltoall path (src/cuda/budget_step.h). Every
+// device wait is bounded: past kWaitTimeoutNs it records rank, peer and barrier and gives up.
+// Transport: peer pointers of a DeviceComm symmetric buffer (other virtual ranks' memory on one GPU, or
+// NCCL symmetric windows across GPUs). Twin: src/cpu/dispatch_budgeted.cpp. Tests: tests/gpu/test_cuda_ep.cu.
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "core/dispatch_math.h"
+#include "cuda/combine.cuh"
+#include "cuda/device_buffer.h"
+#include "cuda/dispatcher.h"
+
+namespace moekit::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kDispatchBlocks = 32;  // SMs the push/return kernels take (the rest stays with the GEMMs)
+constexpr int kDispatchThreads = 256;
+constexpr int kWarps = kDispatchThreads / 32;  // one row per warp at a time
+constexpr int64_t kRegionAlign = 256;
+
+int64_t wait_timeout_ns() {
+    const char* env = std::getenv("MOEKIT_DEVICE_WAIT_S");
+    const double s = env ? std::atof(env) : 0.0;
+    return int64_t((s > 0 ? s : 30.0) * 1e9);
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Byte offsets of the regions of every rank's symmetric buffer (the same on all ranks).
+struct Regions {
+    int64_t counts = 0, flags = 0, recv_rows = 0, recv_probs = 0, recv_src = 0, grad_recv = 0, ret_rows = 0,
+            ret_probs = 0, total = 0;
+};
+
+// Device state of one rank (its own memory).
+struct Tables {
+    int32_t* send_dst = nullptr;        // [EP*L] chunk (q, l): first row in receiver q's buffer
+    int32_t* send_n = nullptr;          // [EP*L] rows of it that fit the budget
+    int32_t* chunk_start = nullptr;     // [L*EP + 1] this rank's buffer: chunk l*EP + s starts here (clipped)
+    int32_t* expert_offsets = nullptr;  // [L + 1] the grouped GEMM's offsets
+    int32_t* held = nullptr;            // [1] rows this rank holds (<= budget)
+    unsigned long long* status = nullptr;  // [6] overflow, peak rows, wait error, its rank, peer, barrier
+    uint64_t* epoch = nullptr;          // [1] barriers passed
+};
+
+// Barrier over the EP ranks: bump the epoch, store it (release) into every peer's slot for this rank, wait
+// (acquire) until every peer's slot here has reached it. Bounded: a timeout is recorded, never a hang.
+__global__ void barrier_kernel(char* const* peers, int64_t flags_at, int rank, int ep, Tables t, int64_t timeout_ns) {
+    __shared__ uint64_t e;
+    if (threadIdx.x == 0) e = *t.epoch + 1, *t.epoch = e;
+    __syncthreads();
+    __threadfence_system();
+    for (int q = threadIdx.x; q < ep; q += blockDim.x)
+        store_release(reinterpret_cast<uint64_t*>(peers[q] + flags_at) + rank, e);
+    const uint64_t* mine = reinterpret_cast<const uint64_t*>(peers[rank] + flags_at);
+    for (int q = threadIdx.x; q < ep; q += blockDim.x) {
+        const uint64_t start = global_ns();
+        while (load_acquire(mine + q) < e) {
+            if (int64_t(global_ns() - start) > timeout_ns) {
+                if (atomicCAS(t.status + 2, 0ull, 1ull) == 0ull)
+                    t.status[3] = rank, t.status[4] = (unsigned long long)q, t.status[5] = e;
+                break;
+            }
+        }
+    }
+}
+
+__global__ void exchange_counts_kernel(const int32_t* counts, char* const* peers, int64_t counts_at, int rank, int ep,
+                                       int64_t E) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < ep * E; i += int64_t(gridDim.x) * blockDim.x)
+        reinterpret_cast<int32_t*>(peers[i / E] + counts_at)[rank * E + i % E] = counts[i % E];
+}
+
+// One block: thread q walks receiver q's chunks in buffer order (the shared scan).
+__global__ void budget_plan_kernel(const int32_t* matrix, int rank, int ep, int64_t E, int64_t L, int64_t budget,
+                                   Tables t) {
+    for (int q = threadIdx.x; q < ep; q += blockDim.x) {
+        const int64_t total = for_each_recv_chunk(matrix, ep, E, L, q, [&](int64_t l, int64_t s, int64_t start, int64_t n) {
+            if (s == rank) {
+                t.send_dst[q * L + l] = int32_t(start);
+                t.send_n[q * L + l] = int32_t(rows_within_budget(start, n, budget));
+            }
+            if (q == rank) t.chunk_start[l * ep + s] = int32_t(start < budget ? start : budget);
+        });
+        if (q == rank) {
+            const int64_t held = total < budget ? total : budget;
+            t.chunk_start[L * ep] = int32_t(held), *t.held = int32_t(held);
+        }
+        if (total > budget) atomicExch(t.status, 1ull);
+        atomicMax(t.status + 1, (unsigned long long)total);
+    }
+    __syncthreads();
+    for (int64_t l = threadIdx.x; l <= L; l += blockDim.x) t.expert_offsets[l] = t.chunk_start[l * ep];
+}
+
+// Sender side: chunk (q, l) = rows [plan_offsets[q*L+l], +send_n) of this rank's permutation-1 rows go to
+// receiver q at send_dst. Blocks start on different peers (staggered), warps take rows.
+template <typename R>
+__global__ void push_kernel(const uint4* __restrict__ rows, const R* __restrict__ probs,
+                            const int32_t* __restrict__ plan_offsets, Tables t, char* const* peers, int64_t rows_at,
+                            int64_t probs_at, int64_t src_at, int rank, int ep, int64_t L, int64_t vecs) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int i = 0; i < ep; ++i) {
+        const int q = (rank + int(blockIdx.x) + i) % ep;
+        uint4* dst_rows = reinterpret_cast<uint4*>(peers[q] + rows_at);
+        for (int64_t l = 0; l < L; ++l) {
+            const int64_t c = q * L + l, n = t.send_n[c], src0 = plan_offsets[c], dst0 = t.send_dst[c];
+            for (int64_t j = int64_t(blockIdx.x) * kWarps + warp; j < n; j += int64_t(gridDim.x) * kWarps) {
+                const uint4* s = rows + (src0 + j) * vecs;
+                uint4* d = dst_rows + (dst0 + j) * vecs;
+                for (int64_t v = lane; v < vecs; v += 32) d[v] = s[v];
+                if (lane == 0 && probs) reinterpret_cast<R*>(peers[q] + probs_at)[dst0 + j] = probs[src0 + j];
+                if (lane == 0 && src_at >= 0) reinterpret_cast<int32_t*>(peers[q] + src_at)[dst0 + j] = int32_t(src0 + j);
+            }
+        }
+    }
+}
+
+// Receiver side: held row i (chunk l*EP + s) goes back to source s, at its source row.
+template <typename R>
+__global__ void return_kernel(const uint4* __restrict__ rows, const R* __restrict__ probs,
+                              const int32_t* __restrict__ src_rows, Tables t, char* const* peers, int64_t rows_at,
+                              int64_t probs_at, int ep, int64_t L, int64_t vecs) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t held = *t.held, chunks = L * ep;
+    for (int64_t i = int64_t(blockIdx.x) * kWarps + warp; i < held; i += int64_t(gridDim.x) * kWarps) {
+        int64_t lo = 0, hi = chunks - 1;  // the last chunk starting at or before i (empty chunks skipped)
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (t.chunk_start[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        const int s = int(lo % ep);
+        const int64_t to = src_rows[i];
+        uint4* d = reinterpret_cast<uint4*>(peers[s] + rows_at) + to * vecs;
+        const uint4* from = rows + i * vecs;
+        for (int64_t v = lane; v < vecs; v += 32) d[v] = from[v];
+        if (lane == 0 && probs) reinterpret_cast<R*>(peers[s] + probs_at)[to] = probs[i];
+    }
+}
+
+template <typename R>
+class BudgetedDispatcher final : public CudaDispatcher<R> {
+public:
+    BudgetedDispatcher(const DispatchShape& s, DeviceComm& ep) : s_(s), ep_(ep), timeout_ns_(wait_timeout_ns()) {
+        const int64_t T = s.router.num_tokens, H = s.router.hidden, E = s.router.num_experts, L = s.local_experts();
+        const int EP = s.ep_size;
+        MOEKIT_REQUIRE(H % 8 == 0, "--moe-expert-rank-capacity-factor on --device cuda needs --hidden-size divisible "
+                       "by 8 (rows move as 16-byte vectors); got ", H);
+        budget_ = budget_rows(T, s.router.topk, s.receive_factor);
+        const int64_t M = s.plan_max_rows;
+        int64_t at = 0;
+        const auto region = [&](int64_t bytes) {
+            const int64_t here = at;
+            at = align_up(at + bytes, kRegionAlign);
+            return here;
+        };
+        r_.counts = region(EP * E * 4), r_.flags = region(EP * 8), r_.recv_rows = region(budget_ * H * 2);
+        r_.recv_probs = region(budget_ * int64_t(sizeof(R))), r_.recv_src = region(budget_ * 4);
+        r_.grad_recv = region(budget_ * H * 2), r_.ret_rows = region(M * H * 2);
+        r_.ret_probs = region(M * int64_t(sizeof(R))), r_.total = at;
+        sym_ = ep.alloc_symmetric(r_.total);
+        std::vector<char*> peers;
+        for (void* p : sym_->peers()) peers.push_back(static_cast<char*>(p));
+        peers_.resize(EP);
+        upload(peers_.get(), peers);
+        send_dst_.resize(EP * L), send_n_.resize(EP * L), chunk_start_.resize(L * EP + 1), offsets_.resize(L + 1);
+        held_.resize(1), status_.resize(6), epoch_.resize(1), send_rows_.resize(M * H), grad_rows_.resize(M * H);
+        fallback_ = make_alltoall_cuda_dispatcher<R>(s, ep);
+    }
+
+    std::string name() const override { return synchronous_ ? "budgeted (re-run: alltoall)" : "budgeted"; }
+    int64_t num_local_experts() const override { return s_.local_experts(); }
+    // The expert stage is sized for the synchronous re-run too (an overflow must not lose a token).
+    int64_t expert_max_rows() const override { return std::max(budget_, fallback_->expert_max_rows()); }
+    size_t allocated_bytes() const override {
+        size_t n = size_t(r_.total) + fallback_->allocated_bytes();
+        auto add = [&](const auto&... b) { ((n += b.bytes()), ...); };
+        add(peers_, send_dst_, send_n_, chunk_start_, offsets_, held_, status_, epoch_, send_rows_, grad_rows_);
+        return n;
+    }
+    size_t saved_bytes() const override {
+        return size_t(budget_ * s_.router.hidden * 2 + budget_ * int64_t(sizeof(R) + 4)) + chunk_start_.bytes() +
+               offsets_.bytes();
+    }
+    bf16* expert_rows_buffer() override { return sym_local<bf16>(r_.recv_rows); }
+    int64_t budget() const { return budget_; }
+
+    DispatchTraffic traffic() const override {
+        if (synchronous_) return fallback_->traffic();
+        // Rows that left this rank and came back, from the count matrix (a host read: between steps only).
+        const int64_t E = s_.router.num_experts, L = s_.local_experts(), EP = s_.ep_size, me = s_.ep_rank;
+        const std::vector<int32_t> m = download(sym_local<const int32_t>(r_.counts), EP * E);
+        int64_t out = 0, in = 0;
+        for (int64_t e = 0; e < E; ++e)
+            if (e / L != me) out += m[size_t(me * E + e)];
+        for (int64_t src = 0; src < EP; ++src)
+            for (int64_t l = 0; l < L; ++l)
+                if (src != me) in += m[size_t(src * E + me * L + l)];
+        const int64_t row = s_.router.hidden * 2, prob = int64_t(sizeof(R));
+        // forward: rows + prob + source row out, rows back; backward: grad rows out, grad rows + prob back.
+        return {out * (2 * row + prob + 4) + in * (2 * row + prob), 0};
+    }
+
+    ExpertInput<R> dispatch(const RoutingPlan<R>& plan, const uint8_t* map, const R* probs, const bf16* hidden,
+                            cudaStream_t stream) override {
+        if (synchronous_) return fallback_->dispatch(plan, map, probs, hidden, stream);
+        const int64_t H = s_.router.hidden, E = s_.router.num_experts, L = s_.local_experts();
+        permute_rows<R>(plan, H, hidden, send_rows_.get(), stream);
+        exchange_counts_kernel<<<1, 256, 0, stream>>>(plan.counts, peers_.get(), r_.counts, s_.ep_rank, s_.ep_size, E);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        barrier(stream);
+        budget_plan_kernel<<<1, 64, 0, stream>>>(sym_local<const int32_t>(r_.counts), s_.ep_rank, s_.ep_size, E, L,
+                                                 budget_, tables());
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        push(send_rows_.get(), plan.row_prob, plan.offsets, r_.recv_rows, r_.recv_probs, r_.recv_src, stream);
+        barrier(stream);
+        return {L, budget_, sym_local<bf16>(r_.recv_rows), sym_local<R>(r_.recv_probs), offsets_.get()};
+    }
+
+    void combine(const RoutingPlan<R>& plan, const bf16* expert_out, const bf16* shared_out, const float* shared_gate,
+                 bf16* out, cudaStream_t stream) override {
+        if (synchronous_) return fallback_->combine(plan, expert_out, shared_out, shared_gate, out, stream);
+        give_back(expert_out, nullptr, stream);
+        combine_forward<R>(plan, s_.router.hidden, sym_local<bf16>(r_.ret_rows), shared_out, shared_gate, out, stream);
+    }
+
+    const bf16* combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* scratch,
+                                 cudaStream_t stream) override {
+        if (synchronous_) return fallback_->combine_backward(plan, grad_out, scratch, stream);
+        cuda::combine_backward<R>(plan, s_.router.hidden, grad_out, grad_rows_.get(), stream);
+        push(grad_rows_.get(), nullptr, plan.offsets, r_.grad_recv, -1, -1, stream);
+        barrier(stream);
+        return sym_local<bf16>(r_.grad_recv);
+    }
+
+    void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* map, const bf16* grad_rows,
+                           const R* grad_row_probs, float* grad_input, bool accumulate, R* grad_probs,
+                           cudaStream_t stream) override {
+        if (synchronous_)
+            return fallback_->dispatch_backward(plan, map, grad_rows, grad_row_probs, grad_input, accumulate, grad_probs,
+                                                stream);
+        give_back(grad_rows, grad_row_probs, stream);
+        permute_rows_backward<R>(plan, s_.router.hidden, sym_local<bf16>(r_.ret_rows), grad_input, accumulate, stream);
+        scatter_row_probs_grad<R>(plan, map, sym_local<R>(r_.ret_probs), grad_probs, stream);
+    }
+
+    BudgetStatus end_step() override {
+        std::vector<unsigned long long> st = status_.download();
+        MOEKIT_CUDA_CHECK(cudaMemset(status_.get(), 0, status_.bytes()));
+        MOEKIT_CHECK(st[2] == 0, "budgeted dispatcher: EP rank ", st[3], " waited more than ", timeout_ns_ / 1e9,
+                     " s at barrier ", st[5], " for EP rank ", st[4],
+                     " (a rank that died, hangs or runs another step; MOEKIT_DEVICE_WAIT_S sets the bound)");
+        BudgetStatus b;
+        b.budgeted = true, b.overflow = st[0] != 0, b.budget_rows = budget_, b.peak_rows = int64_t(st[1]);
+        return b;
+    }
+    void set_synchronous(bool on) override { synchronous_ = on; }
+
+private:
+    template <typename T>
+    T* sym_local(int64_t at) const {
+        return reinterpret_cast<T*>(static_cast<char*>(sym_->local()) + at);
+    }
+    Tables tables() {
+        return {send_dst_.get(), send_n_.get(), chunk_start_.get(), offsets_.get(), held_.get(), status_.get(),
+                epoch_.get()};
+    }
+    void barrier(cudaStream_t stream) {
+        barrier_kernel<<<1, 64, 0, stream>>>(peers_.get(), r_.flags, s_.ep_rank, s_.ep_size, tables(), timeout_ns_);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    }
+    void push(const bf16* rows, const R* probs, const int32_t* plan_offsets, int64_t rows_at, int64_t probs_at,
+              int64_t src_at, cudaStream_t stream) {
+        push_kernel<R><<<kDispatchBlocks, kDispatchThreads, 0, stream>>>(
+            reinterpret_cast<const uint4*>(rows), probs, plan_offsets, tables(), peers_.get(), rows_at, probs_at, src_at,
+            s_.ep_rank, s_.ep_size, s_.local_experts(), s_.router.hidden / 8);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    }
+    // Held rows (and probs) back to their sources' return buffers, then the phase's barrier.
+    void give_back(const bf16* rows, const R* probs, cudaStream_t stream) {
+        return_kernel<R><<<kDispatchBlocks, kDispatchThreads, 0, stream>>>(
+            reinterpret_cast<const uint4*>(rows), probs, sym_local<const int32_t>(r_.recv_src), tables(), peers_.get(),
+            r_.ret_rows, r_.ret_probs, s_.ep_size, s_.local_experts(), s_.router.hidden / 8);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        barrier(stream);
+    }
+
+    DispatchShape s_;
+    DeviceComm& ep_;
+    int64_t timeout_ns_ = 0, budget_ = 0;
+    Regions r_;
+    std::unique_ptr<SymmetricBuffer> sym_;
+    DeviceBuffer<char*> peers_;
+    DeviceBuffer<int32_t> send_dst_, send_n_, chunk_start_, offsets_, held_;
+    DeviceBuffer<unsigned long long> status_;
+    DeviceBuffer<uint64_t> epoch_;
+    DeviceBuffer<bf16> send_rows_, grad_rows_;
+    std::unique_ptr<CudaDispatcher<R>> fallback_;
+    bool synchronous_ = false;
+};
+
+}  // namespace
+
+template <typename R>
+std::unique_ptr<CudaDispatcher<R>> make_budgeted_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep) {
+    return std::make_unique<BudgetedDispatcher<R>>(shape, ep);
+}
+template std::unique_ptr<CudaDispatcher<float>> make_budgeted_cuda_dispatcher<float>(const DispatchShape&, DeviceComm&);
+template std::unique_ptr<CudaDispatcher<double>> make_budgeted_cuda_dispatcher<double>(const DispatchShape&,
+                                                                                       DeviceComm&);
+
+}  // namespace moekit::cuda
