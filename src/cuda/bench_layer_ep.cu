@@ -81,6 +81,8 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         std::unique_ptr<DeviceComm> dc = make_device_comm(world);
         auto layer = CudaMoeLayer::create(c, Tr, 1, true, dc.get());
         fill_layer(*layer, Tr, p, o, r);
+        // No rank starts a step (whose device barriers spin) while another still allocates or synchronises.
+        world.barrier();
         cudaStream_t s;
         MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
         cudaEvent_t e0, e1;
@@ -162,6 +164,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
                 if (it >= o.warmup) t.push_back(ms);
             }
             copy_ms = median(t);
+            world.barrier();
             cudaFree(a);
             cudaFree(b2);
         }

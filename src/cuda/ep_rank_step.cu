@@ -93,6 +93,9 @@ EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups
     upload(b.jitter_seed, std::vector<uint64_t>{in.jitter_seed});
 
     Stream stream;
+    // Every rank set up before any starts: a device-wide sync on one rank (an allocation, a legacy-stream
+    // copy) must not wait on a peer's spinning device barrier.
+    groups.ep->barrier();
     EpRankStep r;
     const BudgetStatus budget = run_budgeted_cuda_step(*layer, stream.s, [&] {
         layer->forward(stream.s, in.training);

@@ -4,7 +4,9 @@
 // rank's local experts' gradients against the sum over all micro-batches, tokens per expert exact,
 // losses per micro-batch; EP = 2, 4, 8, both dispatchers, routing variants. Also the device
 // transport's own collectives (all-gather, uneven all-to-all-v, deterministic all-reduce).
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <mutex>
 
@@ -64,6 +66,8 @@ std::vector<EpGpuCase> ep_cases() {
 void run_case(const EpGpuCase& tc, int ranks, const std::string& dispatcher) {
     const uint64_t seed = 20261123;
     std::mutex print;
+    if (dispatcher == "budgeted" && tc.name.find("capacity_pad") != std::string::npos)
+        GTEST_SKIP() << "--moe-pad-expert-input-to-capacity already gives static shapes: the receive factor is refused";
     comm::run_virtual_ranks(ranks, [&](Communicator& world) {
         const int r = world.rank();
         MoeConfig c = small_config();
@@ -103,7 +107,12 @@ void run_case(const EpGpuCase& tc, int ranks, const std::string& dispatcher) {
                     1e-5 * std::abs(s_ref.losses.seq_aux_loss) + 1e-9);
         EXPECT_NEAR(got.summary.losses.z_loss, s_ref.losses.z_loss, 1e-5 * std::abs(s_ref.losses.z_loss) + 1e-9);
         if (ranks > 1) EXPECT_EQ(got.host_syncs, dispatcher == "alltoall" ? 1 : 0) << "host syncs per step";
-        if (dispatcher == "budgeted") EXPECT_TRUE(got.budgeted && !got.overflow) << "peak " << got.peak_rows;
+        if (dispatcher == "budgeted") {
+            EXPECT_TRUE(got.budgeted) << "the receive factor selects the budgeted dispatcher";
+            // All tokens on expert 0: rank 0 is due EP x 32 rows, past the budget from EP = 4 on (then re-run).
+            const bool must_fit = tc.name != "uneven_empty_experts";
+            if (must_fit) EXPECT_FALSE(got.overflow) << "peak " << got.peak_rows << " budget " << got.budget_rows;
+        }
 
         // Gradients summed over the micro-batches: the oracle's by an all-reduce, the EP layer's router and
         // shared grads by the data-parallel reduction; its local experts' grads already hold every rank's rows.
@@ -154,6 +163,21 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaEpVsCpu,
                                     "_" + std::get<2>(info.param);
                          });
 
+// "" when equal bit for bit, else where they first differ, by how much, and how many entries differ.
+std::string first_difference(const std::vector<float>& a, const std::vector<float>& b) {
+    if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+    size_t first = a.size(), n = 0;
+    double worst = 0;
+    for (size_t i = 0; i < a.size(); ++i)
+        if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+            if (first == a.size()) first = i;
+            ++n, worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+        }
+    if (n == 0) return "";
+    return "first at " + std::to_string(first) + " (" + std::to_string(a[first]) + " vs " + std::to_string(b[first]) +
+           "), " + std::to_string(n) + " of " + std::to_string(a.size()) + " differ, max |diff| " + std::to_string(worst);
+}
+
 // The budgeted (sync-free) dispatcher against the alltoall one on the same micro-batches: the same rows in
 // the same order reach the same GEMMs, so every result is bitwise equal; with a tiny factor every step
 // overflows, is flagged on every rank, and its re-run through alltoall is bitwise the dropless result.
@@ -173,21 +197,24 @@ void run_budgeted_vs_alltoall(const EpGpuCase& tc, int ranks, double factor, boo
                      std::to_string(factor));
         const auto groups = make_process_groups(world, ranks);
         const cuda::EpRankStep a = cuda::run_ep_rank_step(c, *groups, w, in, grad_out);
+        const cuda::EpRankStep a2 = cuda::run_ep_rank_step(c, *groups, w, in, grad_out);
+        EXPECT_EQ(first_difference(a.output.data, a2.output.data), "") << "alltoall twice: output";
+        EXPECT_EQ(first_difference(a.grad_input.data, a2.grad_input.data), "") << "alltoall twice: grad input";
         MoeConfig cb = c;
         cb.moe_expert_rank_capacity_factor = factor;
         const cuda::EpRankStep b = cuda::run_ep_rank_step(cb, *groups, w, in, grad_out);
         EXPECT_TRUE(b.budgeted);
         EXPECT_EQ(b.overflow, expect_overflow) << "peak " << b.peak_rows << " budget " << b.budget_rows;
         if (!expect_overflow) EXPECT_EQ(b.host_syncs, 0);
-        EXPECT_EQ(a.output.data, b.output.data) << "output";
-        EXPECT_EQ(a.grad_input.data, b.grad_input.data) << "grad input";
-        EXPECT_EQ(a.grads.router_weight.data, b.grads.router_weight.data) << "grad router";
+        EXPECT_EQ(first_difference(a.output.data, b.output.data), "") << "output";
+        EXPECT_EQ(first_difference(a.grad_input.data, b.grad_input.data), "") << "grad input";
+        EXPECT_EQ(first_difference(a.grads.router_weight.data, b.grads.router_weight.data), "") << "grad router";
         const int64_t L = c.num_experts() / ranks;
         for (int64_t e = int64_t(r) * L; e < int64_t(r + 1) * L; ++e) {
-            EXPECT_EQ(a.grads.fc1[size_t(e)].data, b.grads.fc1[size_t(e)].data) << "grad fc1 of expert " << e;
-            EXPECT_EQ(a.grads.fc2[size_t(e)].data, b.grads.fc2[size_t(e)].data) << "grad fc2 of expert " << e;
+            EXPECT_EQ(first_difference(a.grads.fc1[size_t(e)].data, b.grads.fc1[size_t(e)].data), "") << "fc1 " << e;
+            EXPECT_EQ(first_difference(a.grads.fc2[size_t(e)].data, b.grads.fc2[size_t(e)].data), "") << "fc2 " << e;
         }
-        EXPECT_EQ(a.grads.shared_fc1.data, b.grads.shared_fc1.data) << "grad shared fc1";
+        EXPECT_EQ(first_difference(a.grads.shared_fc1.data, b.grads.shared_fc1.data), "") << "grad shared fc1";
         EXPECT_EQ(a.summary.tokens_per_expert, b.summary.tokens_per_expert);
         EXPECT_EQ(a.routing_map, b.routing_map);
         // The same rows leave each rank; the budgeted one also sends each row's 4-byte source index.
@@ -198,7 +225,9 @@ void run_budgeted_vs_alltoall(const EpGpuCase& tc, int ranks, double factor, boo
 TEST(CudaEpBudgeted, EqualsAlltoallBitwise) {
     SKIP_WITHOUT_GPU();
     for (int ranks : {2, 4, 8})
-        for (const EpGpuCase& tc : ep_cases()) run_budgeted_vs_alltoall(tc, ranks, 2.0, false);
+        for (const EpGpuCase& tc : ep_cases())
+            if (tc.name.find("capacity_pad") == std::string::npos && tc.name != "uneven_empty_experts")
+                run_budgeted_vs_alltoall(tc, ranks, 2.0, false);
 }
 
 TEST(CudaEpBudgeted, OverflowIsFlaggedAndReRunEqualsDropless) {
