@@ -298,8 +298,16 @@ std::vector<std::string> MoeConfig::validation_errors() const {
         fail("--moe-echo-recompute-expert-dispatch requires --moe-enable-echo");
     if (moe_enable_echo) {
         if (!moe_num_echo_experts) fail("--moe-enable-echo requires --moe-num-echo-experts (spare slots over all ranks)");
-        fail("--moe-enable-echo: not supported yet by moekit (the ECHO token and weight dispatch needs the "
-             "expert-parallel dispatcher, issue 9); `moekit plan` replays the planner on routing traces");
+        // The CPU ECHO dispatch is the alltoall dispatcher with spare slots; ECHO is dropless (MoE Echo).
+        if (moe_token_dispatcher_type != "alltoall")
+            fail("--moe-enable-echo requires --moe-token-dispatcher-type=alltoall (got ", moe_token_dispatcher_type,
+                 ": ECHO re-routes the alltoall dispatcher's rows to spare slots)");
+        if (moe_expert_rank_capacity_factor)
+            fail("--moe-enable-echo cannot be combined with --moe-expert-rank-capacity-factor yet (the ECHO dispatch "
+                 "runs on the synchronous alltoall path)");
+        if (moe_expert_capacity_factor && *moe_expert_capacity_factor > 0)
+            fail("--moe-enable-echo is dropless: it cannot be combined with --moe-expert-capacity-factor=",
+                 num(*moe_expert_capacity_factor));
     }
     return errors;
 }

@@ -106,6 +106,9 @@ std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, const RunLayout&
                     layout.expert_model_parallel_size, ", ", layout.micro_batches_per_rank, " micro-batch(es) per rank");
         return make_ep_engine(o);
     }
+    MOEKIT_REQUIRE(o.device != "cuda" || !o.config.moe_enable_echo,
+                   "--moe-enable-echo: not supported yet on --device cuda (the GPU ECHO dispatch is not there yet; "
+                   "--device cpu runs it)");
     if (o.device == "cuda" && !o.host_loop) {
         MOEKIT_REQUIRE(cuda_device_available(), "--device cuda: no CUDA device is visible on this machine",
 #ifdef MOEKIT_WITH_CUDA

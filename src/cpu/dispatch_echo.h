@@ -1,0 +1,79 @@
+// ECHO dispatcher (issue 9, MoE Echo megatron-moe.md §7), CPU reference: the alltoall dispatcher with
+// spare expert slots. After the [EP, E] counts are all-gathered every rank runs the planner
+// (src/echo/planner.h; identical plan everywhere), and the all-to-all sends the planned share of each
+// source rank's tokens of a cloned expert to the clone's slot instead of home (which tokens: the rule of
+// src/core/echo_dispatch_math.h). A rank's experts are L + S buckets: its L home experts, then its S
+// slots; rows inside a bucket by source rank, then token. Combine returns every row to its position of
+// permutation 1, so a token's rows are summed by original expert exactly as without ECHO. Clone
+// weights and gradients: src/cpu/echo_experts.h. Tests: tests/cpu/test_echo_dispatch.cpp,
+// tests/cpu/test_echo_virtual.cpp, tests/mpi/test_echo_mpi.cpp (all via tests/echo_checks.h).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "cpu/dispatcher.h"
+#include "cpu/permute.h"
+#include "echo/planner.h"
+
+namespace moekit::cpu {
+
+// What one step's plan did (for logs and the train report).
+struct EchoStepStats {
+    int64_t clones = 0;                   // slots in use
+    int64_t max_load_before = 0, max_load_after = 0;  // rows of the busiest rank
+    double max_over_mean_before = 1, max_over_mean_after = 1;
+    int64_t rows_to_clones = 0;           // rows the plan sent to slots (all ranks)
+};
+
+template <typename T>
+class EchoDispatcher final : public Dispatcher<T> {
+public:
+    // slots_per_rank = S (--moe-num-echo-experts / EP).
+    EchoDispatcher(const EpLayout& layout, Communicator& ep, int64_t slots_per_rank, EchoAlgorithm algorithm);
+
+    const EpLayout& layout() const override { return layout_; }
+    // offsets of the result have L + S + 1 entries: home experts, then the slots (an empty slot has no rows).
+    DispatchedRows<T> dispatch(const Matrix<T>& tokens, const Matrix<T>& probs,
+                               const std::vector<uint8_t>& routing_map) override;
+    Matrix<T> combine(const Matrix<T>& expert_out) override;
+    Matrix<T> combine_backward(const Matrix<T>& grad_output) override;
+    void dispatch_backward(const Matrix<T>& grad_rows, const std::vector<T>& grad_row_probs, Matrix<T>& grad_tokens,
+                           Matrix<T>& grad_probs) override;
+
+    // Test hook: every later step draws a forced random plan (echo::random_plan) from `seed`.
+    void force_random_plans(uint64_t seed) { forced_ = true, forced_seed_ = seed; }
+
+    const EchoDims& dims() const { return dims_; }
+    const echo::EchoPlan& plan() const { return plan_; }       // the last step's (identical on every rank)
+    const std::vector<int64_t>& counts() const { return counts_; }  // [EP, E] all-gathered counts
+    EchoStepStats stats() const;
+    // Expert computed by each local bucket [L + S] (-1: empty slot).
+    std::vector<int64_t> bucket_experts() const;
+    // This rank's routing as sent, over E + EP*S columns (column E + j = slot j): map [T, E + EP*S] and
+    // probs [T, E + EP*S]. Folding column E + j into expert slot_expert[j] gives back the router's map
+    // and probs (tests/echo_checks.h checks it).
+    void sent_routing(std::vector<uint8_t>& map, Matrix<T>& probs) const;
+
+private:
+    Matrix<T> to_sources(const Matrix<T>& rows);  // bucket-major rows -> permutation-1 order here
+    std::vector<T> exchange(const std::vector<T>& send, int64_t width, const std::vector<int64_t>& send_rows,
+                            const std::vector<int64_t>& recv_rows);
+
+    EpLayout layout_;
+    Communicator& ep_;
+    EchoDims dims_;
+    EchoAlgorithm algorithm_;
+    bool forced_ = false;
+    uint64_t forced_seed_ = 0;
+    RoutingPlan<T> routing_;              // permutation 1 over [T, E]
+    std::vector<int64_t> counts_;         // [EP, E]
+    echo::EchoPlan plan_;
+    std::vector<int64_t> send_index_;     // [N] permutation-1 row of each sent row, in send order
+    std::vector<int64_t> send_column_;    // [N] column (expert e, or E + slot) of each sent row
+    std::vector<int64_t> input_splits_;   // [EP] rows sent to each rank
+    std::vector<int64_t> output_splits_;  // [EP] rows received from each rank
+    std::vector<int64_t> recv_counts_;    // [EP src, L + S] rows received per (source, bucket)
+    int64_t hidden_ = 0;
+};
+
+}  // namespace moekit::cpu
