@@ -303,6 +303,11 @@ int run_train(const std::vector<std::string>& args) {
             std::printf("  %.2f s, %.0f tokens/s on %s\n", r.seconds,
                         double(r.tokens_per_step) * double(run_steps) / std::max(r.seconds, 1e-9), a.device.c_str());
             std::printf("  expert load max/mean per layer at the end: %s\n", balance_string(last).c_str());
+            if (!last.echo_clones.empty()) {
+                const train::EchoSummary es = train::echo_summary(r);
+                std::printf("  ECHO: %.2f clones per step and layer; EP rank load max/mean %.3f before, %.3f after\n",
+                            es.clones_per_step, es.max_over_mean_before, es.max_over_mean_after);
+            }
             if (r.perf) print_perf(*r.perf);
             std::printf("  wrote %s/report.json and %s/train.png\n", a.out_dir.c_str(), a.out_dir.c_str());
         }

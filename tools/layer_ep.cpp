@@ -119,6 +119,8 @@ LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, co
         res.budgeted = true;
         res.overflow_events = b->overflow_events();
     }
+    if (auto* echo = layer.echo_dispatcher(); echo && world.rank() == 0)  // --moe-enable-echo: what the plan did
+        std::fprintf(stderr, "moekit layer: ECHO (EP group 0): %s\n", echo->stats().to_string().c_str());
     layer.reduce_gradients(res.grads);
 
     res.output = gather_batch(world, out, S, Bl);

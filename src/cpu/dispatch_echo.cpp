@@ -5,11 +5,21 @@
 // local experts. Backward and combine reverse each exchange with the same splits and send order.
 #include "cpu/dispatch_echo.h"
 
+#include <cstdio>
+
 #include "core/echo_dispatch_math.h"
 #include "cpu/sort_chunks.h"
 #include "moekit/error.h"
 
 namespace moekit::cpu {
+
+std::string EchoStepStats::to_string() const {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "clones=%lld rank load max/mean %.3f -> %.3f (max %lld -> %lld rows), %lld rows to clones",
+                  (long long)clones, max_over_mean_before, max_over_mean_after, (long long)max_load_before,
+                  (long long)max_load_after, (long long)rows_to_clones);
+    return buf;
+}
 
 template <typename T>
 EchoDispatcher<T>::EchoDispatcher(const EpLayout& layout, Communicator& ep, int64_t slots_per_rank,

@@ -75,6 +75,19 @@ double load_imbalance(const std::vector<int64_t>& counts) {
     return total > 0 ? most / (total / double(counts.size())) : 1.0;
 }
 
+EchoSummary echo_summary(const TrainResult& r) {
+    EchoSummary s;
+    double n = 0;
+    for (const StepRecord& rec : r.steps)
+        for (size_t l = 0; l < rec.echo_clones.size(); ++l, ++n) {
+            s.clones_per_step += rec.echo_clones[l];
+            s.max_over_mean_before += rec.echo_max_over_mean_before[l];
+            s.max_over_mean_after += rec.echo_max_over_mean_after[l];
+        }
+    if (n > 0) s.clones_per_step /= n, s.max_over_mean_before /= n, s.max_over_mean_after /= n;
+    return s;
+}
+
 RunLayout run_layout(const TrainOptions& o) {
     RunLayout l;
     l.ranks = o.world ? o.world->size() : 1;

@@ -69,6 +69,9 @@ struct StepRecord {
     double tokens_per_s = 0;
     bool grads_finite = true;   // every gradient element finite (Megatron's check-for-nan-in-loss-and-grad)
     std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert]
+    // --moe-enable-echo (EP engine): per layer, the step's mean over micro-batches and ranks of the slots
+    // in use and of the busiest EP rank's load / mean rank load before and after the plan (empty without ECHO).
+    std::vector<double> echo_clones, echo_max_over_mean_before, echo_max_over_mean_after;
 };
 
 struct EngineReport;
@@ -88,6 +91,12 @@ struct TrainResult {
 
 // Max over experts / mean over experts of a layer's token counts (1 = perfectly balanced).
 double load_imbalance(const std::vector<int64_t>& tokens_per_expert);
+
+// --moe-enable-echo: the run's means over steps and layers of the StepRecord's ECHO fields (zeros without).
+struct EchoSummary {
+    double clones_per_step = 0, max_over_mean_before = 0, max_over_mean_after = 0;
+};
+EchoSummary echo_summary(const TrainResult& r);
 
 using ProgressFn = std::function<void(const TrainOptions&, const StepRecord&)>;
 TrainResult run_training(const TrainOptions& options, const ProgressFn& progress = nullptr);
