@@ -42,6 +42,8 @@ struct MoeConfig {
     std::vector<double> moe_aux_loss_coeff = {0.0};  // one per load-balancing type
     std::optional<double> moe_z_loss_coeff;
     std::optional<double> moe_input_jitter_eps;
+    // Benchmark only (Megatron's RandomSTE): N(0, 1) logits, gradient straight through. CPU only for now.
+    bool moe_router_force_load_balancing = false;
 
     // ---- dispatch / capacity ----
     std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall | flex (flex: budgeted only)

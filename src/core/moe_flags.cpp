@@ -88,6 +88,8 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-aux-loss-coeff", &c.moe_aux_loss_coeff, "aux-loss coefficient(s), one per load-balancing type");
     p.add("--moe-z-loss-coeff", &c.moe_z_loss_coeff, "z-loss coefficient");
     p.add("--moe-input-jitter-eps", &c.moe_input_jitter_eps, "router input *= U(1-eps, 1+eps)");
+    p.add("--moe-router-force-load-balancing", &c.moe_router_force_load_balancing,
+          "benchmark only: random N(0, 1) router logits (balanced routing), gradient straight through (CPU only)");
 
     p.section("dispatch and capacity");
     p.add("--moe-token-dispatcher-type", &c.moe_token_dispatcher_type,
@@ -141,7 +143,6 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
              "--moe-use-grouped-tensor",
              "--moe-latent-size",
              "--moe-enable-routing-replay",
-             "--moe-router-force-load-balancing",
              "--moe-router-force-biased",
              "--moe-flex-dispatcher-backend",
              "--moe-enable-deepep",

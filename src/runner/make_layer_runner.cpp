@@ -13,10 +13,13 @@
 namespace moekit {
 
 namespace {
-// ECHO runs in the CPU EP pipeline only (src/cpu/dispatch_echo.h); the GPU dispatch is issue 9's next step.
+// Features of the CPU reference only, so far: ECHO (the CPU EP pipeline, src/cpu/dispatch_echo.h; the GPU
+// dispatch is issue 9's next step) and --moe-router-force-load-balancing (src/cpu/router.cpp).
 void refuse_echo_on_cuda(const MoeConfig& config) {
     MOEKIT_REQUIRE(!config.moe_enable_echo, "--moe-enable-echo: not supported yet on --device cuda (the GPU ECHO "
                    "dispatch is not there yet; --device cpu runs it)");
+    MOEKIT_REQUIRE(!config.moe_router_force_load_balancing, "--moe-router-force-load-balancing: not supported yet on "
+                   "--device cuda (the CPU router has it; --device cpu runs it)");
 }
 }  // namespace
 

@@ -67,7 +67,7 @@ public:
         std::vector<double> echo(size_t(3 * L), 0.0);  // [clones, before, after][layer], summed
         for (int64_t i = 0; i < M; ++i) {
             const uint64_t stream = data_stream(step, int64_t(world_.rank()) * M + i);
-            const Matrix<float> x = random_tokens(T, held_.x.cols, o_.seed, stream);
+            const Matrix<float> x = task_tokens(o_, T, stream);
             const Matrix<float> y = teacher_.forward(stack_input(o_.config, x, false));
             const double x_to_y = mse(x, y);
             LayerInput<float> in = stack_input(o_.config, x, true);

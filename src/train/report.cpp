@@ -23,6 +23,7 @@ nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
     j["train"] = {{"steps", o.steps},           {"lr", o.adam.lr},          {"device", o.device},
                   {"seed", o.seed},             {"teacher_gain", o.teacher_gain},
                   {"tokens_per_step", r.tokens_per_step}};
+    if (o.skew_zipf > 0) j["train"]["skew_zipf"] = o.skew_zipf;
     j["engine"] = r.engine;
     const RunLayout& l = r.layout;
     j["layout"] = {{"ranks", l.ranks},

@@ -42,6 +42,8 @@ struct TrainOptions {
     // over the ranks (0 = one micro-batch per rank, Megatron's default). Micro-batch m of step s draws its
     // tokens from data stream data_stream(s, m), so the global batch does not depend on the layout.
     int64_t global_batch_size = 0;
+    // --skew zipf:S: expert popularity biased to a Zipf law of exponent S (0 = off; train_task.h says how).
+    double skew_zipf = 0;
 };
 
 // How a run is laid out over ranks (report.json's `layout`).
