@@ -120,7 +120,9 @@ LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, co
         res.overflow_events = b->overflow_events();
     }
     if (auto* echo = layer.echo_dispatcher(); echo && world.rank() == 0)  // --moe-enable-echo: what the plan did
-        std::fprintf(stderr, "moekit layer: ECHO (EP group 0): %s\n", echo->stats().to_string().c_str());
+        std::fprintf(stderr, "moekit layer: ECHO (EP group 0): %s; rank 0 sent %lld weight bytes, %lld grad bytes\n",
+                     echo->stats().to_string().c_str(), (long long)layer.echo_experts()->traffic().weight_bytes,
+                     (long long)layer.echo_experts()->traffic().grad_bytes);
     layer.reduce_gradients(res.grads);
 
     res.output = gather_batch(world, out, S, Bl);

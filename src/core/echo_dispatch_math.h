@@ -18,7 +18,7 @@ MOEKIT_HD int64_t echo_segment_begin(const EchoDims& d, const int32_t* slot_expe
     int64_t begin = home_row[e];
     for (int64_t i = 0; i < j; ++i)
         if (slot_expert[i] == e) begin += clone_row[i];
-    (void)d;
+    (void)d;  // the dims are not needed here; kept so every helper takes them first
     return begin;
 }
 

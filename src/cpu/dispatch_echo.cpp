@@ -32,15 +32,6 @@ EchoDispatcher<T>::EchoDispatcher(const EpLayout& layout, Communicator& ep, int6
 }
 
 template <typename T>
-std::vector<int64_t> EchoDispatcher<T>::bucket_experts() const {
-    const int64_t B = dims_.experts_per_rank() + dims_.slots_per_rank;
-    std::vector<int64_t> out(size_t(B), -1);
-    if (plan_.slot_expert.empty()) return out;
-    for (int64_t b = 0; b < B; ++b) out[size_t(b)] = echo_bucket_expert(dims_, plan_.slot_expert.data(), layout_.ep_rank, b);
-    return out;
-}
-
-template <typename T>
 DispatchedRows<T> EchoDispatcher<T>::dispatch(const Matrix<T>& tokens, const Matrix<T>& probs,
                                               const std::vector<uint8_t>& routing_map) {
     const int64_t E = dims_.num_experts, L = dims_.experts_per_rank(), S = dims_.slots_per_rank;

@@ -50,8 +50,6 @@ public:
     const echo::EchoPlan& plan() const { return plan_; }       // the last step's (identical on every rank)
     const std::vector<int64_t>& counts() const { return counts_; }  // [EP, E] all-gathered counts
     EchoStepStats stats() const;
-    // Expert computed by each local bucket [L + S] (-1: empty slot).
-    std::vector<int64_t> bucket_experts() const;
     // This rank's routing as sent, over E + EP*S columns (column E + j = slot j): map [T, E + EP*S] and
     // probs [T, E + EP*S]. Folding column E + j into expert slot_expert[j] gives back the router's map
     // and probs (tests/echo_checks.h checks it).

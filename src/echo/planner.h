@@ -42,7 +42,7 @@ struct EchoPlan {
 EchoPlan plan(const EchoDims& d, const std::vector<int64_t>& counts, EchoAlgorithm algorithm);
 
 // Forced random cloning (a test hook: paths the planner would not pick): every spare slot clones a
-// random expert (maybe one of its own rank's), and each source rank's tokens of an expert are split at
+// random expert (maybe one of its own rank's, maybe one with no tokens), and each source rank's tokens of an expert are split at
 // random between home and that expert's clones (a clone may get none). A function of (counts, seed)
 // only, so every rank draws the same plan. src/echo/random_plan.cpp. Tests: tests/cpu/test_echo_dispatch.cpp.
 EchoPlan random_plan(const EchoDims& d, const std::vector<int64_t>& counts, uint64_t seed);
