@@ -4,13 +4,18 @@
 // random cloning) against the same run without it. Bitwise: outputs, input grads, probs, map, losses,
 // expert bias, router and shared-expert grads (every one is a per-row value summed in the same order).
 // Expert weight grads: a clone's partial sum is added to its home expert's, so only within
-// reorder_tol (fp32 2e-5 relative, fp64 1e-12). Plus the planner invariants over the actual dispatch.
+// echo_grad_tol (fp32 1e-5, fp64 1e-12, relative to the tensor's largest magnitude, at least 1). Plus the planner invariants over the actual dispatch.
 #pragma once
 #include "ep_checks.h"
 
 #include "cpu/dispatch_echo.h"
 
 namespace moekit::test {
+
+template <typename T>
+constexpr double echo_grad_tol() {
+    return sizeof(T) == 8 ? 1e-12 : 1e-5;
+}
 
 struct EchoOptions {
     int64_t slots_per_rank = 1;
@@ -76,7 +81,7 @@ RankRun<T> run_echo_rank(Communicator& world, const EpCase& k, const EpInputs<T>
 // every rank whatever the data.
 template <typename T>
 Verdict check_echo_case(Communicator& world, const EpCase& k, int ep_size, const EchoOptions& o,
-                        int64_t* clones = nullptr) {
+                        int64_t* clones = nullptr, double* worst_grad_rel = nullptr) {
     const int r = world.rank();
     const int64_t E = k.config.num_experts();
     Verdict v;
@@ -104,9 +109,19 @@ Verdict check_echo_case(Communicator& world, const EpCase& k, int ep_size, const
     {
         const std::string ctx = v.context;
         v.context += " grads ECHO vs off";
-        compare_grads(v, on.grads, off.grads, layout, 0.0, reorder_tol<T>());
+        compare_grads(v, on.grads, off.grads, layout, 0.0, echo_grad_tol<T>());
         v.context = ctx;
     }
+    if (worst_grad_rel)  // largest |diff| / largest |grad| of a local expert's tensor (for the log)
+        for (int64_t e = layout.first_local_expert(); e < layout.first_local_expert() + layout.num_local_experts; ++e)
+            for (const auto* pair : {&on.grads.fc1, &on.grads.fc2}) {
+                const Matrix<T>& a = (*pair)[size_t(e)];
+                const Matrix<T>& b = (pair == &on.grads.fc1 ? off.grads.fc1 : off.grads.fc2)[size_t(e)];
+                double d = 0, m = 0;
+                for (size_t i = 0; i < a.data.size(); ++i)
+                    d = std::max(d, std::abs(double(a.data[i]) - double(b.data[i]))), m = std::max(m, std::abs(double(b.data[i])));
+                if (m > 0) *worst_grad_rel = std::max(*worst_grad_rel, d / m);
+            }
 
     // Planner invariants over the dispatch this rank did: every (token, expert) of the router's map is
     // sent exactly once, to its home or to a clone of that expert; folding the clone columns back gives
