@@ -8,6 +8,7 @@
 #pragma once
 #include "ep_checks.h"
 
+#include "cpu/budget_step.h"
 #include "cpu/dispatch_echo.h"
 
 namespace moekit::test {
@@ -22,9 +23,10 @@ struct EchoOptions {
     bool forced = false;  // forced random cloning (EchoDispatcher::force_random_plans)
     bool recompute = false;
     std::string algorithm = "waterfill";
+    double budget_factor = 0;  // > 0: --moe-expert-rank-capacity-factor (the budgeted ECHO dispatch)
     std::string describe() const {
         return str("S=", slots_per_rank, forced ? " forced-random" : " planned", " ", algorithm,
-                   recompute ? " recompute" : "");
+                   recompute ? " recompute" : "", budget_factor > 0 ? str(" budget f=", budget_factor) : "");
     }
 };
 
@@ -45,6 +47,7 @@ struct EchoProbe {
     echo::EchoPlan plan;
     std::string plan_bytes;
     cpu::EchoTraffic traffic;
+    cpu::BudgetOverflowReport budget;  // the budgeted step's report (overflow: the step was re-run)
 };
 
 template <typename T>
@@ -57,6 +60,7 @@ RankRun<T> run_echo_rank(Communicator& world, const EpCase& k, const EpInputs<T>
     c.moe_num_echo_experts = o.slots_per_rank * ep_size;
     c.moe_echo_algorithm = o.algorithm;
     c.moe_echo_recompute_expert_dispatch = o.recompute;
+    if (o.budget_factor > 0) c.moe_expert_rank_capacity_factor = o.budget_factor;
     auto groups = make_process_groups(world, ep_size);
     cpu::MoePipeline<T> layer(c, *groups);
     MOEKIT_CHECK(layer.echo_dispatcher() != nullptr, "--moe-enable-echo did not select the ECHO dispatcher");
@@ -64,14 +68,18 @@ RankRun<T> run_echo_rank(Communicator& world, const EpCase& k, const EpInputs<T>
     Matrix<T> grad_output;
     const LayerInput<T> li = micro_batch(k, in, world.rank(), &grad_output);
     RankRun<T> run;
-    run.output = layer.forward(in.weights, li);
-    if (probe) {
-        layer.echo_dispatcher()->sent_routing(probe->sent_map, probe->sent_probs);
-        probe->plan = layer.echo_dispatcher()->plan();
-        probe->plan_bytes = echo::plan_bytes(probe->plan);
-    }
-    run.grads = zeros_like(in.weights);
-    run.grad_input = layer.backward(in.weights, grad_output, run.grads);
+    // One step through the budget protocol (a plain step without a budget); an overflow re-runs it.
+    const cpu::BudgetOverflowReport report = cpu::run_budgeted_step<T>(layer, world, [&] {
+        run.output = layer.forward(in.weights, li);
+        if (probe) {
+            layer.echo_dispatcher()->sent_routing(probe->sent_map, probe->sent_probs);
+            probe->plan = layer.echo_dispatcher()->plan();
+            probe->plan_bytes = echo::plan_bytes(probe->plan);
+        }
+        run.grads = zeros_like(in.weights);
+        run.grad_input = layer.backward(in.weights, grad_output, run.grads);
+    });
+    if (probe) probe->budget = report;
     finish_rank_run(layer, in, run);
     if (probe) probe->traffic = layer.echo_experts()->traffic();
     return run;
@@ -81,7 +89,7 @@ RankRun<T> run_echo_rank(Communicator& world, const EpCase& k, const EpInputs<T>
 // every rank whatever the data.
 template <typename T>
 Verdict check_echo_case(Communicator& world, const EpCase& k, int ep_size, const EchoOptions& o,
-                        int64_t* clones = nullptr, double* worst_grad_rel = nullptr) {
+                        int64_t* clones = nullptr, double* worst_grad_rel = nullptr, bool* overflowed = nullptr) {
     const int r = world.rank();
     const int64_t E = k.config.num_experts();
     Verdict v;
@@ -128,6 +136,8 @@ Verdict check_echo_case(Communicator& world, const EpCase& k, int ep_size, const
     // the map and the probs bit for bit (so every token keeps exactly its k experts).
     const echo::EchoPlan& p = probe.plan;
     if (clones) *clones = p.num_clones;
+    if (overflowed) *overflowed = probe.budget.overflow;
+    v.expect(probe.budget.overflow == false || o.budget_factor > 0, "an overflow without a budget");
     const int64_t slots = p.dims.num_slots(), cols = E + slots, tokens = int64_t(on.routing_map.size()) / E;
     v.expect(int64_t(probe.sent_map.size()) == tokens * cols, "sent map has the wrong size");
     std::vector<uint8_t> folded(size_t(tokens * E), 0);
@@ -175,8 +185,9 @@ Verdict check_echo_case(Communicator& world, const EpCase& k, int ep_size, const
         remote_slots += holder == layout.ep_rank;
     }
     const int64_t per_expert = int64_t((in.weights.fc1[0].data.size() + in.weights.fc2[0].data.size()) * sizeof(T));
-    v.expect(probe.traffic.weight_bytes == remote_clones * per_expert * (o.recompute ? 2 : 1) &&
-                 probe.traffic.grad_bytes == remote_slots * per_expert,
+    const int64_t attempts = probe.budget.overflow ? 2 : 1;  // an overflow re-runs the whole step
+    v.expect(probe.traffic.weight_bytes == attempts * remote_clones * per_expert * (o.recompute ? 2 : 1) &&
+                 probe.traffic.grad_bytes == attempts * remote_slots * per_expert,
              str("clone traffic ", probe.traffic.weight_bytes, " weight bytes, ", probe.traffic.grad_bytes,
                  " grad bytes for ", remote_clones, " clones of this rank's experts elsewhere and ", remote_slots,
                  " slots here cloning remote experts, of ", per_expert, " bytes each",

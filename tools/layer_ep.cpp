@@ -115,7 +115,7 @@ LayerResults<T> run_layer_ranks(Communicator& world, const MoeConfig& config, co
         res.grads = zeros_like(weights);
         grad_in = layer.backward(weights, grad_mine, res.grads);
     });
-    if (auto* b = dynamic_cast<cpu::BudgetedDispatcher<T>*>(&layer.dispatcher())) {
+    if (auto* b = dynamic_cast<cpu::BudgetStep*>(&layer.dispatcher()); b && b->has_budget()) {
         res.budgeted = true;
         res.overflow_events = b->overflow_events();
     }

@@ -299,12 +299,10 @@ std::vector<std::string> MoeConfig::validation_errors() const {
     if (moe_enable_echo) {
         if (!moe_num_echo_experts) fail("--moe-enable-echo requires --moe-num-echo-experts (spare slots over all ranks)");
         // The CPU ECHO dispatch is the alltoall dispatcher with spare slots; ECHO is dropless (MoE Echo).
-        if (moe_token_dispatcher_type != "alltoall")
+        if (moe_token_dispatcher_type != "alltoall" && !(moe_token_dispatcher_type == "flex" && moe_expert_rank_capacity_factor))
             fail("--moe-enable-echo requires --moe-token-dispatcher-type=alltoall (got ", moe_token_dispatcher_type,
-                 ": ECHO re-routes the alltoall dispatcher's rows to spare slots)");
-        if (moe_expert_rank_capacity_factor)
-            fail("--moe-enable-echo cannot be combined with --moe-expert-rank-capacity-factor yet (the ECHO dispatch "
-                 "runs on the synchronous alltoall path)");
+                 ": ECHO re-routes the alltoall dispatcher's rows to spare slots; flex with "
+                 "--moe-expert-rank-capacity-factor is its budgeted form)");
         if (moe_expert_capacity_factor && *moe_expert_capacity_factor > 0)
             fail("--moe-enable-echo is dropless: it cannot be combined with --moe-expert-capacity-factor=",
                  num(*moe_expert_capacity_factor));

@@ -43,4 +43,29 @@ MOEKIT_HD int64_t echo_bucket_expert(const EchoDims& d, const int32_t* slot_expe
     return bucket < L ? r * L + bucket : slot_expert[r * d.slots_per_rank + (bucket - L)];
 }
 
+// Rows of source `src` in bucket `bucket` of receiver rank r: home_tokens [EP, E], clone_tokens [EP, EP*S].
+MOEKIT_HD int64_t echo_chunk_rows(const EchoDims& d, const int32_t* slot_expert, const int64_t* home_tokens,
+                                  const int64_t* clone_tokens, int64_t r, int64_t bucket, int64_t src) {
+    const int64_t L = d.experts_per_rank(), e = echo_bucket_expert(d, slot_expert, r, bucket);
+    if (e < 0) return 0;
+    return bucket < L ? home_tokens[src * d.num_experts + e]
+                      : clone_tokens[src * d.num_slots() + r * d.slots_per_rank + (bucket - L)];
+}
+
+// The budgeted ECHO dispatch's receive layout (the scan of dispatch_math.h's recv_chunk_offsets over
+// buckets): start row of chunk (bucket b, source s) in receiver r's buffer at index b * EP + s, bucket
+// major, L + S buckets; chunk_offsets has (L + S) * EP + 1 entries; returns r's total.
+MOEKIT_HD int64_t echo_recv_chunk_offsets(const EchoDims& d, const int32_t* slot_expert, const int64_t* home_tokens,
+                                          const int64_t* clone_tokens, int64_t r, int64_t* chunk_offsets) {
+    const int64_t B = d.experts_per_rank() + d.slots_per_rank;
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t s = 0; s < d.ep; ++s) {
+            chunk_offsets[b * d.ep + s] = total;
+            total += echo_chunk_rows(d, slot_expert, home_tokens, clone_tokens, r, b, s);
+        }
+    chunk_offsets[B * d.ep] = total;
+    return total;
+}
+
 }  // namespace moekit

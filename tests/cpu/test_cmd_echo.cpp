@@ -91,6 +91,30 @@ TEST_F(CmdEcho, LayerOnVirtualAndMpiRanksEqualsNoEcho) {
     for (const auto& [name, t] : b.tensors) EXPECT_EQ(a.tensors.at(name).bytes, t.bytes) << "mpirun vs virtual: " << name;
 }
 
+// A tight receive budget (--moe-expert-rank-capacity-factor 1.05): without ECHO the busiest rank is due
+// more rows than the budget (overflow, re-run); with ECHO the plan flattens the loads and the budgeted
+// one-sided dispatch holds them, and the file equals the run without ECHO.
+TEST_F(CmdEcho, EchoKeepsATightReceiveBudgetWithoutOverflow) {
+    const std::string run =
+        "layer --device cpu --dtype fp64 --hidden-size 12 --num-experts 16 --moe-ffn-hidden-size 8 --moe-router-topk 2 "
+        "--init random --seed 5 --seq-length 64 --micro-batch-size 4 --expert-model-parallel-size 4 --virtual-ranks 4 "
+        "--moe-token-dispatcher-type alltoall ";
+    ToolResult off = run_tool(run + "--moe-expert-rank-capacity-factor 1.05 --out " + path("off"));
+    ASSERT_EQ(off.status, 0) << off.output;
+    EXPECT_NE(off.output.find("EP receive budget overflow"), std::string::npos) << off.output;
+    ToolResult on = run_tool(run + "--moe-expert-rank-capacity-factor 1.05 --moe-enable-echo --moe-num-echo-experts 8 "
+                                   "--out " + path("on"));
+    ASSERT_EQ(on.status, 0) << on.output;
+    EXPECT_EQ(on.output.find("EP receive budget overflow"), std::string::npos) << on.output;
+    EXPECT_NE(on.output.find("\"overflow_events\":0"), std::string::npos) << on.output;
+    EXPECT_GT(clones_in(on.output), 0) << on.output;
+    ToolResult plain = run_tool(run + "--out " + path("plain"));
+    ASSERT_EQ(plain.status, 0) << plain.output;
+    SafetensorsFile a = read_safetensors(path("on")), b = read_safetensors(path("plain"));
+    a.metadata.clear(), b.metadata.clear();
+    expect_same_results(a, b, "budgeted ECHO vs plain alltoall");
+}
+
 const std::string kTrain =
     "train --device cpu --hidden-size 16 --num-experts 8 --moe-ffn-hidden-size 16 --moe-router-topk 2 --num-layers 2 "
     "--seq-length 16 --micro-batch-size 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall --seed 404 "

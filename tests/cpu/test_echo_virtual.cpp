@@ -56,6 +56,38 @@ TEST(EchoVirtual, FourRanksForcedFp64) { run_echo_cases<double>(4, 4, 11400, 16,
 TEST(EchoVirtual, TwoOfFourRanksForcedFp32) { run_echo_cases<float>(4, 2, 11500, 6, forced()); }
 TEST(EchoVirtual, OneRankForcedFp64) { run_echo_cases<double>(1, 1, 11600, 4, forced()); }
 
+// The budgeted ECHO dispatch (one-sided puts into fixed buffers): a generous factor never overflows and
+// equals ECHO off; a tiny one overflows on some rank, every rank re-runs the step, and the result still
+// equals ECHO off (checked inside check_echo_case).
+template <typename T>
+void run_budget_cases(int ranks, uint64_t first_seed, int cases, bool forced_plans, double factor, bool want_overflow) {
+    int overflowed_cases = 0;  // tiny factor: the 16-row alignment lets small cases fit, so "some", not "all"
+    for (int i = 0; i < cases; ++i) {
+        const EpCase k = echo_case(first_seed + uint64_t(i), ranks);
+        EchoOptions o;
+        o.forced = forced_plans;
+        o.slots_per_rank = 1 + i % 2;
+        o.budget_factor = factor;
+        std::printf("echo case %s EP=%d %s\n", k.describe().c_str(), ranks, o.describe().c_str());
+        std::vector<Verdict> verdicts(static_cast<size_t>(ranks));
+        std::vector<int> overflow(static_cast<size_t>(ranks), 0);
+        comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+            bool of = false;
+            verdicts[size_t(world.rank())] = check_echo_case<T>(world, k, ranks, o, nullptr, nullptr, &of);
+            overflow[size_t(world.rank())] = of;
+        });
+        for (const Verdict& v : verdicts) EXPECT_TRUE(v.failures.empty()) << v.text();
+        for (int r = 1; r < ranks; ++r) EXPECT_EQ(overflow[size_t(r)], overflow[0]) << "every rank learns it, rank " << r;
+        overflowed_cases += overflow[0];
+    }
+    if (want_overflow) EXPECT_GT(overflowed_cases, 0);
+    else EXPECT_EQ(overflowed_cases, 0);
+}
+
+TEST(EchoVirtual, BudgetedGenerousFactorFp64) { run_budget_cases<double>(4, 11700, 8, false, 4.0, false); }
+TEST(EchoVirtual, BudgetedForcedGenerousFactorFp32) { run_budget_cases<float>(2, 11800, 8, true, 2.0, false); }
+TEST(EchoVirtual, BudgetedTinyFactorOverflowsAndReRunsFp64) { run_budget_cases<double>(4, 11900, 8, true, 0.01, true); }
+
 // The dispatch rule on one source: home first, then the clones in slot order.
 TEST(EchoDispatchMath, SegmentsFollowHomeThenSlotOrder) {
     const EchoDims d{2, 4, 2};                      // EP=2, E=4, S=2: slots 0,1 on rank 0, 2,3 on rank 1
@@ -128,8 +160,10 @@ TEST(EchoConfig, FlagsAreCheckedWithClearErrors) {
     a.moe_expert_capacity_factor = 1.0;
     EXPECT_NE(error_of(a).find("dropless"), std::string::npos);
     a = c;
-    a.moe_expert_rank_capacity_factor = 2.0;
-    EXPECT_NE(error_of(a).find("--moe-expert-rank-capacity-factor"), std::string::npos);
+    a.moe_expert_rank_capacity_factor = 2.0;  // the budgeted ECHO dispatch, alltoall or flex
+    EXPECT_EQ(error_of(a), "");
+    a.moe_token_dispatcher_type = "flex";
+    EXPECT_EQ(error_of(a), "");
     a = c;
     a.moe_num_echo_experts.reset();
     EXPECT_NE(error_of(a).find("requires --moe-num-echo-experts"), std::string::npos);
