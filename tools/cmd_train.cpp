@@ -85,6 +85,7 @@ struct TrainArgs {
     std::string model_size;  // demo | gpu ("" = by device)
     int64_t virtual_ranks = 0;  // --virtual-ranks N: N ranks as threads of this process
     std::string routing_trace;  // --routing-trace FILE: the per-step, per-layer expert loads for `moekit plan`
+    std::string skew;           // --skew zipf:S
 };
 
 // The run's routing as a trace for `moekit plan` (src/echo/trace.h): one source row per step and layer, the
@@ -124,6 +125,8 @@ bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, doub
     p.add("--load", &a.o.load_dir, "continue from the latest checkpoint in this folder");
     p.add("--cuda-graph", &a.cuda_graph, "cuda: replay one captured CUDA graph per iteration (--no-cuda-graph: eager)");
     p.add("--routing-trace", &a.routing_trace, "also write the per-step expert loads as a routing trace for moekit plan");
+    p.add("--skew", &a.skew, "zipf:S, S in (0, 10]: expert popularity biased to a Zipf law (a constant token feature and "
+          "per-expert router offsets, docs/train.md); empty: none");
     p.add("--host-loop", &a.o.host_loop, "[moekit] cuda: the old host loop (weights and activations copied every call)");
     p.section("parallelism (CPU ranks; --expert-model-parallel-size is among the MoE flags)");
     p.add("--virtual-ranks", &a.virtual_ranks,
@@ -238,6 +241,12 @@ int run_train(const std::vector<std::string>& args) {
     }
     a.o.config.normalize();
     a.o.config.validate();
+    if (!a.skew.empty()) {
+        a.o.skew_zipf = echo::parse_zipf(a.skew, "--skew");
+        MOEKIT_REQUIRE(a.o.skew_zipf > 0 && a.o.skew_zipf <= 10, "--skew=", a.skew, ": S must be in (0, 10]");
+        MOEKIT_REQUIRE(a.o.config.hidden_size >= 2, "--skew=", a.skew, ": needs --hidden-size >= 2 (feature 0 "
+                       "carries the per-expert offsets; got ", a.o.config.hidden_size, ")");
+    }
     validate(a);
     const int64_t B = a.o.config.micro_batch_size;
     MOEKIT_REQUIRE(a.device == "cpu" || a.o.global_batch_size == 0 || a.o.global_batch_size == B,
@@ -303,6 +312,11 @@ int run_train(const std::vector<std::string>& args) {
             std::printf("  %.2f s, %.0f tokens/s on %s\n", r.seconds,
                         double(r.tokens_per_step) * double(run_steps) / std::max(r.seconds, 1e-9), a.device.c_str());
             std::printf("  expert load max/mean per layer at the end: %s\n", balance_string(last).c_str());
+            if (!last.echo_clones.empty()) {
+                const train::EchoSummary es = train::echo_summary(r);
+                std::printf("  ECHO: %.2f clones per step and layer; EP rank load max/mean %.3f before, %.3f after\n",
+                            es.clones_per_step, es.max_over_mean_before, es.max_over_mean_after);
+            }
             if (r.perf) print_perf(*r.perf);
             std::printf("  wrote %s/report.json and %s/train.png\n", a.out_dir.c_str(), a.out_dir.c_str());
         }

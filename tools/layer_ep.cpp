@@ -90,10 +90,14 @@ RankStep<T> cpu_rank_step(Communicator& world, const ProcessGroups& groups, cons
         r.grads = zeros_like(weights);
         r.grad_input = layer.backward(weights, grad_mine, r.grads);
     });
-    if (auto* b = dynamic_cast<cpu::BudgetedDispatcher<T>*>(&layer.dispatcher())) {
+    if (auto* b = dynamic_cast<cpu::BudgetStep*>(&layer.dispatcher()); b && b->has_budget()) {
         res.budgeted = true;
         res.overflow_events = b->overflow_events();
     }
+    if (auto* echo = layer.echo_dispatcher(); echo && world.rank() == 0)  // --moe-enable-echo: what the plan did
+        std::fprintf(stderr, "moekit layer: ECHO (EP group 0): %s; rank 0 sent %lld weight bytes, %lld grad bytes\n",
+                     echo->stats().to_string().c_str(), (long long)layer.echo_experts()->traffic().weight_bytes,
+                     (long long)layer.echo_experts()->traffic().grad_bytes);
     layer.reduce_gradients(r.grads);
     r.probs = layer.probs();
     r.routing_map = layer.routing_map();

@@ -42,6 +42,8 @@ struct MoeConfig {
     std::vector<double> moe_aux_loss_coeff = {0.0};  // one per load-balancing type
     std::optional<double> moe_z_loss_coeff;
     std::optional<double> moe_input_jitter_eps;
+    // Benchmark only (Megatron's RandomSTE): N(0, 1) logits, gradient straight through. CPU only for now.
+    bool moe_router_force_load_balancing = false;
 
     // ---- dispatch / capacity ----
     std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall | flex (flex: budgeted only)
@@ -59,7 +61,7 @@ struct MoeConfig {
     bool moe_shared_expert_overlap = false;
 
     // ---- ECHO (MoE Echo's flags, megatron-moe.md §7.1; the planner is src/echo, `moekit plan`) ----
-    bool moe_enable_echo = false;                       // refused until the ECHO dispatch exists (issue 9)
+    bool moe_enable_echo = false;                       // CPU EP pipeline (src/cpu/dispatch_echo.h); not yet on cuda
     std::optional<int64_t> moe_num_echo_experts;        // S_TOTAL spare slots over all ranks, divisible by EP
     bool moe_echo_recompute_expert_dispatch = false;    // one spare-slot buffer for all layers
     std::string moe_echo_algorithm = "waterfill";       // waterfill | greedy

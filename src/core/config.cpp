@@ -298,8 +298,14 @@ std::vector<std::string> MoeConfig::validation_errors() const {
         fail("--moe-echo-recompute-expert-dispatch requires --moe-enable-echo");
     if (moe_enable_echo) {
         if (!moe_num_echo_experts) fail("--moe-enable-echo requires --moe-num-echo-experts (spare slots over all ranks)");
-        fail("--moe-enable-echo: not supported yet by moekit (the ECHO token and weight dispatch needs the "
-             "expert-parallel dispatcher, issue 9); `moekit plan` replays the planner on routing traces");
+        // The CPU ECHO dispatch is the alltoall dispatcher with spare slots; ECHO is dropless (MoE Echo).
+        if (moe_token_dispatcher_type != "alltoall" && !(moe_token_dispatcher_type == "flex" && moe_expert_rank_capacity_factor))
+            fail("--moe-enable-echo requires --moe-token-dispatcher-type=alltoall (got ", moe_token_dispatcher_type,
+                 ": ECHO re-routes the alltoall dispatcher's rows to spare slots; flex with "
+                 "--moe-expert-rank-capacity-factor is its budgeted form)");
+        if (moe_expert_capacity_factor && *moe_expert_capacity_factor > 0)
+            fail("--moe-enable-echo is dropless: it cannot be combined with --moe-expert-capacity-factor=",
+                 num(*moe_expert_capacity_factor));
     }
     return errors;
 }

@@ -88,6 +88,8 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-aux-loss-coeff", &c.moe_aux_loss_coeff, "aux-loss coefficient(s), one per load-balancing type");
     p.add("--moe-z-loss-coeff", &c.moe_z_loss_coeff, "z-loss coefficient");
     p.add("--moe-input-jitter-eps", &c.moe_input_jitter_eps, "router input *= U(1-eps, 1+eps)");
+    p.add("--moe-router-force-load-balancing", &c.moe_router_force_load_balancing,
+          "benchmark only: random N(0, 1) router logits (balanced routing), gradient straight through (CPU only)");
 
     p.section("dispatch and capacity");
     p.add("--moe-token-dispatcher-type", &c.moe_token_dispatcher_type,
@@ -115,10 +117,10 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-shared-expert-gate", &c.moe_shared_expert_gate, "sigmoid gate on the shared expert's output");
 
     p.section("ECHO (elastic cloning of hot experts)");
-    p.add("--moe-enable-echo", &c.moe_enable_echo, "clone hot experts into spare slots every step");
+    p.add("--moe-enable-echo", &c.moe_enable_echo, "clone hot experts into spare slots every step (CPU EP pipeline, alltoall dispatcher; not yet on cuda)");
     p.add("--moe-num-echo-experts", &c.moe_num_echo_experts, "S_TOTAL spare expert slots over all EP ranks");
     p.add("--moe-echo-recompute-expert-dispatch", &c.moe_echo_recompute_expert_dispatch,
-          "one set of spare-slot buffers for all layers; clone weights sent again in backward");
+          "one set of spare-slot buffers for all layers; clone weights sent again in backward (CPU: dropped between forward and backward)");
     p.add("--moe-echo-algorithm", &c.moe_echo_algorithm, "ECHO planner: waterfill | greedy (MoE Echo's)");
 
     p.section("moekit");
@@ -141,7 +143,6 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
              "--moe-use-grouped-tensor",
              "--moe-latent-size",
              "--moe-enable-routing-replay",
-             "--moe-router-force-load-balancing",
              "--moe-router-force-biased",
              "--moe-flex-dispatcher-backend",
              "--moe-enable-deepep",

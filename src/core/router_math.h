@@ -289,4 +289,13 @@ MOEKIT_HD double jitter_factor(uint64_t seed, uint64_t index, double eps) {
     return (1.0 - eps) + 2.0 * eps * uniform01(seed, kJitterStream, index);
 }
 
+// ---- --moe-router-force-load-balancing (Megatron's RandomSTE, benchmark only): logit `index` (t*E + e)
+// of data-parallel rank `rank` is replaced by an N(0, 1) draw; the gradient passes straight through to
+// the gating linear. Rank-specific like Megatron's, so ranks with the same seed draw different logits.
+constexpr uint64_t kForceBalanceStream = 0x666f7263650000ull;  // "force" << 16: one stream per rank
+
+MOEKIT_HD double force_balance_logit(uint64_t seed, uint64_t rank, uint64_t index) {
+    return normal01(seed, kForceBalanceStream + rank, index);
+}
+
 }  // namespace moekit

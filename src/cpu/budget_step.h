@@ -19,9 +19,9 @@ namespace moekit::cpu {
 template <typename T>
 BudgetOverflowReport run_budgeted_step(MoePipeline<T>& layer, Communicator& step_group,
                                        const std::function<void()>& step) {
-    auto* budgeted = dynamic_cast<BudgetedDispatcher<T>*>(&layer.dispatcher());
+    auto* budgeted = dynamic_cast<BudgetStep*>(&layer.dispatcher());
     const RouterState before = layer.router_state();
-    if (!budgeted) {
+    if (!budgeted || !budgeted->has_budget()) {
         step();
         return {};
     }

@@ -6,32 +6,11 @@
 // each exchange with the forward's splits. Interface: src/cpu/dispatcher.h. Tests: tests/mpi/test_ep_mpi.cpp.
 #include "cpu/dispatcher.h"
 #include "cpu/permute.h"
+#include "cpu/sort_chunks.h"
 #include "moekit/error.h"
 
 namespace moekit::cpu {
 namespace {
-
-// Rows of `in` [sum(counts), width] in chunks counts[a * B + b] (a-major) -> b-major order.
-// sort_chunks_by_idxs with the [EP, L] -> [L, EP] permutation (and its inverse with A, B swapped).
-template <typename T>
-std::vector<T> sort_chunks(const std::vector<T>& in, int64_t width, const std::vector<int64_t>& counts, int64_t A,
-                           int64_t B, bool inverse) {
-    // Start of chunk (a, b) in the a-major layout, and in the b-major one.
-    std::vector<int64_t> a_major(size_t(A * B)), b_major(size_t(A * B));
-    int64_t off = 0;
-    for (int64_t a = 0; a < A; ++a)
-        for (int64_t b = 0; b < B; ++b) a_major[size_t(a * B + b)] = off, off += counts[size_t(a * B + b)];
-    off = 0;
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t a = 0; a < A; ++a) b_major[size_t(a * B + b)] = off, off += counts[size_t(a * B + b)];
-    std::vector<T> out(in.size());
-    for (int64_t c = 0; c < A * B; ++c) {
-        const int64_t from = inverse ? b_major[size_t(c)] : a_major[size_t(c)];
-        const int64_t to = inverse ? a_major[size_t(c)] : b_major[size_t(c)];
-        std::copy(in.begin() + from * width, in.begin() + (from + counts[size_t(c)]) * width, out.begin() + to * width);
-    }
-    return out;
-}
 
 template <typename T>
 class AllToAllDispatcher final : public Dispatcher<T> {

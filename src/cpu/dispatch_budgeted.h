@@ -27,8 +27,20 @@ struct BudgetOverflowReport {
     std::string message() const;        // one line for the log
 };
 
+// The step protocol of a dispatcher with a receive budget (this one, and the ECHO dispatcher with
+// --moe-expert-rank-capacity-factor, src/cpu/dispatch_echo.h), driven by run_budgeted_step (budget_step.h).
+class BudgetStep {
+public:
+    virtual ~BudgetStep() = default;
+    virtual bool has_budget() const { return true; }
+    virtual void begin_step() = 0;
+    virtual BudgetOverflowReport end_step(Communicator& step_group) = 0;
+    virtual void set_synchronous(bool on) = 0;
+    virtual int64_t overflow_events() const = 0;
+};
+
 template <typename T>
-class BudgetedDispatcher final : public Dispatcher<T> {
+class BudgetedDispatcher final : public Dispatcher<T>, public BudgetStep {
 public:
     // Bytes the receive buffer's slack holds until a row lands there (tests check it is untouched).
     static constexpr unsigned char kSlackByte = 0xFF;
@@ -49,14 +61,14 @@ public:
 
     // Opens a step: dispatch() refuses to run outside one, so no caller can use the budget without
     // the end-of-step overflow check (an overflow would otherwise go unnoticed: a silent drop).
-    void begin_step() { in_step_ = true; }
+    void begin_step() override { in_step_ = true; }
     // End of step, collective over `step_group` (every rank that shares the step's collectives): one
     // all-reduce (max) of each rank's overflow flag and peak; clears the flags; counts an overflow.
-    BudgetOverflowReport end_step(Communicator& step_group);
+    BudgetOverflowReport end_step(Communicator& step_group) override;
     // While on, the four calls run the synchronous alltoall dispatcher (the re-run after an overflow).
-    void set_synchronous(bool on) { synchronous_ = on; }
+    void set_synchronous(bool on) override { synchronous_ = on; }
     bool synchronous() const { return synchronous_; }
-    int64_t overflow_events() const { return overflow_events_; }
+    int64_t overflow_events() const override { return overflow_events_; }
 
     // ---- inspection (tests) ----
     int64_t budget_rows() const { return budget_; }

@@ -3,6 +3,7 @@
 #include "cpu/dispatcher.h"
 
 #include "cpu/dispatch_budgeted.h"
+#include "cpu/dispatch_echo.h"
 
 #include "moekit/error.h"
 
@@ -30,6 +31,19 @@ std::unique_ptr<Dispatcher<T>> make_dispatcher(const std::string& type, int64_t 
 template <typename T>
 std::unique_ptr<Dispatcher<T>> make_dispatcher(const MoeConfig& config, Communicator& ep) {
     const std::string& type = config.moe_token_dispatcher_type;
+    if (config.moe_enable_echo) {  // the alltoall dispatcher with spare slots (config.cpp refuses the rest)
+        MOEKIT_REQUIRE(type == "alltoall" || (type == "flex" && config.moe_expert_rank_capacity_factor),
+                       "--moe-enable-echo requires --moe-token-dispatcher-type=alltoall (or flex with "
+                       "--moe-expert-rank-capacity-factor), got ", type);
+        const EpLayout layout = make_dispatcher<T>("alltoall", config.num_experts(), ep)->layout();
+        auto echo = std::make_unique<EchoDispatcher<T>>(layout, ep, config.moe_num_echo_experts.value_or(0) / ep.size(),
+                                                        echo::parse_algorithm(config.moe_echo_algorithm));
+        // EP = 1 moves no token: nothing to budget (as without ECHO).
+        if (config.moe_expert_rank_capacity_factor && ep.size() > 1)
+            echo->enable_budget(config.seq_length * config.micro_batch_size, config.moe_router_topk,
+                                config.hidden_size, *config.moe_expert_rank_capacity_factor);
+        return echo;
+    }
     if (!config.moe_expert_rank_capacity_factor) return make_dispatcher<T>(type, config.num_experts(), ep);
     MOEKIT_REQUIRE(type == "alltoall" || type == "flex", "--moe-expert-rank-capacity-factor requires "
                    "--moe-token-dispatcher-type=alltoall or flex (got ", type, ")");

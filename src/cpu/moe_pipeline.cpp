@@ -62,6 +62,8 @@ MoePipeline<T>::MoePipeline(const MoeConfig& config, const ProcessGroups& groups
     expert_shape_ = expert_mlp_shape(config_);
     shared_shape_ = shared_mlp_shape(config_);
     dispatcher_ = make_dispatcher<T>(config_, *groups.ep);
+    if ((echo_dispatcher_ = dynamic_cast<EchoDispatcher<T>*>(dispatcher_.get())))
+        echo_ = std::make_unique<EchoExperts<T>>(*echo_dispatcher_, *groups.ep, config_.moe_echo_recompute_expert_dispatch);
     state_.local_tokens_per_expert.assign(size_t(config_.num_experts()), 0.0);
     state_.global_tokens_per_expert.assign(size_t(config_.num_experts()), 0.0);
 }
@@ -86,9 +88,13 @@ Matrix<T> MoePipeline<T>::forward(const MoeWeights<T>& w, const LayerInput<T>& i
     router_forward(config_, w.router_weight, w.expert_bias, in, state_, ctx.router, groups_.dp);
     ctx.dispatched = dispatcher_->dispatch(in.hidden, ctx.router.probs, ctx.router.routing_map);
     const size_t first = size_t(ep.first_local_expert()), L = size_t(ep.num_local_experts);
+    if (echo_) echo_->fetch_weights(w);  // ECHO: L home experts + S clones (their weights from home)
     const Matrix<T> expert_out =
-        experts_forward(expert_shape_, w.fc1.data() + first, w.fc2.data() + first, L, ctx.dispatched.rows,
-                        ctx.dispatched.offsets, ctx.dispatched.probs, ctx.experts);
+        echo_ ? experts_forward(expert_shape_, echo_->fc1(), echo_->fc2(), echo_->count(), ctx.dispatched.rows,
+                                ctx.dispatched.offsets, ctx.dispatched.probs, ctx.experts)
+              : experts_forward(expert_shape_, w.fc1.data() + first, w.fc2.data() + first, L, ctx.dispatched.rows,
+                                ctx.dispatched.offsets, ctx.dispatched.probs, ctx.experts);
+    if (echo_) echo_->forward_done();
     Matrix<T> out = dispatcher_->combine(expert_out);
     if (shared_shape_.ffn > 0) add_into(out, shared_out);
     ctx.has_forward = true;
@@ -110,10 +116,16 @@ Matrix<T> MoePipeline<T>::backward(const MoeWeights<T>& w, const Matrix<T>& grad
     const Matrix<T> grad_expert_out = dispatcher_->combine_backward(grad_output);
     std::vector<T> grad_row_probs;
     const size_t first = size_t(ep.first_local_expert()), L = size_t(ep.num_local_experts);
-    const Matrix<T> grad_rows = experts_backward(
-        expert_shape_, w.fc1.data() + first, w.fc2.data() + first, L, ctx.dispatched.rows, ctx.dispatched.offsets,
-        ctx.dispatched.probs, ctx.experts, grad_expert_out, grad_row_probs, grads.fc1.data() + first,
-        grads.fc2.data() + first);
+    if (echo_ && echo_->needs_fetch()) echo_->fetch_weights(w);  // --moe-echo-recompute-expert-dispatch
+    if (echo_) echo_->begin_grads(grads);
+    const Matrix<T> grad_rows =
+        echo_ ? experts_backward(expert_shape_, echo_->fc1(), echo_->fc2(), echo_->count(), ctx.dispatched.rows,
+                                 ctx.dispatched.offsets, ctx.dispatched.probs, ctx.experts, grad_expert_out,
+                                 grad_row_probs, echo_->grad_fc1(), echo_->grad_fc2())
+              : experts_backward(expert_shape_, w.fc1.data() + first, w.fc2.data() + first, L, ctx.dispatched.rows,
+                                 ctx.dispatched.offsets, ctx.dispatched.probs, ctx.experts, grad_expert_out,
+                                 grad_row_probs, grads.fc1.data() + first, grads.fc2.data() + first);
+    if (echo_) echo_->finish_grads(grads);  // clone grads added into their home experts' grads
     Matrix<T> grad_hidden, grad_probs;
     dispatcher_->dispatch_backward(grad_rows, grad_row_probs, grad_hidden, grad_probs);
 

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "cpu/dispatcher.h"
+#include "cpu/echo_experts.h"
 #include "cpu/experts.h"
 #include "cpu/router.h"
 #include "cpu/shared_expert.h"
@@ -58,12 +59,17 @@ public:
     const EpLayout& layout() const { return dispatcher_->layout(); }
     Dispatcher<T>& dispatcher() { return *dispatcher_; }  // the budgeted one's step protocol: budget_step.h
     const MoeConfig& config() const { return config_; }
+    // --moe-enable-echo: the ECHO dispatcher (plan, stats, test hook) and the clone traffic; null otherwise.
+    EchoDispatcher<T>* echo_dispatcher() { return echo_dispatcher_; }
+    const EchoExperts<T>* echo_experts() const { return echo_.get(); }
 
 private:
     MoeConfig config_;
     const ProcessGroups& groups_;
     MlpShape expert_shape_, shared_shape_;
     std::unique_ptr<Dispatcher<T>> dispatcher_;
+    EchoDispatcher<T>* echo_dispatcher_ = nullptr;  // = dispatcher_ with ECHO
+    std::unique_ptr<EchoExperts<T>> echo_;         // clone weights and gradients (src/cpu/echo_experts.h)
     RouterState state_;
     PipelineContext<T> ctx_;
 };

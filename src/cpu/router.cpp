@@ -152,6 +152,14 @@ void router_forward(const MoeConfig& config, const Matrix<T>& router_weight, con
             }
     });
 
+    // 2b. --moe-router-force-load-balancing: N(0, 1) logits (RandomSTE). The backward uses the same
+    // ctx.logits for d probs / d logits and hands dlogits to the gating linear unchanged: straight through.
+    if (config.moe_router_force_load_balancing) {
+        const uint64_t rank = dp ? uint64_t(dp->rank()) : 0;
+        for (int64_t i = 0; i < ctx.logits.size(); ++i)
+            ctx.logits.data[size_t(i)] = T(force_balance_logit(input.jitter_seed, rank, uint64_t(i)));
+    }
+
     // 3. Selection and probs.
     const bool sinkhorn_routing = uses_sinkhorn(config);
     const RouteParams params = sinkhorn_routing ? sinkhorn_activation(E, k) : route_params(config);

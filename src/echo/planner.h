@@ -41,6 +41,18 @@ struct EchoPlan {
 // counts: [EP * E], row-major by source rank. Deterministic: the same input gives the same bytes.
 EchoPlan plan(const EchoDims& d, const std::vector<int64_t>& counts, EchoAlgorithm algorithm);
 
+// Forced random cloning (a test hook: paths the planner would not pick): every spare slot clones a
+// random expert (maybe one of its own rank's, maybe one with no tokens), and each source rank's tokens of an expert are split at
+// random between home and that expert's clones (a clone may get none). A function of (counts, seed)
+// only, so every rank draws the same plan. src/echo/random_plan.cpp. Tests: tests/cpu/test_echo_dispatch.cpp.
+EchoPlan random_plan(const EchoDims& d, const std::vector<int64_t>& counts, uint64_t seed);
+
+// The plan's loads, clone count and the consistency every dispatch relies on: for every source s and
+// expert e, home_tokens[s, e] + sum of clone_tokens[s, j] over the slots j cloning e = counts[s, e],
+// slot_tokens[j] = sum over s of clone_tokens[s, j], empty slots carry nothing. Fills rank loads and
+// num_clones; throws moekit::Error naming the first broken entry.
+void finish_and_check(EchoPlan& p, const std::vector<int64_t>& counts);
+
 // Every array of the plan concatenated (plus target and clones): two plans are identical iff equal.
 std::string plan_bytes(const EchoPlan& p);
 

@@ -12,6 +12,17 @@
 
 namespace moekit {
 
+namespace {
+// Features of the CPU reference only, so far: ECHO (the CPU EP pipeline, src/cpu/dispatch_echo.h; the GPU
+// dispatch is issue 9's next step) and --moe-router-force-load-balancing (src/cpu/router.cpp).
+void refuse_echo_on_cuda(const MoeConfig& config) {
+    MOEKIT_REQUIRE(!config.moe_enable_echo, "--moe-enable-echo: not supported yet on --device cuda (the GPU ECHO "
+                   "dispatch is not there yet; --device cpu runs it)");
+    MOEKIT_REQUIRE(!config.moe_router_force_load_balancing, "--moe-router-force-load-balancing: not supported yet on "
+                   "--device cuda (the CPU router has it; --device cpu runs it)");
+}
+}  // namespace
+
 bool cuda_device_available() {
 #ifdef MOEKIT_WITH_CUDA
     return cuda::device_count() > 0;
@@ -23,6 +34,7 @@ bool cuda_device_available() {
 std::unique_ptr<Layer> Layer::create(const MoeConfig& config, const LayerBounds& bounds, Backend backend,
                                      int device) {
     if (backend == Backend::cpu) return cpu::make_cpu_layer(config, bounds);
+    refuse_echo_on_cuda(config);
 #ifdef MOEKIT_WITH_CUDA
     MOEKIT_REQUIRE(cuda::device_count() > 0, "Layer::create(cuda): no CUDA device is visible on this machine");
     return cuda::make_cuda_layer(config, bounds, device);
@@ -35,6 +47,7 @@ std::unique_ptr<Layer> Layer::create(const MoeConfig& config, const LayerBounds&
 std::unique_ptr<LayerRunner> make_layer_runner(const MoeConfig& config, const std::string& device) {
     if (device == "cpu") return cpu::make_cpu_layer_runner(config);
     if (device == "cuda") {
+        refuse_echo_on_cuda(config);
 #ifdef MOEKIT_WITH_CUDA
         MOEKIT_REQUIRE(cuda::device_count() > 0, "--device cuda: no CUDA device is visible on this machine");
         return cuda::make_cuda_layer_runner(config);

@@ -64,9 +64,10 @@ public:
         // [loss, aux, z] summed over this rank's micro-batches; counts [layer][expert] likewise.
         std::vector<double> sums(3, 0.0);
         std::vector<int64_t> counts(size_t(L * E), 0);
+        std::vector<double> echo(size_t(3 * L), 0.0);  // [clones, before, after][layer], summed
         for (int64_t i = 0; i < M; ++i) {
             const uint64_t stream = data_stream(step, int64_t(world_.rank()) * M + i);
-            const Matrix<float> x = random_tokens(T, held_.x.cols, o_.seed, stream);
+            const Matrix<float> x = task_tokens(o_, T, stream);
             const Matrix<float> y = teacher_.forward(stack_input(o_.config, x, false));
             const double x_to_y = mse(x, y);
             LayerInput<float> in = stack_input(o_.config, x, true);
@@ -78,6 +79,12 @@ public:
                 for (int64_t e = 0; e < E; ++e) counts[size_t(l * E + e)] += s.tokens_per_expert[size_t(e)];
                 sums[1] += s.losses.aux_loss + s.losses.seq_aux_loss + s.losses.global_aux_loss;
                 sums[2] += s.losses.z_loss;
+                if (cpu::EchoDispatcher<float>* d = layers_[size_t(l)]->echo_dispatcher()) {
+                    const cpu::EchoStepStats st = d->stats();
+                    echo[size_t(l)] += double(st.clones);
+                    echo[size_t(L + l)] += st.max_over_mean_before;
+                    echo[size_t(2 * L + l)] += st.max_over_mean_after;
+                }
             }
             // d loss_m / d pred, as the host loop's step (its normaliser is the micro-batch's own).
             Matrix<float> grad(pred.rows, pred.cols);
@@ -90,6 +97,7 @@ public:
         // Per-micro-batch values, averaged over the global batch as Megatron averages its micro-batch losses.
         world_.all_reduce(sums.data(), int64_t(sums.size()));
         world_.all_reduce(counts.data(), int64_t(counts.size()));
+        if (o_.config.moe_enable_echo) world_.all_reduce(echo.data(), int64_t(echo.size()));
         const double G = double(layout_.micro_batches);
         StepRecord rec;
         rec.step = step;
@@ -98,6 +106,13 @@ public:
         rec.z_loss = sums[2] / G;
         for (int64_t l = 0; l < L; ++l)
             rec.tokens_per_expert.emplace_back(counts.begin() + l * E, counts.begin() + (l + 1) * E);
+        if (o_.config.moe_enable_echo)
+            for (int64_t l = 0; l < L; ++l) {
+                const double n = double(M) * double(world_.size());  // every rank's micro-batches
+                rec.echo_clones.push_back(echo[size_t(l)] / n);
+                rec.echo_max_over_mean_before.push_back(echo[size_t(L + l)] / n);
+                rec.echo_max_over_mean_after.push_back(echo[size_t(2 * L + l)] / n);
+            }
         rec.grads_finite = all_finite(grads);  // the same full grads on every rank
         adam_.step(weights_, grads);
         for (size_t l = 0; l < layers_.size(); ++l) {
@@ -138,6 +153,9 @@ public:
 private:
     static MoeConfig single_rank_config(MoeConfig c) {
         c.expert_model_parallel_size = 1;  // the teacher runs whole on every rank
+        c.moe_enable_echo = false;         // and needs no spare slots (ECHO does not change the numbers)
+        c.moe_num_echo_experts.reset();
+        c.moe_echo_recompute_expert_dispatch = false;
         return c;
     }
 

@@ -32,7 +32,7 @@ public:
     void step() override {
         step_start_ = std::chrono::steady_clock::now();
         const int64_t step = ++step_;
-        const Matrix<float> x = random_tokens(held_.x.rows, held_.x.cols, o_.seed, uint64_t(step));
+        const Matrix<float> x = task_tokens(o_, held_.x.rows, uint64_t(step));
         const Matrix<float> y = teacher_.forward(stack_input(o_.config, x, false));
         const double x_to_y = mse(x, y);
 

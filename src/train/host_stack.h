@@ -73,7 +73,7 @@ struct HeldOutBatch {
 };
 inline HeldOutBatch held_out_batch(const TrainOptions& o, MoeStack& teacher) {
     HeldOutBatch b;
-    b.x = random_tokens(o.config.seq_length * o.config.micro_batch_size, o.config.hidden_size, o.seed, kEvalStream);
+    b.x = task_tokens(o, o.config.seq_length * o.config.micro_batch_size, kEvalStream);
     b.y = teacher.forward(stack_input(o.config, b.x, false));
     b.identity_mse = mse(b.x, b.y);
     require_teacher_differs(o, b.identity_mse);

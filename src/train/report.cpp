@@ -23,6 +23,7 @@ nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
     j["train"] = {{"steps", o.steps},           {"lr", o.adam.lr},          {"device", o.device},
                   {"seed", o.seed},             {"teacher_gain", o.teacher_gain},
                   {"tokens_per_step", r.tokens_per_step}};
+    if (o.skew_zipf > 0) j["train"]["skew_zipf"] = o.skew_zipf;
     j["engine"] = r.engine;
     const RunLayout& l = r.layout;
     j["layout"] = {{"ranks", l.ranks},
@@ -60,6 +61,10 @@ nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
                             {"z_loss", s.z_loss},     {"tokens_per_s", s.tokens_per_s},
                             {"tokens_per_expert", s.tokens_per_expert}};
         if (s.eval_loss >= 0) e["eval_loss"] = s.eval_loss;
+        if (!s.echo_clones.empty())
+            e["echo"] = {{"clones", s.echo_clones},
+                         {"max_over_mean_before", s.echo_max_over_mean_before},
+                         {"max_over_mean_after", s.echo_max_over_mean_after}};
         steps.push_back(std::move(e));
     }
     j["steps"] = std::move(steps);
@@ -67,6 +72,12 @@ nlohmann::json to_json(const TrainOptions& o, const TrainResult& r) {
         j["summary"] = {{"initial_loss", r.steps.front().loss},
                         {"final_loss", r.steps.back().loss},
                         {"final_eval_loss", r.steps.back().eval_loss}};
+        if (!r.steps.back().echo_clones.empty()) {
+            const EchoSummary es = echo_summary(r);
+            j["summary"]["echo"] = {{"clones_per_step", es.clones_per_step},
+                                    {"max_over_mean_before", es.max_over_mean_before},
+                                    {"max_over_mean_after", es.max_over_mean_after}};
+        }
     }
     return j;
 }

@@ -21,4 +21,14 @@ std::vector<MoeWeights<float>> student_weights(const TrainOptions& o);
 // its routing is far from the identity and its experts differ clearly.
 std::vector<MoeWeights<float>> teacher_weights(const TrainOptions& o);
 
+// --skew zipf:S (o.skew_zipf > 0): feature 0 of every synthetic token is 1, and router row e's weight on it
+// is a per-expert logit offset -S * ln(i + 1) * beta, i = e's rank in a seeded random popularity order
+// (echo::zipf_popularity, as `moekit plan --synthetic`), beta = sqrt(6)/pi * the std of the rest of the
+// logit (init_method_std * sqrt(H - 1)): with Gumbel-like logit noise of scale beta, top-1 popularity is
+// (i + 1)^-S, a Zipf law; the Gaussian logits of the task make it approximately so. Applied to the student
+// and (before its 10x router) the teacher. Tests: tests/cpu/test_train_skew.cpp.
+void apply_zipf_router_skew(const TrainOptions& o, MoeWeights<float>& w);
+// The synthetic tokens [rows, H] of data stream `stream` (N(0, 1); feature 0 = 1 with --skew).
+Matrix<float> task_tokens(const TrainOptions& o, int64_t rows, uint64_t stream);
+
 }  // namespace moekit::train

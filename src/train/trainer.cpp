@@ -12,6 +12,8 @@
 #include "moekit/error.h"
 #include "moekit/layer.h"
 #include "moekit/weights.h"
+#include "echo/trace.h"
+#include "core/rng.h"
 #include "train/checkpoint.h"
 #include "train/train_engine.h"
 #include "train/train_task.h"
@@ -24,8 +26,32 @@ namespace moekit::train {
 
 std::vector<MoeWeights<float>> student_weights(const TrainOptions& o) {
     std::vector<MoeWeights<float>> w;
-    for (int64_t l = 0; l < o.config.num_layers; ++l) w.push_back(init_weights<float>(o.config, o.seed * 1000003u + uint64_t(l)));
+    for (int64_t l = 0; l < o.config.num_layers; ++l) {
+        w.push_back(init_weights<float>(o.config, o.seed * 1000003u + uint64_t(l)));
+        apply_zipf_router_skew(o, w.back());
+    }
     return w;
+}
+
+void apply_zipf_router_skew(const TrainOptions& o, MoeWeights<float>& w) {
+    if (!(o.skew_zipf > 0)) return;
+    echo::ZipfRouting z;
+    z.num_experts = o.config.num_experts();
+    z.zipf_s = o.skew_zipf;
+    z.seed = o.seed;
+    const std::vector<int32_t> popular = echo::zipf_popularity(z);
+    const double pi = 3.14159265358979323846;
+    const double beta = std::sqrt(6.0) / pi * o.config.init_method_std * std::sqrt(double(o.config.hidden_size - 1));
+    for (size_t i = 0; i < popular.size(); ++i)
+        w.router_weight(popular[i], 0) = float(-o.skew_zipf * std::log(double(i + 1)) * beta);
+}
+
+Matrix<float> task_tokens(const TrainOptions& o, int64_t rows, uint64_t stream) {
+    Matrix<float> x(rows, o.config.hidden_size);
+    for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = float(normal01(o.seed, stream, i));
+    if (o.skew_zipf > 0)
+        for (int64_t t = 0; t < rows; ++t) x(t, 0) = 1.0f;  // the constant feature that carries the offsets
+    return x;
 }
 
 void require_teacher_differs(const TrainOptions& o, double identity_mse) {
@@ -54,6 +80,7 @@ std::vector<MoeWeights<float>> teacher_weights(const TrainOptions& o) {
     const float gain = float(o.teacher_gain);
     for (int64_t l = 0; l < o.config.num_layers; ++l) {
         MoeWeights<float> w = init_weights<float>(o.config, (o.seed + 1) * 1000003u + uint64_t(l));
+        apply_zipf_router_skew(o, w);  // scaled with the router below, like the logit noise
         for (auto& v : w.router_weight.data) v *= 10.0f;
         for (auto* ms : {&w.fc1, &w.fc2})
             for (auto& m : *ms)
@@ -73,6 +100,19 @@ double load_imbalance(const std::vector<int64_t>& counts) {
         most = std::max(most, double(c));
     }
     return total > 0 ? most / (total / double(counts.size())) : 1.0;
+}
+
+EchoSummary echo_summary(const TrainResult& r) {
+    EchoSummary s;
+    double n = 0;
+    for (const StepRecord& rec : r.steps)
+        for (size_t l = 0; l < rec.echo_clones.size(); ++l, ++n) {
+            s.clones_per_step += rec.echo_clones[l];
+            s.max_over_mean_before += rec.echo_max_over_mean_before[l];
+            s.max_over_mean_after += rec.echo_max_over_mean_after[l];
+        }
+    if (n > 0) s.clones_per_step /= n, s.max_over_mean_before /= n, s.max_over_mean_after /= n;
+    return s;
 }
 
 RunLayout run_layout(const TrainOptions& o) {
@@ -106,6 +146,15 @@ std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, const RunLayout&
                     layout.expert_model_parallel_size, ", ", layout.micro_batches_per_rank, " micro-batch(es) per rank");
         return make_ep_engine(o);
     }
+    MOEKIT_REQUIRE(o.device != "cuda" || !o.config.moe_enable_echo,
+                   "--moe-enable-echo: not supported yet on --device cuda (the GPU ECHO dispatch is not there yet; "
+                   "--device cpu runs it)");
+    MOEKIT_REQUIRE(o.device != "cuda" || !o.config.moe_router_force_load_balancing,
+                   "--moe-router-force-load-balancing: not supported yet on --device cuda (the CPU router has it; "
+                   "--device cpu runs it)");
+    MOEKIT_REQUIRE(o.device != "cuda" || o.host_loop || !(o.skew_zipf > 0),
+                   "--skew: not supported yet by the device-resident CUDA engine (its tokens are drawn on the GPU); "
+                   "--host-loop or --device cpu run it");
     if (o.device == "cuda" && !o.host_loop) {
         MOEKIT_REQUIRE(cuda_device_available(), "--device cuda: no CUDA device is visible on this machine",
 #ifdef MOEKIT_WITH_CUDA

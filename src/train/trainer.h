@@ -42,6 +42,8 @@ struct TrainOptions {
     // over the ranks (0 = one micro-batch per rank, Megatron's default). Micro-batch m of step s draws its
     // tokens from data stream data_stream(s, m), so the global batch does not depend on the layout.
     int64_t global_batch_size = 0;
+    // --skew zipf:S: expert popularity biased to a Zipf law of exponent S (0 = off; train_task.h says how).
+    double skew_zipf = 0;
 };
 
 // How a run is laid out over ranks (report.json's `layout`).
@@ -69,6 +71,9 @@ struct StepRecord {
     double tokens_per_s = 0;
     bool grads_finite = true;   // every gradient element finite (Megatron's check-for-nan-in-loss-and-grad)
     std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert]
+    // --moe-enable-echo (EP engine): per layer, the step's mean over micro-batches and ranks of the slots
+    // in use and of the busiest EP rank's load / mean rank load before and after the plan (empty without ECHO).
+    std::vector<double> echo_clones, echo_max_over_mean_before, echo_max_over_mean_after;
 };
 
 struct EngineReport;
@@ -88,6 +93,12 @@ struct TrainResult {
 
 // Max over experts / mean over experts of a layer's token counts (1 = perfectly balanced).
 double load_imbalance(const std::vector<int64_t>& tokens_per_expert);
+
+// --moe-enable-echo: the run's means over steps and layers of the StepRecord's ECHO fields (zeros without).
+struct EchoSummary {
+    double clones_per_step = 0, max_over_mean_before = 0, max_over_mean_after = 0;
+};
+EchoSummary echo_summary(const TrainResult& r);
 
 using ProgressFn = std::function<void(const TrainOptions&, const StepRecord&)>;
 TrainResult run_training(const TrainOptions& options, const ProgressFn& progress = nullptr);

@@ -131,8 +131,8 @@ TEST(EchoPlan, RejectsBadShapesAndCounts) {
     EXPECT_EQ(echo::parse_algorithm("greedy"), EchoAlgorithm::greedy);
 }
 
-// The ECHO flags in the MoE flag table and their rules (S_TOTAL divisible by EP; the layer refuses
-// --moe-enable-echo until the ECHO dispatch exists).
+// The ECHO flags in the MoE flag table and their rules (S_TOTAL divisible by EP; --moe-enable-echo
+// needs the alltoall dispatcher; more rules in tests/cpu/test_echo_virtual.cpp).
 TEST(EchoConfig, FlagsAndRules) {
     const std::vector<std::string> base = {
         "--hidden-size", "8", "--num-experts", "8", "--expert-model-parallel-size", "4"};
@@ -160,9 +160,12 @@ TEST(EchoConfig, FlagsAndRules) {
     EXPECT_NE(error_of({"--moe-echo-algorithm", "ilp"}).find("--moe-echo-algorithm=ilp"), std::string::npos);
     EXPECT_NE(error_of({"--moe-enable-echo"}).find("--moe-enable-echo requires --moe-num-echo-experts"),
               std::string::npos);
-    EXPECT_NE(
-        error_of({"--moe-enable-echo", "--moe-num-echo-experts", "8"}).find("--moe-enable-echo: not supported yet"),
-        std::string::npos);
+    EXPECT_NE(error_of({"--moe-enable-echo", "--moe-num-echo-experts", "8"})
+                  .find("--moe-enable-echo requires --moe-token-dispatcher-type=alltoall (got allgather"),
+              std::string::npos);
+    EXPECT_EQ(error_of({"--moe-enable-echo", "--moe-num-echo-experts", "8", "--moe-token-dispatcher-type", "alltoall",
+                        "--moe-echo-recompute-expert-dispatch"}),
+              "");
     EXPECT_NE(error_of({"--moe-echo-recompute-expert-dispatch"}).find("requires --moe-enable-echo"), std::string::npos);
 }
 
