@@ -228,6 +228,9 @@ private:
             MOEKIT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.bytes()));
             MOEKIT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.bytes()));
         }
+        // The uploads ran on the legacy stream (a pageable copy may return before its DMA lands): wait for them
+        // before this rank's stream reads the master weights.
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(nullptr));
         to_bf16(master_.get(), model_.get(), local_->total(), stream_);
     }
 

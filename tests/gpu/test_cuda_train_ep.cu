@@ -20,6 +20,7 @@
 #include "moekit/error.h"
 #include "train/checkpoint.h"
 #include "train/train_engine.h"
+#include "train/train_task.h"
 #include "train/trainer.h"
 #include "train_test_util.h"
 
@@ -220,8 +221,8 @@ TEST(CudaTrainEpEngine, LayerCreateWithAnEpGroupTakesTheLocalExperts) {
             ADD_FAILURE() << "an fc1 view of all experts was accepted at EP=2";
         } catch (const UsageError& e) {
             const std::string msg = e.what();
-            EXPECT_NE(msg.find(str("fc1: got bf16[", E, ", ")), std::string::npos) << msg;
-            EXPECT_NE(msg.find(str("expected bf16[", E / 2, ", ")), std::string::npos) << msg;
+            EXPECT_NE(msg.find(str("fc1: got BF16[", E, ", ")), std::string::npos) << msg;
+            EXPECT_NE(msg.find(str("expected BF16[", E / 2, ", ")), std::string::npos) << msg;
         }
         cudaFree(mem);
     });
