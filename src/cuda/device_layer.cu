@@ -72,6 +72,9 @@ public:
                        count, " visible)");
         const DeviceGuard on(device);
         if (owned_ep_) ep = owned_ep_.get();
+        MOEKIT_REQUIRE(ep || config.expert_model_parallel_size <= 1, "Layer::create: --expert-model-parallel-size=",
+                       config.expert_model_parallel_size, " needs the EP group: use the form of Layer::create that "
+                       "takes one (include/moekit/device_layer.h)");
         MOEKIT_REQUIRE(!ep || ep->device() == device, "Layer::create: the EP group's rank ", ep ? ep->rank() : 0,
                        " runs on cuda:", ep ? ep->device() : 0, " but the layer was asked for cuda:", device);
         layer_ = CudaMoeLayer::create(config, bounds.seq_length, bounds.micro_batch_size, /*own_io=*/false, ep);
