@@ -7,7 +7,7 @@
 // over expert-data-parallel on the device (all_reduce_sum: rank order, the same bits on every rank), then Adam
 // (replicated on the replicated tensors, each rank's on its own experts) takes the mean over the G micro-batches.
 // Expert-bias counts are summed over data-parallel. Eager: the alltoall dispatcher syncs with the host. Reuses the
-// single-GPU engine's kernels (train_kernels.cuh), layout (train_layout.h) and records (train_records.h).
+// single-GPU engine's kernels (train_kernels.cuh), layout (train/flat_layout.h) and records (train_records.h).
 // Tests: tests/gpu/test_cuda_train_ep.cu.
 #include <algorithm>
 #include <optional>
@@ -22,10 +22,10 @@
 #include "cuda/ep_train_kernels.cuh"
 #include "cuda/moe_layer.h"
 #include "cuda/train_kernels.cuh"
-#include "cuda/train_layout.h"
 #include "cuda/train_records.h"
 #include "moekit/comm.h"
 #include "moekit/error.h"
+#include "train/flat_layout.h"
 #include "train/train_task.h"
 
 namespace moekit::cuda {
@@ -73,7 +73,7 @@ public:
         teacher_layer_ = make_cuda_layer(single_rank_config(c), bounds, device_);  // eval only: one serves every layer
         router_fp64_ = layers_[0]->router_dtype() == DType::f64;
         const int64_t local = layers_[0]->local_experts();
-        local_ = std::make_unique<TrainLayout>(c, int64_t(groups_->ep_rank()) * local, local);
+        local_ = std::make_unique<train::FlatLayout>(c, int64_t(groups_->ep_rank()) * local, local);
         allocate();
         upload_student(train::student_weights(o), std::nullopt);
         teacher_.upload(to_bf16_host(global_.flatten(train::teacher_weights(o))));
@@ -240,38 +240,17 @@ private:
         return std::vector<double>(b.begin(), b.end());
     }
 
-    // ---- local (this rank's experts) <-> global (every expert) flat buffers; the replicated part is shared ----
-    // The EP ranks' expert parts are gathered (host collective over the EP group) and placed expert by expert.
+    // ---- local (this rank's experts) <-> global (every expert) flat buffers (train/flat_layout.h) ----
+    // The EP ranks' expert parts are gathered over the EP group (a host collective).
     std::vector<float> to_global(const std::vector<float>& local) {
         if (groups_->ep_size() == 1) return local;
-        const int64_t dense = local_->dense_total(), part = local_->total() - dense, n = local_->num_experts();
-        const std::vector<float> all =
-            groups_->ep->all_gather(std::vector<float>(local.begin() + dense, local.end()));
-        std::vector<float> global(size_t(global_.total()), 0.0f);
-        std::copy(local.begin(), local.begin() + dense, global.begin());
-        for (int64_t l = 0; l < L_; ++l)
-            for (TrainLayout::Tensor t : {TrainLayout::kFc1, TrainLayout::kFc2}) {
-                const int64_t per = global_.slot(l, t).numel / E_;
-                for (int64_t e = 0; e < E_; ++e) {
-                    const int64_t from = (e / n) * part + local_->slot(l, t).offset - dense + (e % n) * per;
-                    std::copy(all.begin() + from, all.begin() + from + per,
-                              global.begin() + global_.slot(l, t).offset + e * per);
-                }
-            }
-        return global;
+        const std::vector<float> parts =
+            groups_->ep->all_gather(std::vector<float>(local.begin() + local_->dense_total(), local.end()));
+        return train::to_global(global_, *local_, local, parts);
     }
     std::vector<float> to_local(const std::vector<float>& global) const {
         if (groups_->ep_size() == 1) return global;
-        const int64_t dense = local_->dense_total(), first = local_->first_expert(), n = local_->num_experts();
-        std::vector<float> local(size_t(local_->total()), 0.0f);
-        std::copy(global.begin(), global.begin() + dense, local.begin());
-        for (int64_t l = 0; l < L_; ++l)
-            for (TrainLayout::Tensor t : {TrainLayout::kFc1, TrainLayout::kFc2}) {
-                const int64_t from = global_.slot(l, t).offset + first * (global_.slot(l, t).numel / E_);
-                std::copy(global.begin() + from, global.begin() + from + local_->slot(l, t).numel,
-                          local.begin() + local_->slot(l, t).offset);
-            }
-        return local;
+        return train::to_local(global_, *local_, global);
     }
 
     // ---- views ----
@@ -373,8 +352,8 @@ private:
     TrainOptions o_;
     Communicator& world_;
     train::RunLayout run_;
-    TrainLayout global_;                  // every expert: the teacher, checkpoints
-    std::unique_ptr<TrainLayout> local_;  // this rank's experts: the student's flat buffers
+    train::FlatLayout global_;                  // every expert: the teacher, checkpoints
+    std::unique_ptr<train::FlatLayout> local_;  // this rank's experts: the student's flat buffers
     std::unique_ptr<ProcessGroups> groups_;
     std::unique_ptr<DeviceComm> ep_comm_, dp_comm_, edp_comm_;
     DeviceComm* dp_ = nullptr;  // data-parallel (the world; the EP communicator when EP = world), null on one rank

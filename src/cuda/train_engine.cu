@@ -19,10 +19,10 @@
 #include "cuda/moe_layer.h"
 #include "cuda/train_engine.h"
 #include "cuda/train_kernels.cuh"
-#include "cuda/train_layout.h"
 #include "cuda/train_records.h"
 #include "moekit/error.h"
 #include "train/adam.h"
+#include "train/flat_layout.h"
 #include "train/train_task.h"
 
 namespace moekit::cuda {
@@ -300,7 +300,7 @@ private:
     bool router_fp64_ = false;
     cudaStream_t stream_ = nullptr;
     std::vector<std::unique_ptr<CudaLayer>> layers_;
-    TrainLayout layout_;
+    train::FlatLayout layout_;
     DeviceBuffer<float> master_, m_, v_, grads_, x_, y_, h_, g_, eval_x_, eval_y_;
     DeviceBuffer<bf16> model_, teacher_, out_, gb_;
     std::vector<DeviceBuffer<bf16>> xb_;
