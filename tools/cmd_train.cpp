@@ -128,7 +128,8 @@ bool parse(const std::vector<std::string>& args, const MoeConfig& defaults, doub
     p.add("--skew", &a.skew, "zipf:S, S in (0, 10]: expert popularity biased to a Zipf law (a constant token feature and "
           "per-expert router offsets, docs/train.md); empty: none");
     p.add("--host-loop", &a.o.host_loop, "[moekit] cuda: the old host loop (weights and activations copied every call)");
-    p.section("parallelism (CPU ranks; --expert-model-parallel-size is among the MoE flags)");
+    p.section("parallelism (CPU ranks, or GPU ranks with --device cuda; --expert-model-parallel-size is among the MoE "
+              "flags)");
     p.add("--virtual-ranks", &a.virtual_ranks,
           "run N ranks as threads of this process (data/expert parallelism without mpirun; 0 = off)");
     p.add("--global-batch-size", &a.o.global_batch_size,
@@ -211,7 +212,7 @@ int run_train(const std::vector<std::string>& args) {
     std::signal(SIGTERM, on_stop_signal);
     TrainArgs a;
     if (!parse(args, demo_config(), kDemoLr, a)) return 0;
-    // Several ranks (data and expert parallelism): mpirun -np N, or --virtual-ranks N; the CPU only for now.
+    // Several ranks (data and expert parallelism): mpirun -np N, or --virtual-ranks N; CPU, or GPU with --device cuda.
     MOEKIT_REQUIRE(a.virtual_ranks >= 0 && a.virtual_ranks <= 1024, "--virtual-ranks=", a.virtual_ranks,
                    ": must be in [0, 1024]");
     Communicator* mpi = comm::mpi_launched() ? &comm::mpi_world() : nullptr;
@@ -224,10 +225,12 @@ int run_train(const std::vector<std::string>& args) {
                    " needs that many ranks: start them with mpirun -np ", ep, " or add --virtual-ranks ", ep);
     const bool multi_rank = ranks > 1;
     if (multi_rank) {
-        MOEKIT_REQUIRE(a.device.empty() || a.device == "cpu", "--device=", a.device, ": moekit train on several ranks (",
-                       ranks, ", --expert-model-parallel-size=", ep, ") runs on --device cpu only: not yet on cuda");
-        MOEKIT_REQUIRE(!a.o.host_loop, "--host-loop: not with several ranks (they run on --device cpu)");
-        a.device = "cpu";
+        // Several ranks run on the CPU unless --device cuda asks for GPUs (virtual ranks: one GPU; mpirun: one each).
+        MOEKIT_REQUIRE(!a.o.host_loop, "--host-loop: not with several ranks (", ranks, ")");
+        if (a.device.empty()) a.device = "cpu";
+        MOEKIT_REQUIRE(a.device != "cuda" || cuda_device_available(), "--device cuda with ", ranks,
+                       " ranks (--expert-model-parallel-size=", ep, "): no CUDA device is visible on this machine",
+                       cuda_device_available() ? "" : " (or this moekit was built without CUDA); use --device cpu");
     }
     if (a.device.empty()) a.device = cuda_device_available() ? "cuda" : "cpu";
     if (a.model_size.empty()) a.model_size = a.device == "cuda" ? "gpu" : "demo";
@@ -249,9 +252,9 @@ int run_train(const std::vector<std::string>& args) {
     }
     validate(a);
     const int64_t B = a.o.config.micro_batch_size;
-    MOEKIT_REQUIRE(a.device == "cpu" || a.o.global_batch_size == 0 || a.o.global_batch_size == B,
-                   "--global-batch-size=", a.o.global_batch_size, ": several micro-batches per step (more than "
-                   "--micro-batch-size=", B, ") run on --device cpu only: not yet on cuda");
+    MOEKIT_REQUIRE(!a.o.host_loop || a.o.global_batch_size == 0 || a.o.global_batch_size == B, "--host-loop: not with "
+                   "several micro-batches per step (--global-batch-size=", a.o.global_batch_size, " > --micro-batch-size=",
+                   B, ")");
     a.o.device = a.device;
     a.o.seed = a.o.config.seed;
     a.o.log_interval = a.log_every;

@@ -22,6 +22,8 @@
 
 namespace moekit {
 
+class Communicator;  // moekit/comm.h
+
 // Static bounds: the token shape every call uses (buffers are sized from it).
 struct LayerBounds {
     int64_t seq_length = 0;        // S
@@ -80,6 +82,14 @@ public:
     // Throws UsageError for an invalid configuration or one the backend does not support.
     static std::unique_ptr<Layer> create(const MoeConfig& config, const LayerBounds& bounds, Backend backend,
                                          int device = 0);
+    // Expert parallelism: `ep` is this rank's EP group of config.expert_model_parallel_size ranks (a group of
+    // make_process_groups; it must outlive the layer, and every rank of it creates and calls its layer in step).
+    // fc1, fc2 and their grads then hold only the L = E / EP local experts [ep.rank() * L, +L); the router,
+    // shared expert, losses and results stay whole. The CUDA backend makes its device communicator from `ep`:
+    // virtual ranks (a `local` group) share the current GPU, MPI ranks talk over NCCL (one GPU per process, by
+    // its local rank; `device` must be that GPU). The CPU backend runs one rank only (EP = 1).
+    static std::unique_ptr<Layer> create(const MoeConfig& config, const LayerBounds& bounds, Backend backend,
+                                         Communicator& ep, int device = 0);
     virtual ~Layer() = default;
 
     virtual Backend backend() const = 0;
@@ -89,6 +99,7 @@ public:
     virtual DType param_dtype() const = 0;       // bf16 (cuda) | f32 (cpu)
     virtual DType activation_dtype() const = 0;  // bf16 (cuda) | f32 (cpu)
     virtual DType router_dtype() const = 0;      // f32 | f64: expert_bias, losses, probs
+    virtual int64_t local_experts() const = 0;   // experts fc1/fc2 hold: E, or E / EP under expert parallelism
 
     // Enqueue one forward on `stream`; the layer saves what backward needs in its workspace.
     virtual void forward(const LayerParams& params, const ForwardArgs& args, Stream stream) = 0;
@@ -98,6 +109,8 @@ public:
 
     // Megatron's per-global-batch router updates, enqueued: expert_bias += rate * sign(mean(c) - c) from the
     // counts accumulated since the last update, then the counts restart; and the global_aux_loss tracker reset.
+    // Under expert parallelism the counts are this rank's tokens' (Megatron sums them over data-parallel ranks
+    // first: moekit train's CUDA EP engine does, src/cuda/ep_train_engine.cu).
     virtual void update_expert_bias(const TensorView& expert_bias, Stream stream) = 0;
     virtual void reset_global_aux_loss_tracker(Stream stream) = 0;
 

@@ -59,11 +59,12 @@ void check_view(const char* name, const TensorView& v, DType dtype, std::initial
 
 void check_params(const MoeConfig& c, const LayerParams& p, const ViewRules& r) {
     const int64_t E = c.num_experts(), H = c.hidden_size, F = c.expert_ffn(), F1 = c.fc1_rows();
+    const int64_t Le = r.local_experts > 0 ? r.local_experts : E;  // experts held by fc1/fc2
     const int64_t Fs = c.shared_ffn(), Fs1 = Fs * (c.gated_linear_unit ? 2 : 1);
     check_view("router.weight", p.router_weight, r.param, {E, H}, r);
     check_view("router.expert_bias", p.expert_bias, r.bias, {E}, r, needed_if(c.moe_router_enable_expert_bias));
-    check_view("fc1", p.fc1, r.param, {E, F1, H}, r);
-    check_view("fc2", p.fc2, r.param, {E, H, F}, r);
+    check_view("fc1", p.fc1, r.param, {Le, F1, H}, r);
+    check_view("fc2", p.fc2, r.param, {Le, H, F}, r);
     check_view("shared_experts.linear_fc1", p.shared_fc1, r.param, {Fs1, H}, r, needed_if(Fs > 0));
     check_view("shared_experts.linear_fc2", p.shared_fc2, r.param, {H, Fs}, r, needed_if(Fs > 0));
     check_view("shared_experts.gate_weight", p.shared_gate, r.param, {1, H}, r, needed_if(Fs > 0 && c.moe_shared_expert_gate));
@@ -71,11 +72,12 @@ void check_params(const MoeConfig& c, const LayerParams& p, const ViewRules& r) 
 
 void check_grads(const MoeConfig& c, const LayerGrads& g, const ViewRules& r) {
     const int64_t E = c.num_experts(), H = c.hidden_size, F = c.expert_ffn(), F1 = c.fc1_rows();
+    const int64_t Le = r.local_experts > 0 ? r.local_experts : E;  // experts held by fc1/fc2
     const int64_t Fs = c.shared_ffn(), Fs1 = Fs * (c.gated_linear_unit ? 2 : 1);
     const DType f = DType::f32;
     check_view("grad router.weight", g.router_weight, f, {E, H}, r);
-    check_view("grad fc1", g.fc1, f, {E, F1, H}, r);
-    check_view("grad fc2", g.fc2, f, {E, H, F}, r);
+    check_view("grad fc1", g.fc1, f, {Le, F1, H}, r);
+    check_view("grad fc2", g.fc2, f, {Le, H, F}, r);
     check_view("grad shared_experts.linear_fc1", g.shared_fc1, f, {Fs1, H}, r, needed_if(Fs > 0));
     check_view("grad shared_experts.linear_fc2", g.shared_fc2, f, {H, Fs}, r, needed_if(Fs > 0));
     check_view("grad shared_experts.gate_weight", g.shared_gate, f, {1, H}, r, needed_if(Fs > 0 && c.moe_shared_expert_gate));

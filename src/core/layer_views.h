@@ -13,6 +13,9 @@ struct ViewRules {
     Backend backend = Backend::cpu;
     int device = 0;
     DType param = DType::f32, bias = DType::f64, activation = DType::f32, grad_input = DType::f32;
+    // Experts fc1/fc2 and their grads hold: 0 = all E; at --expert-model-parallel-size EP > 1 the L = E / EP
+    // local experts of the rank.
+    int64_t local_experts = 0;
 };
 
 // Whether a view must be given, may be given, or must not be (the configuration has no such tensor).

@@ -49,6 +49,7 @@ public:
     DType param_dtype() const override { return DType::f32; }
     DType activation_dtype() const override { return DType::f32; }
     DType router_dtype() const override { return DType::f64; }
+    int64_t local_experts() const override { return config_.num_experts(); }
 
     void forward(const LayerParams& p, const ForwardArgs& a, Stream) override {
         check_params(config_, p, rules());

@@ -11,6 +11,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/device_layer.h"
 #include "cuda/moe_layer.h"
+#include "comm/device_comm.h"
 
 namespace moekit::cuda {
 namespace {
@@ -60,7 +61,9 @@ struct DeviceGuard {
 
 class CudaLayerImpl final : public CudaLayer {
 public:
-    CudaLayerImpl(const MoeConfig& config, const LayerBounds& bounds, int device) : bounds_(bounds), device_(device) {
+    CudaLayerImpl(const MoeConfig& config, const LayerBounds& bounds, int device, DeviceComm* ep,
+                  std::unique_ptr<DeviceComm> owned_ep = nullptr)
+        : owned_ep_(std::move(owned_ep)), bounds_(bounds), device_(device) {
         MOEKIT_REQUIRE(bounds.seq_length > 0 && bounds.micro_batch_size > 0, "layer bounds: seq_length=",
                        bounds.seq_length, " and micro_batch_size=", bounds.micro_batch_size, " must be positive");
         int count = 0;
@@ -68,10 +71,17 @@ public:
         MOEKIT_REQUIRE(device >= 0 && device < count, "Layer::create: CUDA device ", device, " does not exist (",
                        count, " visible)");
         const DeviceGuard on(device);
-        layer_ = CudaMoeLayer::create(config, bounds.seq_length, bounds.micro_batch_size, /*own_io=*/false);
+        if (owned_ep_) ep = owned_ep_.get();
+        MOEKIT_REQUIRE(ep || config.expert_model_parallel_size <= 1, "Layer::create: --expert-model-parallel-size=",
+                       config.expert_model_parallel_size, " needs the EP group: use the form of Layer::create that "
+                       "takes one (include/moekit/device_layer.h)");
+        MOEKIT_REQUIRE(!ep || ep->device() == device, "Layer::create: the EP group's rank ", ep ? ep->rank() : 0,
+                       " runs on cuda:", ep ? ep->device() : 0, " but the layer was asked for cuda:", device);
+        layer_ = CudaMoeLayer::create(config, bounds.seq_length, bounds.micro_batch_size, /*own_io=*/false, ep);
         config_ = config;
         config_.normalize();
         rules_ = ViewRules{Backend::cuda, device, DType::bf16, router_dtype(), DType::bf16, DType::f32};
+        rules_.local_experts = layer_->shape().local_experts();
     }
 
     CudaMoeLayer& inner() override { return *layer_; }
@@ -82,6 +92,7 @@ public:
     DType param_dtype() const override { return DType::bf16; }
     DType activation_dtype() const override { return DType::bf16; }
     DType router_dtype() const override { return layer_->shape().router_fp64 ? DType::f64 : DType::f32; }
+    int64_t local_experts() const override { return layer_->shape().local_experts(); }
 
     void forward(const LayerParams& p, const ForwardArgs& a, Stream stream) override {
         check_params(config_, p, rules_);
@@ -190,6 +201,7 @@ private:
         checked_streams_.insert(s.handle);
     }
 
+    std::unique_ptr<DeviceComm> owned_ep_;  // Layer::create's EP form: the layer's own communicator
     std::unique_ptr<CudaMoeLayer> layer_;
     MoeConfig config_;
     LayerBounds bounds_;
@@ -202,8 +214,23 @@ private:
 
 }  // namespace
 
-std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device) {
-    return std::make_unique<CudaLayerImpl>(config, bounds, device);
+std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
+                                           DeviceComm* ep) {
+    return std::make_unique<CudaLayerImpl>(config, bounds, device, ep);
+}
+
+std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
+                                           Communicator& ep) {
+    int count = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDeviceCount(&count));
+    MOEKIT_REQUIRE(device >= 0 && device < count, "Layer::create: CUDA device ", device, " does not exist (", count,
+                   " visible)");
+    std::unique_ptr<DeviceComm> comm;
+    {
+        const DeviceGuard on(device);  // virtual ranks: on this GPU; NCCL picks the process's GPU itself
+        comm = make_device_comm(ep);
+    }
+    return std::make_unique<CudaLayerImpl>(config, bounds, device, nullptr, std::move(comm));
 }
 
 }  // namespace moekit::cuda

@@ -5,6 +5,10 @@
 
 #include "moekit/device_layer.h"
 
+namespace moekit {
+class Communicator;
+}
+
 namespace moekit::cuda {
 
 class CudaMoeLayer;
@@ -15,6 +19,14 @@ public:
     virtual CudaMoeLayer& inner() = 0;
 };
 
-std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device);
+class DeviceComm;
+
+// One rank (config.expert_model_parallel_size must be 1), or a rank of an EP group over `ep` (the caller's device
+// communicator, kept by reference: the training engine shares one among its layers).
+std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
+                                           DeviceComm* ep = nullptr);
+// A rank of the EP group `ep` (Layer::create's EP form): the layer makes and owns its device communicator.
+std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
+                                           Communicator& ep);
 
 }  // namespace moekit::cuda

@@ -19,8 +19,10 @@
 #include "cuda/moe_layer.h"
 #include "cuda/train_engine.h"
 #include "cuda/train_kernels.cuh"
+#include "cuda/train_records.h"
 #include "moekit/error.h"
 #include "train/adam.h"
+#include "train/flat_layout.h"
 #include "train/train_task.h"
 
 namespace moekit::cuda {
@@ -31,24 +33,9 @@ using train::StepRecord;
 using train::TrainOptions;
 using train::TrainState;
 
-constexpr int64_t kAlign = 64;  // tensor starts in the flat buffers: 128-byte aligned bf16 (TMA wants 16)
-
-enum Tensor { kRouter, kFc1, kFc2, kSharedFc1, kSharedFc2, kSharedGate, kNumTensors };
-struct Slot {
-    int64_t offset = 0, numel = 0;
-};
-
-// Pinned host memory for one copy of the record ring.
-struct PinnedRing {
-    double* scalars = nullptr;
-    int32_t* counts = nullptr;
-    cudaEvent_t done = nullptr;
-    int64_t first_step = 0, last_step = 0;
-};
-
 class CudaTrainEngine final : public train::TrainEngine {
 public:
-    explicit CudaTrainEngine(const TrainOptions& o) : o_(o) {
+    explicit CudaTrainEngine(const TrainOptions& o) : o_(o), layout_(o.config, 0, o.config.num_experts()) {
         const MoeConfig& c = o.config;
         L_ = c.num_layers, T_ = c.seq_length * c.micro_batch_size, H_ = c.hidden_size, E_ = c.num_experts();
         MOEKIT_CUDA_CHECK(cudaGetDevice(&device_));
@@ -58,7 +45,7 @@ public:
         for (int64_t l = 0; l < L_; ++l)
             layers_.push_back(make_cuda_layer(c, LayerBounds{c.seq_length, c.micro_batch_size}, device_));
         router_fp64_ = layers_[0]->router_dtype() == DType::f64;
-        layout();
+        total_ = layout_.total();
         allocate();
         upload_weights(train::student_weights(o), /*teacher=*/false);
         upload_weights(train::teacher_weights(o), /*teacher=*/true);
@@ -79,19 +66,13 @@ public:
         size_t free1 = 0;
         MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
         used_bytes_ = int64_t(free0) - int64_t(free1);
-        MOEKIT_CUDA_CHECK(cudaEventCreate(&start_event_));
     }
 
     ~CudaTrainEngine() override {
         if (stream_) cudaStreamSynchronize(stream_);
         for (cudaGraphExec_t g : {train_graph_, eval_graph_})
             if (g) cudaGraphExecDestroy(g);
-        for (PinnedRing& p : pinned_) {
-            if (p.scalars) cudaFreeHost(p.scalars);
-            if (p.counts) cudaFreeHost(p.counts);
-            if (p.done) cudaEventDestroy(p.done);
-        }
-        if (start_event_) cudaEventDestroy(start_event_);
+        records_.reset();
         layers_.clear();
         if (stream_) cudaStreamDestroy(stream_);
     }
@@ -99,16 +80,12 @@ public:
     double identity_mse() const override { return identity_mse_; }
 
     void step() override {
-        if (!started_) {
-            MOEKIT_CUDA_CHECK(cudaEventRecord(start_event_, stream_));
-            started_ = true;
-        }
+        records_->stepped(stream_);
         if (train_graph_) {
             MOEKIT_CUDA_CHECK(cudaGraphLaunch(train_graph_, stream_));
         } else {
             enqueue_iteration();
         }
-        ++host_step_;
     }
 
     void eval() override {
@@ -119,125 +96,40 @@ public:
         }
     }
 
-    std::vector<StepRecord> collect(bool wait) override {
-        std::vector<StepRecord> out;
-        if (host_step_ > copied_step_) {
-            // Copy the ring asynchronously into the pinned buffer not holding the pending copy.
-            PinnedRing& p = pinned_[next_pinned_];
-            next_pinned_ ^= 1;
-            MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p.scalars, ring_scalars_.get(), ring_scalars_.bytes(),
-                                              cudaMemcpyDeviceToHost, stream_));
-            MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p.counts, ring_counts_.get(), ring_counts_.bytes(),
-                                              cudaMemcpyDeviceToHost, stream_));
-            MOEKIT_CUDA_CHECK(cudaEventRecord(p.done, stream_));
-            p.first_step = copied_step_ + 1, p.last_step = host_step_;
-            copied_step_ = host_step_;
-            pending_.push_back(&p);
-        }
-        // Hand over every copy but the newest (long finished: the GPU is at most one interval behind), or all.
-        while (pending_.size() > (wait ? 0u : 1u)) {
-            PinnedRing& p = *pending_.front();
-            pending_.erase(pending_.begin());
-            MOEKIT_CUDA_CHECK(cudaEventSynchronize(p.done));
-            // Times from the run's start event (never re-recorded): the pinned buffers' events are reused.
-            float since_start_ms = 0;
-            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&since_start_ms, start_event_, p.done));
-            const double ms = double(since_start_ms) - last_done_ms_;
-            last_done_ms_ = since_start_ms;
-            const double tokens_per_s = double(T_) * double(p.last_step - p.first_step + 1) / std::max(ms * 1e-3, 1e-12);
-            for (int64_t s = p.first_step; s <= p.last_step; ++s) out.push_back(record_of(p, s, tokens_per_s));
-        }
-        return out;
-    }
+    std::vector<StepRecord> collect(bool wait) override { return records_->collect(wait, stream_); }
 
     TrainState state() override {
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         TrainState s;
         s.step = download(&counters_.get()->completed, 1)[0];
-        const std::vector<float> master = master_.download(), m = m_.download(), v = v_.download();
-        auto slice = [&](const std::vector<float>& flat, int64_t offset, int64_t n) {
-            return std::vector<float>(flat.begin() + offset, flat.begin() + offset + n);
-        };
+        const std::vector<float> master = master_.download();
         for (int64_t l = 0; l < L_; ++l) {
             MoeWeights<float> w = train::zero_weights(o_.config);
-            auto fill = [&](Matrix<float>& mat, int64_t offset) {
-                std::copy(master.begin() + offset, master.begin() + offset + mat.size(), mat.data.begin());
-            };
-            const auto& sl = slots_[size_t(l)];
-            fill(w.router_weight, sl[kRouter].offset);
-            for (int64_t e = 0; e < E_; ++e) {
-                fill(w.fc1[size_t(e)], sl[kFc1].offset + e * w.fc1[size_t(e)].size());
-                fill(w.fc2[size_t(e)], sl[kFc2].offset + e * w.fc2[size_t(e)].size());
-            }
-            if (sl[kSharedFc1].numel) fill(w.shared_fc1, sl[kSharedFc1].offset), fill(w.shared_fc2, sl[kSharedFc2].offset);
-            if (sl[kSharedGate].numel) fill(w.shared_gate, sl[kSharedGate].offset);
+            layout_.unflatten(master, l, w);
             if (o_.config.moe_router_enable_expert_bias) w.expert_bias = download_bias(l);
-            if (s.step > 0) {
-                // Adam's slots: one per tensor in for_each_parameter order (experts one by one).
-                for_each_adam_slot(l, [&](int64_t offset, int64_t n) {
-                    s.adam_m.push_back(slice(m, offset, n)), s.adam_v.push_back(slice(v, offset, n));
-                });
-            }
             s.weights.push_back(std::move(w));
         }
+        if (s.step > 0) layout_.moments_to_state(m_.download(), v_.download(), s);
         return s;
     }
 
     void load_state(const TrainState& s) override {
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         upload_weights(s.weights, /*teacher=*/false);
-        std::vector<float> m(size_t(total_), 0.0f), v(size_t(total_), 0.0f);
-        if (!s.adam_m.empty()) {
-            size_t slot = 0;
-            for (int64_t l = 0; l < L_; ++l) {
-                for_each_adam_slot(l, [&](int64_t offset, int64_t n) {
-                    MOEKIT_CHECK(slot < s.adam_m.size() && int64_t(s.adam_m[slot].size()) == n, "checkpoint's Adam slot ",
-                                 slot, " does not fit this model");
-                    std::copy(s.adam_m[slot].begin(), s.adam_m[slot].end(), m.begin() + offset);
-                    std::copy(s.adam_v[slot].begin(), s.adam_v[slot].end(), v.begin() + offset);
-                    ++slot;
-                });
-            }
-        }
+        std::vector<float> m, v;
+        layout_.moments_from_state(s, m, v);
         m_.upload(m), v_.upload(v);
         to_bf16(master_.get(), model_.get(), total_, stream_);
         const StepCounters c{s.step, s.step};
         MOEKIT_CUDA_CHECK(cudaMemcpyAsync(counters_.get(), &c, sizeof c, cudaMemcpyHostToDevice, stream_));
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-        host_step_ = copied_step_ = s.step;
+        records_->restart_at(s.step);
     }
 
     train::EngineReport report(bool measure_speed) override;
 
 private:
-    // Adam's slots of layer l as the host optimizer orders them (for_each_parameter: router, experts' fc1 one
-    // by one, fc2 one by one, shared fc1, fc2, gate): fn(offset in the flat buffers, numel).
-    template <typename Fn>
-    void for_each_adam_slot(int64_t l, Fn&& fn) const {
-        const auto& sl = slots_[size_t(l)];
-        fn(sl[kRouter].offset, sl[kRouter].numel);
-        for (Tensor t : {kFc1, kFc2})
-            for (int64_t e = 0; e < E_; ++e) fn(sl[t].offset + e * (sl[t].numel / E_), sl[t].numel / E_);
-        for (Tensor t : {kSharedFc1, kSharedFc2, kSharedGate})
-            if (sl[t].numel) fn(sl[t].offset, sl[t].numel);
-    }
-
-    // ---- layout and set-up ----
-    void layout() {
-        const MoeConfig& c = o_.config;
-        const int64_t F = c.expert_ffn(), F1 = c.fc1_rows(), Fs = c.shared_ffn(), Fs1 = Fs * (c.gated_linear_unit ? 2 : 1);
-        const bool gate = Fs > 0 && c.moe_shared_expert_gate;
-        const std::array<int64_t, kNumTensors> numel{E_ * H_, E_ * F1 * H_, E_ * H_ * F, Fs1 * H_, H_ * Fs, gate ? H_ : 0};
-        for (int64_t l = 0; l < L_; ++l) {
-            std::array<Slot, kNumTensors> sl{};
-            for (int t = 0; t < kNumTensors; ++t) {
-                sl[size_t(t)] = Slot{total_, numel[size_t(t)]};
-                total_ = align_up(total_ + numel[size_t(t)], kAlign);
-            }
-            slots_.push_back(sl);
-        }
-    }
-
+    // ---- set-up ----
     void allocate() {
         master_.resize(total_), m_.resize(total_), v_.resize(total_), grads_.resize(total_);
         model_.resize(total_), teacher_.resize(total_);
@@ -253,47 +145,25 @@ private:
         teacher_bias32_.resize(router_fp64_ ? 0 : E_), teacher_bias64_.resize(router_fp64_ ? E_ : 0);
         scalars_.resize(4), partials_.resize(kReduceBlocks), counters_.resize(1), nonfinite_.resize(1);
         // The record ring: one slot per step of a logging interval.
-        ring_.capacity = std::max<int64_t>(o_.log_interval, 1);
-        ring_.num_layers = int(L_), ring_.num_experts = int(E_), ring_.router_fp64 = router_fp64_;
-        ring_scalars_.resize(ring_.capacity * kRecordScalars), ring_counts_.resize(ring_.capacity * L_ * E_);
         std::vector<const int32_t*> counts;
         std::vector<const void*> losses;
         for (auto& layer : layers_) {
             counts.push_back(layer->results().tokens_per_expert.as<const int32_t>());
             losses.push_back(layer->results().losses.data);
         }
-        layer_counts_.resize(L_), layer_losses_.resize(L_);
-        layer_counts_.upload(counts), layer_losses_.upload(losses);
-        ring_.scalars = ring_scalars_.get(), ring_.counts = ring_counts_.get();
-        ring_.layer_counts = layer_counts_.get(), ring_.layer_losses = layer_losses_.get();
-        for (PinnedRing& p : pinned_) {
-            MOEKIT_CUDA_CHECK(cudaMallocHost(&p.scalars, ring_scalars_.bytes()));
-            MOEKIT_CUDA_CHECK(cudaMallocHost(&p.counts, ring_counts_.bytes()));
-            MOEKIT_CUDA_CHECK(cudaEventCreate(&p.done));
-        }
+        records_ = std::make_unique<RecordCollector>(o_.log_interval, L_, E_, router_fp64_, counts, losses, T_);
     }
 
     void upload_weights(const std::vector<MoeWeights<float>>& ws, bool teacher) {
         MOEKIT_CHECK(int64_t(ws.size()) == L_, ws.size(), " layers of weights for ", L_, " layers");
-        std::vector<float> flat(size_t(total_), 0.0f);
-        for (int64_t l = 0; l < L_; ++l) {
+        const std::vector<float> flat = layout_.flatten(ws);
+        for (int64_t l = 0; l < L_ && !teacher && o_.config.moe_router_enable_expert_bias; ++l) {
             const MoeWeights<float>& w = ws[size_t(l)];
-            const auto& sl = slots_[size_t(l)];
-            auto put = [&](const Matrix<float>& m, int64_t offset) { std::copy(m.data.begin(), m.data.end(), flat.begin() + offset); };
-            put(w.router_weight, sl[kRouter].offset);
-            for (int64_t e = 0; e < E_; ++e) {
-                put(w.fc1[size_t(e)], sl[kFc1].offset + e * w.fc1[size_t(e)].size());
-                put(w.fc2[size_t(e)], sl[kFc2].offset + e * w.fc2[size_t(e)].size());
-            }
-            if (sl[kSharedFc1].numel) put(w.shared_fc1, sl[kSharedFc1].offset), put(w.shared_fc2, sl[kSharedFc2].offset);
-            if (sl[kSharedGate].numel) put(w.shared_gate, sl[kSharedGate].offset);
-            if (!teacher && o_.config.moe_router_enable_expert_bias) {
-                MOEKIT_CHECK(int64_t(w.expert_bias.size()) == E_, "expert_bias of layer ", l);
-                if (router_fp64_) {
-                    bias64_[size_t(l)].upload(w.expert_bias);
-                } else {
-                    bias32_[size_t(l)].upload(std::vector<float>(w.expert_bias.begin(), w.expert_bias.end()));
-                }
+            MOEKIT_CHECK(int64_t(w.expert_bias.size()) == E_, "expert_bias of layer ", l);
+            if (router_fp64_) {
+                bias64_[size_t(l)].upload(w.expert_bias);
+            } else {
+                bias32_[size_t(l)].upload(std::vector<float>(w.expert_bias.begin(), w.expert_bias.end()));
             }
         }
         if (teacher) {
@@ -316,39 +186,15 @@ private:
         return TensorView(p, d, dims, Backend::cuda, device_);
     }
     LayerParams params(int64_t l, bool teacher) {
-        const MoeConfig& c = o_.config;
-        const int64_t F = c.expert_ffn(), F1 = c.fc1_rows();
-        const auto& sl = slots_[size_t(l)];
-        bf16* base = teacher ? teacher_.get() : model_.get();
-        LayerParams p;
-        p.router_weight = dev(base + sl[kRouter].offset, DType::bf16, {E_, H_});
-        p.fc1 = dev(base + sl[kFc1].offset, DType::bf16, {E_, F1, H_});
-        p.fc2 = dev(base + sl[kFc2].offset, DType::bf16, {E_, H_, F});
-        if (sl[kSharedFc1].numel) {
-            p.shared_fc1 = dev(base + sl[kSharedFc1].offset, DType::bf16, {sl[kSharedFc1].numel / H_, H_});
-            p.shared_fc2 = dev(base + sl[kSharedFc2].offset, DType::bf16, {H_, sl[kSharedFc2].numel / H_});
-        }
-        if (sl[kSharedGate].numel) p.shared_gate = dev(base + sl[kSharedGate].offset, DType::bf16, {1, H_});
-        if (c.moe_router_enable_expert_bias) p.expert_bias = bias_view(l, teacher);
+        LayerParams p = layout_.params(teacher ? teacher_.get() : model_.get(), l, device_);
+        if (o_.config.moe_router_enable_expert_bias) p.expert_bias = bias_view(l, teacher);
         return p;
     }
     TensorView bias_view(int64_t l, bool teacher) {
         if (router_fp64_) return dev(teacher ? teacher_bias64_.get() : bias64_[size_t(l)].get(), DType::f64, {E_});
         return dev(teacher ? teacher_bias32_.get() : bias32_[size_t(l)].get(), DType::f32, {E_});
     }
-    LayerGrads grads(int64_t l) {
-        const LayerParams p = params(l, false);
-        auto as_grad = [&](const TensorView& v) {
-            if (v.empty()) return TensorView();
-            TensorView g = v;
-            g.data = grads_.get() + (v.as<bf16>() - model_.get()), g.dtype = DType::f32;
-            return g;
-        };
-        LayerGrads g;
-        g.router_weight = as_grad(p.router_weight), g.fc1 = as_grad(p.fc1), g.fc2 = as_grad(p.fc2);
-        g.shared_fc1 = as_grad(p.shared_fc1), g.shared_fc2 = as_grad(p.shared_fc2), g.shared_gate = as_grad(p.shared_gate);
-        return g;
-    }
+    LayerGrads grads(int64_t l) { return layout_.grads(grads_.get(), l, device_); }
 
     // ---- the iteration ----
     // out = in + sum of the teacher's layers (residual stream in fp32, each layer's input rounded to bf16).
@@ -408,13 +254,13 @@ private:
         loss_and_grad();
         student_backward();
         optimizer();
-        record_step(ring_, counters_.get(), scalars_.get() + 1, nonfinite_.get(), stream_);
+        record_step(records_->ring(), counters_.get(), scalars_.get() + 1, nonfinite_.get(), stream_);
     }
     void enqueue_eval() {
         student_forward(eval_x_.get(), /*training=*/false);
         mean_squared_error(h_.get(), eval_y_.get(), T_ * H_, scalars_.get() + 3, partials_.get(), scalars_.get() + 2,
                            stream_);
-        record_eval(ring_, counters_.get(), scalars_.get() + 2, stream_);
+        record_eval(records_->ring(), counters_.get(), scalars_.get() + 2, stream_);
     }
 
     // Captures fn's work on the stream in global mode (any host sync inside fails the capture).
@@ -436,23 +282,12 @@ private:
         return exec;
     }
 
-    StepRecord record_of(const PinnedRing& p, int64_t step, double tokens_per_s) const {
-        const int64_t slot = (step - 1) % ring_.capacity;
-        const double* s = p.scalars + slot * kRecordScalars;
-        MOEKIT_CHECK(int64_t(s[kRecStep]) == step, "record ring slot ", slot, " holds step ", s[kRecStep], ", not ", step);
-        StepRecord r;
-        r.step = step, r.loss = s[kRecLoss], r.eval_loss = s[kRecEval], r.aux_loss = s[kRecAux], r.z_loss = s[kRecZ];
-        r.grads_finite = s[kRecFinite] != 0.0, r.tokens_per_s = tokens_per_s;
-        const int32_t* c = p.counts + slot * L_ * E_;
-        for (int64_t l = 0; l < L_; ++l) r.tokens_per_expert.emplace_back(c + l * E_, c + (l + 1) * E_);
-        return r;
-    }
-
     int64_t owned_bytes() const {
         int64_t n = 0;
         auto add = [&](const auto&... b) { ((n += int64_t(b.bytes())), ...); };
         add(master_, m_, v_, grads_, model_, teacher_, x_, y_, h_, g_, eval_x_, eval_y_, out_, gb_);
-        add(scalars_, partials_, counters_, nonfinite_, ring_scalars_, ring_counts_, teacher_bias32_, teacher_bias64_);
+        add(scalars_, partials_, counters_, nonfinite_, teacher_bias32_, teacher_bias64_);
+        n += records_->device_bytes();
         for (const auto& b : xb_) n += int64_t(b.bytes());
         for (int64_t l = 0; l < L_; ++l) n += int64_t(bias32_[size_t(l)].bytes() + bias64_[size_t(l)].bytes());
         for (const auto& layer : layers_) n += layer->memory().workspace_bytes;
@@ -465,7 +300,7 @@ private:
     bool router_fp64_ = false;
     cudaStream_t stream_ = nullptr;
     std::vector<std::unique_ptr<CudaLayer>> layers_;
-    std::vector<std::array<Slot, kNumTensors>> slots_;
+    train::FlatLayout layout_;
     DeviceBuffer<float> master_, m_, v_, grads_, x_, y_, h_, g_, eval_x_, eval_y_;
     DeviceBuffer<bf16> model_, teacher_, out_, gb_;
     std::vector<DeviceBuffer<bf16>> xb_;
@@ -476,18 +311,8 @@ private:
     DeviceBuffer<double> scalars_, partials_;  // scalars: x_to_y, loss, eval loss, identity MSE
     DeviceBuffer<StepCounters> counters_;
     DeviceBuffer<int32_t> nonfinite_;
-    RecordRing ring_;
-    DeviceBuffer<double> ring_scalars_;
-    DeviceBuffer<int32_t> ring_counts_;
-    DeviceBuffer<const int32_t*> layer_counts_;
-    DeviceBuffer<const void*> layer_losses_;
-    std::array<PinnedRing, 2> pinned_{};
-    std::vector<PinnedRing*> pending_;
-    int next_pinned_ = 0;
-    cudaEvent_t start_event_ = nullptr;
-    double last_done_ms_ = 0;
-    bool started_ = false;
-    int64_t host_step_ = 0, copied_step_ = 0, used_bytes_ = 0;
+    std::unique_ptr<RecordCollector> records_;
+    int64_t used_bytes_ = 0;
     cudaGraphExec_t train_graph_ = nullptr, eval_graph_ = nullptr;
     double identity_mse_ = 0;
 };

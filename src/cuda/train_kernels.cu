@@ -71,9 +71,11 @@ __global__ void mse_grad_kernel(const float* pred, const float* y, int64_t n, co
 __global__ void adam_kernel(AdamArgs args, const StepCounters* c, float4* master, float4* m, float4* v, const float4* g,
                             __nv_bfloat162* model, int64_t n4, int32_t* nonfinite) {
     const AdamStep a = adam_step_constants(args.lr, args.beta1, args.beta2, args.eps, c->current);
+    const float scale = float(args.grad_scale);  // 1 on one rank: x * 1 is x, bit for bit
     bool bad = false;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
-        const float4 gi = g[i];
+        float4 gi = g[i];
+        gi.x *= scale, gi.y *= scale, gi.z *= scale, gi.w *= scale;
         float4 mi = m[i], vi = v[i], p = master[i];
         bad |= !isfinite(gi.x) || !isfinite(gi.y) || !isfinite(gi.z) || !isfinite(gi.w);
         p.x = adam_update(a, gi.x, mi.x, vi.x, p.x), p.y = adam_update(a, gi.y, mi.y, vi.y, p.y);

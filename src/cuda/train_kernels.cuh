@@ -40,6 +40,7 @@ void mse_grad(const float* pred, const float* y, int64_t n, const double* x_to_y
 
 struct AdamArgs {
     double lr, beta1, beta2, eps;
+    double grad_scale = 1.0;  // gradients are multiplied by it first (the EP engine's mean over micro-batches)
 };
 // One Adam step over the flat fp32 master weights with step t = counters->current; writes the bf16 copy
 // the layers read, and sets *nonfinite when a gradient element is not finite.

@@ -2,6 +2,7 @@
 // (Layer::create) and the host-matrix adapter (make_layer_runner).
 #include "cpu/device_layer.h"
 #include "cpu/layer_runner.h"
+#include "moekit/comm.h"
 #include "moekit/device_layer.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
@@ -38,6 +39,23 @@ std::unique_ptr<Layer> Layer::create(const MoeConfig& config, const LayerBounds&
 #ifdef MOEKIT_WITH_CUDA
     MOEKIT_REQUIRE(cuda::device_count() > 0, "Layer::create(cuda): no CUDA device is visible on this machine");
     return cuda::make_cuda_layer(config, bounds, device);
+#else
+    (void)device;
+    throw UsageError("Layer::create(cuda): this moekit was built without CUDA (no nvcc at configure time)");
+#endif
+}
+
+std::unique_ptr<Layer> Layer::create(const MoeConfig& config, const LayerBounds& bounds, Backend backend,
+                                     Communicator& ep, int device) {
+    MOEKIT_REQUIRE(config.expert_model_parallel_size == ep.size(), "Layer::create: --expert-model-parallel-size=",
+                   config.expert_model_parallel_size, " but the EP group has ", ep.size(), " rank(s)");
+    if (ep.size() == 1) return create(config, bounds, backend, device);
+    MOEKIT_REQUIRE(backend == Backend::cuda, "Layer::create(cpu) with an EP group of ", ep.size(),
+                   " ranks: the CPU backend's Layer runs one rank (the CPU pipeline on process groups is "
+                   "cpu::MoePipeline)");
+#ifdef MOEKIT_WITH_CUDA
+    MOEKIT_REQUIRE(cuda::device_count() > 0, "Layer::create(cuda): no CUDA device is visible on this machine");
+    return cuda::make_cuda_layer(config, bounds, device, ep);
 #else
     (void)device;
     throw UsageError("Layer::create(cuda): this moekit was built without CUDA (no nvcc at configure time)");

@@ -20,21 +20,6 @@
 namespace moekit::train {
 namespace {
 
-// The ranks must run the same model on the same task; a difference is refused on every rank.
-void check_same_options(Communicator& world, const TrainOptions& o) {
-    const std::string mine =
-        moekit::to_json(o.config).dump() + str(" steps=", o.steps, " lr=", o.adam.lr, " b1=", o.adam.beta1, " b2=",
-                                               o.adam.beta2, " eps=", o.adam.eps, " seed=", o.seed, " gain=",
-                                               o.teacher_gain, " gbs=", o.global_batch_size, " eval=", o.eval_every,
-                                               " load=", o.load_dir);
-    const auto all = world.all_gather_v(std::vector<char>(mine.begin(), mine.end()));
-    std::string differ;
-    for (size_t r = 1; r < all.size(); ++r)
-        if (all[r] != all[0]) differ += str(differ.empty() ? "" : ", ", r);
-    MOEKIT_REQUIRE(differ.empty(), "moekit train: rank(s) ", differ,
-                   " were started with other flags than rank 0: every rank must get the same flags");
-}
-
 class EpEngine final : public TrainEngine {
 public:
     EpEngine(const TrainOptions& o, Communicator& world)
@@ -229,23 +214,9 @@ private:
 std::unique_ptr<TrainEngine> make_ep_engine(const TrainOptions& options) {
     MOEKIT_REQUIRE(options.device == "cpu", "--device=", options.device,
                    ": several ranks or micro-batches per step run on --device cpu only (not yet on cuda)");
-    if (options.world) return std::make_unique<EpEngine>(options, *options.world);
-    // One process: a world of one rank, owned by the engine's holder below.
-    struct Owned final : TrainEngine {
-        std::unique_ptr<Communicator> world;
-        std::unique_ptr<TrainEngine> engine;
-        double identity_mse() const override { return engine->identity_mse(); }
-        void step() override { engine->step(); }
-        void eval() override { engine->eval(); }
-        std::vector<StepRecord> collect(bool wait) override { return engine->collect(wait); }
-        TrainState state() override { return engine->state(); }
-        void load_state(const TrainState& s) override { engine->load_state(s); }
-        EngineReport report(bool measure_speed) override { return engine->report(measure_speed); }
-    };
-    auto owned = std::make_unique<Owned>();
-    owned->world = comm::make_single_rank();
-    owned->engine = std::make_unique<EpEngine>(options, *owned->world);
-    return owned;
+    return on_world(options, [&](Communicator& world) -> std::unique_ptr<TrainEngine> {
+        return std::make_unique<EpEngine>(options, world);
+    });
 }
 
 }  // namespace moekit::train

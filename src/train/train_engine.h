@@ -4,6 +4,7 @@
 // (src/cuda/train_engine.cu). Both compute the same task in the same order (trainer.h).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,12 @@ public:
 };
 
 std::unique_ptr<TrainEngine> make_host_engine(const TrainOptions& options);
+// The ranks of a run must train the same model on the same task: a difference is refused (UsageError) on every
+// rank. Collective over world.
+void check_same_options(Communicator& world, const TrainOptions& o);
+// make(*options.world), or make(a world of one rank) with that world owned along with the engine.
+std::unique_ptr<TrainEngine> on_world(const TrainOptions& options,
+                                      const std::function<std::unique_ptr<TrainEngine>(Communicator&)>& make);
 // Data- and expert-parallel CPU engine over options.world (or one rank): src/train/ep_engine.cpp.
 std::unique_ptr<TrainEngine> make_ep_engine(const TrainOptions& options);
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 
+#include "core/flags.h"
 #include "moekit/comm.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
@@ -19,6 +20,7 @@
 #include "train/train_task.h"
 
 #ifdef MOEKIT_WITH_CUDA
+#include "cuda/ep_train_engine.h"
 #include "cuda/train_engine.h"
 #endif
 
@@ -115,10 +117,47 @@ EchoSummary echo_summary(const TrainResult& r) {
     return s;
 }
 
+void check_same_options(Communicator& world, const TrainOptions& o) {
+    const std::string mine =
+        moekit::to_json(o.config).dump() + str(" steps=", o.steps, " lr=", o.adam.lr, " b1=", o.adam.beta1, " b2=",
+                                               o.adam.beta2, " eps=", o.adam.eps, " seed=", o.seed, " gain=",
+                                               o.teacher_gain, " gbs=", o.global_batch_size, " eval=", o.eval_every,
+                                               " load=", o.load_dir, " device=", o.device);
+    const auto all = world.all_gather_v(std::vector<char>(mine.begin(), mine.end()));
+    std::string differ;
+    for (size_t r = 1; r < all.size(); ++r)
+        if (all[r] != all[0]) differ += str(differ.empty() ? "" : ", ", r);
+    MOEKIT_REQUIRE(differ.empty(), "moekit train: rank(s) ", differ,
+                   " were started with other flags than rank 0: every rank must get the same flags");
+}
+
+std::unique_ptr<TrainEngine> on_world(const TrainOptions& o,
+                                      const std::function<std::unique_ptr<TrainEngine>(Communicator&)>& make) {
+    if (o.world) return make(*o.world);
+    // One process: a world of one rank, owned by the engine's holder below.
+    struct Owned final : TrainEngine {
+        std::unique_ptr<Communicator> world;
+        std::unique_ptr<TrainEngine> engine;
+        double identity_mse() const override { return engine->identity_mse(); }
+        void step() override { engine->step(); }
+        void eval() override { engine->eval(); }
+        std::vector<StepRecord> collect(bool wait) override { return engine->collect(wait); }
+        TrainState state() override { return engine->state(); }
+        void load_state(const TrainState& s) override { engine->load_state(s); }
+        EngineReport report(bool measure_speed) override { return engine->report(measure_speed); }
+    };
+    auto owned = std::make_unique<Owned>();
+    owned->world = comm::make_single_rank();
+    owned->engine = make(*owned->world);
+    return owned;
+}
+
 RunLayout run_layout(const TrainOptions& o) {
     RunLayout l;
     l.ranks = o.world ? o.world->size() : 1;
     l.transport = o.world ? o.world->transport() : "none";
+    // On the GPU the ranks' tensors travel over the device transport the host group implies.
+    if (o.device == "cuda" && o.world && o.world->size() > 1) l.transport = l.transport == "mpi" ? "nccl" : "local-gpu";
     l.expert_model_parallel_size = o.config.expert_model_parallel_size;
     const int64_t B = o.config.micro_batch_size;
     MOEKIT_REQUIRE(B > 0, "--micro-batch-size=", B, ": must be positive");
@@ -139,11 +178,25 @@ namespace {
 
 std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, const RunLayout& layout, std::string* name) {
     if (layout.ranks > 1 || layout.micro_batches > 1) {
-        MOEKIT_REQUIRE(o.device == "cpu" && !o.host_loop, "--device=", o.device, o.host_loop ? " --host-loop" : "",
-                       ": several ranks (", layout.ranks, ") or micro-batches per step (--global-batch-size=",
-                       layout.global_batch_size, ") are not yet supported on cuda; use --device cpu");
-        *name = str("data/expert-parallel host loop (CPU reference): ", layout.ranks, " rank(s), EP=",
-                    layout.expert_model_parallel_size, ", ", layout.micro_batches_per_rank, " micro-batch(es) per rank");
+        const std::string where = str(layout.ranks, " rank(s) (", layout.transport, "), EP=",
+                                      layout.expert_model_parallel_size, ", ", layout.micro_batches_per_rank,
+                                      " micro-batch(es) per rank");
+        MOEKIT_REQUIRE(!o.host_loop, "--host-loop: not with several ranks (", layout.ranks,
+                       ") or micro-batches per step (--global-batch-size=", layout.global_batch_size, ")");
+        if (o.device == "cuda") {
+            MOEKIT_REQUIRE(cuda_device_available(), "--device cuda: no CUDA device is visible on this machine",
+#ifdef MOEKIT_WITH_CUDA
+                           ""
+#else
+                           " (this moekit was built without CUDA)"
+#endif
+            );
+#ifdef MOEKIT_WITH_CUDA
+            *name = "data/expert-parallel, device-resident, eager: " + where;
+            return cuda::make_cuda_ep_train_engine(o);
+#endif
+        }
+        *name = "data/expert-parallel host loop (CPU reference): " + where;
         return make_ep_engine(o);
     }
     MOEKIT_REQUIRE(o.device != "cuda" || !o.config.moe_enable_echo,
@@ -233,7 +286,10 @@ TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
         if (step % o.log_interval == 0 || save || stop) {
             if (!take(engine->collect(save || stop))) break;
         }
-        if (save && rank0) save_checkpoint(o.save_dir, o, engine->state(), result.steps);
+        if (save) {
+            TrainState state = engine->state();  // every rank: the GPU EP engine gathers its experts
+            if (rank0) save_checkpoint(o.save_dir, o, state, result.steps);
+        }
         if (stop) {
             result.signal = int(stop_sig);
             break;
@@ -242,9 +298,11 @@ TrainResult run_training(const TrainOptions& o, const ProgressFn& progress) {
     const bool finite = take(engine->collect(true));
     result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const int64_t last = result.steps.empty() ? 0 : result.steps.back().step;
-    if (rank0 && finite && !o.save_dir.empty() && last > result.resumed_from &&
-        (o.save_interval == 0 || last % o.save_interval != 0))
-        save_checkpoint(o.save_dir, o, engine->state(), result.steps);
+    if (finite && !o.save_dir.empty() && last > result.resumed_from &&
+        (o.save_interval == 0 || last % o.save_interval != 0)) {
+        TrainState state = engine->state();  // every rank (collective on the GPU EP engine)
+        if (rank0) save_checkpoint(o.save_dir, o, state, result.steps);
+    }
     // Speed is measured only after a run that ended normally (a stopped or failed one exits at once).
     result.perf = std::make_shared<EngineReport>(engine->report(finite && result.signal == 0));
     return result;

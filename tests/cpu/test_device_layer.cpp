@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "core/layer_views.h"
 #include "cpu/layer_test_util.h"
+#include "moekit/comm.h"
 #include "moekit/device_layer.h"
 #include "moekit/error.h"
 #include "moekit/layer.h"
@@ -141,6 +143,52 @@ TEST(LayerApiCpu, MatchesTheReferenceLayerExactly) {
 }
 
 // Each misuse is refused before any work, naming the tensor; the output is untouched.
+// Layer::create's EP form: a group of one rank is the plain layer; the CPU backend refuses a larger group, and a
+// group whose size is not --expert-model-parallel-size is refused naming the flag (the CUDA form:
+// tests/gpu/test_cuda_train_ep.cu). The view checks know the local experts (L = E / EP).
+TEST(LayerApiCpu, EpGroupFormOfCreate) {
+    MoeConfig c = config_with_everything();
+    const LayerBounds bounds{c.seq_length, c.micro_batch_size};
+    auto one = comm::make_single_rank();
+    auto layer = Layer::create(c, bounds, Backend::cpu, *one);
+    EXPECT_EQ(layer->local_experts(), c.num_experts());
+    comm::run_virtual_ranks(2, [&](Communicator& world) {
+        MoeConfig c2 = c;
+        c2.expert_model_parallel_size = 2;
+        try {
+            Layer::create(c2, bounds, Backend::cpu, world);
+            ADD_FAILURE() << "the CPU backend took an EP group of 2";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("the CPU backend's Layer runs one rank"), std::string::npos) << e.what();
+        }
+        try {
+            Layer::create(c, bounds, Backend::cuda, world);  // EP = 1 in the config, 2 ranks in the group
+            ADD_FAILURE() << "an EP group of 2 was taken for --expert-model-parallel-size=1";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("--expert-model-parallel-size=1 but the EP group has 2 rank(s)"),
+                      std::string::npos) << e.what();
+        }
+    });
+    // The shared view rules at EP = 3 (6 experts, 2 local): [2, F1, H] is right, [6, F1, H] is refused.
+    const int64_t H = c.hidden_size, F1 = c.fc1_rows(), F = c.expert_ffn();
+    std::vector<float> mem(size_t(6 * F1 * H + 6 * H * F + 6 * H), 0.25f);
+    ViewRules rules;
+    rules.local_experts = 2;
+    TensorView fc1 = host_view(mem.data(), {2, F1, H});
+    EXPECT_NO_THROW(check_view("fc1", fc1, DType::f32, {rules.local_experts, F1, H}, rules));
+    LayerParams p;
+    p.router_weight = host_view(mem.data(), {6, H});
+    std::vector<double> bias(6, 0.0);
+    p.expert_bias = host_view(bias.data(), {6});
+    p.fc1 = host_view(mem.data(), {6, F1, H});
+    try {
+        check_params(c, p, rules);
+        ADD_FAILURE() << "fc1 of all 6 experts was taken where 2 are local";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find(str("expected F32[2, ", F1, ", ", H, "]")), std::string::npos) << e.what();
+    }
+}
+
 TEST(LayerApiCpu, BadViewsAreClearErrorsBeforeAnyWork) {
     const MoeConfig c = config_with_everything();
     const int64_t T = c.seq_length * c.micro_batch_size, H = c.hidden_size, E = c.num_experts();

@@ -362,12 +362,11 @@ TEST_F(TrainEpTool, RefusesWhatItCannotDoNamingTheFlag) {
     };
     const std::vector<Case> cases = {
         {"--expert-model-parallel-size 2", "--expert-model-parallel-size=2 needs that many ranks"},
-        {"--expert-model-parallel-size 2 --virtual-ranks 2 --device cuda", "--device=cuda: moekit train on several ranks"},
         {"--virtual-ranks 2 --expert-model-parallel-size 4", "--expert-model-parallel-size=4: must divide the 2 rank"},
         {"--device cpu --virtual-ranks 2 --global-batch-size 6", "--global-batch-size=6: must be a multiple of --micro-batch-size x"},
         {"--virtual-ranks 2 --expert-model-parallel-size 2 --host-loop", "--host-loop"},
         {"--virtual-ranks -1", "--virtual-ranks=-1"},
-        {"--device cuda --global-batch-size 4", "--global-batch-size=4: several micro-batches per step"},
+        {"--device cuda --host-loop --global-batch-size 4", "--host-loop: not with several micro-batches per step"},
     };
     for (const Case& c : cases) {
         const ToolResult r = run_tool(run + c.flags);
@@ -383,6 +382,33 @@ TEST_F(TrainEpTool, RefusesWhatItCannotDoNamingTheFlag) {
                                    " --expert-model-parallel-size 2");
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("rank(s) 1 were started with other flags than rank 0"), std::string::npos) << r.output;
+}
+
+// --device cuda on several ranks or micro-batches runs the CUDA EP engine (tests/gpu/test_cuda_train_ep.cu); where
+// no GPU is visible (CI) it is a usage error naming the flag, before any step, on virtual ranks and under mpirun.
+TEST_F(TrainEpTool, CudaRanksWithoutAGpuAreRefusedNamingTheFlag) {
+    if (cuda_device_available()) GTEST_SKIP() << "a GPU is visible: tests/gpu/test_cuda_train_ep.cu runs these";
+    const std::string run = "train " + kModel + "--steps 2 --device cuda --out-dir " + path("r") + " ";
+    struct Case {
+        std::string flags, says;
+    };
+    const std::vector<Case> cases = {
+        {"--expert-model-parallel-size 2 --virtual-ranks 2", "--device cuda with 2 ranks (--expert-model-parallel-size=2): "
+                                                             "no CUDA device is visible"},
+        {"--virtual-ranks 4 --expert-model-parallel-size 2", "--device cuda with 4 ranks"},
+        {"--global-batch-size 4", "--device cuda: no CUDA device is visible"},
+    };
+    for (const Case& c : cases) {
+        const ToolResult r = run_tool(run + c.flags);
+        EXPECT_EQ(r.status, 2) << c.flags << "\n" << r.output;
+        EXPECT_NE(r.output.find(c.says), std::string::npos) << c.flags << "\n" << r.output;
+        EXPECT_FALSE(fs::exists(path("r") + "/report.json")) << c.flags;
+    }
+    if (!MOEKIT_HAVE_MPI) GTEST_SKIP() << "built without MPI: the mpirun case is skipped";
+    const ToolResult m = run_shell(mpirun(2) + run + "--expert-model-parallel-size 2");
+    EXPECT_EQ(m.status, 2) << m.output;
+    EXPECT_NE(m.output.find("--device cuda with 2 ranks"), std::string::npos) << m.output;
+    EXPECT_FALSE(fs::exists(path("r") + "/report.json"));
 }
 
 // SIGINT reaches the virtual ranks' threads at different steps; they agree on one (the all-reduced stop flag):
