@@ -76,6 +76,10 @@ public:
         MOEKIT_CUDA_CHECK(cudaGetDeviceCount(&gpus));
         MOEKIT_REQUIRE(gpus > 0, "EP over NCCL: rank ", host.rank(), " sees no GPU");
         const int local = local_rank_from_env();
+        // One GPU per process: NCCL (2.28) refuses two ranks of a communicator on one GPU, so say it first.
+        MOEKIT_REQUIRE(local < gpus, "EP over NCCL: rank ", host.rank(), " is local rank ", local, " on a node with ",
+                       gpus, " visible GPU(s); start at most one process per GPU (mpirun -np <= GPUs per node), or "
+                       "use --virtual-ranks N on one GPU");
         device_ = (local >= 0 ? local : host.rank()) % gpus;
         MOEKIT_CUDA_CHECK(cudaSetDevice(device_));
         ncclUniqueId id{};
