@@ -9,6 +9,7 @@
 
 #include "comm/device_comm.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
 #include "moekit/error.h"
 
 namespace moekit::cuda {
@@ -82,7 +83,7 @@ private:
             void* mine = nullptr;
             if (bytes > 0) {
                 MOEKIT_CUDA_CHECK(cudaMalloc(&mine, size_t(bytes)));
-                MOEKIT_CUDA_CHECK(cudaMemset(mine, 0, size_t(bytes)));
+                zero_fill(mine, size_t(bytes));
             }
             const std::vector<int64_t> all = host.all_gather(std::vector<int64_t>{int64_t(reinterpret_cast<intptr_t>(mine))});
             for (int64_t p : all) peers_.push_back(reinterpret_cast<void*>(intptr_t(p)));

@@ -10,6 +10,7 @@
 
 #include "comm/device_comm.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
 #include "moekit/error.h"
 
 #if MOEKIT_WITH_NCCL
@@ -43,7 +44,7 @@ public:
         rank_ = host.rank(), bytes_ = bytes;
         const size_t n = size_t(std::max<int64_t>(bytes, 1));
         MOEKIT_NCCL_CHECK(ncclMemAlloc(&mem_, n));
-        MOEKIT_CUDA_CHECK(cudaMemset(mem_, 0, n));
+        zero_fill(mem_, n);
         MOEKIT_NCCL_CHECK(ncclCommWindowRegister(comm_, mem_, n, &win_, NCCL_WIN_COLL_SYMMETRIC));
         void** dev = nullptr;
         MOEKIT_CUDA_CHECK(cudaMalloc(&dev, sizeof(void*) * size_t(host.size())));

@@ -129,6 +129,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
             layer->backward(s);
             MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
             MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+            world.barrier();  // no rank replays (and spins) while another still instantiates (loads kernels)
             for (int it = 0; it < o.warmup + o.iters; ++it) {
                 world.barrier();
                 const auto t0 = std::chrono::steady_clock::now();

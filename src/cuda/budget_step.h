@@ -15,6 +15,19 @@
 
 namespace moekit::cuda {
 
+// The budgeted dispatcher's first eager step is a synchronous warm-up that loads every kernel before any
+// device barrier spins (src/cuda/dispatch_budgeted.cu says why). This runs it, collectively, and undoes
+// what it counted, so the next step is the first real one. A no-op for the other dispatchers.
+inline void warm_up_budgeted(CudaMoeLayer& layer, cudaStream_t stream, const std::function<void()>& step) {
+    if (layer.shape().ep_size <= 1 || layer.shape().receive_factor <= 0) return;
+    layer.save_router_trackers(stream);
+    step();
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    (void)layer.end_dispatch_step();
+    layer.restore_router_trackers(stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 inline BudgetStatus run_budgeted_cuda_step(CudaMoeLayer& layer, cudaStream_t stream, const std::function<void()>& step,
                                            bool log = true) {
     layer.save_router_trackers(stream);

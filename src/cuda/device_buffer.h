@@ -12,6 +12,16 @@
 
 namespace moekit::cuda {
 
+// Zeroes device memory and waits for it. cudaMemset may still be running when it returns, and the layers'
+// streams are non-blocking (no implicit order with the legacy stream): without the wait a kernel or copy on
+// another stream could see the memory before it is zero (a tracker copy into a fresh layer lost to a late
+// fill was seen under load). Only the legacy stream is waited for, never a peer's spinning kernel.
+inline void zero_fill(void* p, size_t bytes) {
+    if (bytes == 0) return;
+    MOEKIT_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 template <typename T>
 class DeviceBuffer {
 public:
@@ -36,7 +46,7 @@ public:
         count_ = count;
         if (count > 0) {
             MOEKIT_CUDA_CHECK(cudaMalloc(&ptr_, size_t(count) * sizeof(T)));
-            MOEKIT_CUDA_CHECK(cudaMemset(ptr_, 0, size_t(count) * sizeof(T)));
+            zero_fill(ptr_, size_t(count) * sizeof(T));
         }
     }
     void upload(const std::vector<T>& host) {

@@ -190,6 +190,7 @@ public:
         send_dst_.resize(EP * L), send_n_.resize(EP * L), chunk_start_.resize(L * EP + 1), offsets_.resize(L + 1);
         held_.resize(1), status_.resize(6), epoch_.resize(1), send_rows_.resize(M * H), grad_rows_.resize(M * H);
         fallback_ = make_alltoall_cuda_dispatcher<R>(s, ep);
+        preload_kernels();
     }
 
     std::string name() const override { return synchronous_ ? "budgeted (re-run: alltoall)" : "budgeted"; }
@@ -210,7 +211,7 @@ public:
     int64_t budget() const { return budget_; }
 
     DispatchTraffic traffic() const override {
-        if (synchronous_) return fallback_->traffic();
+        if (sync()) return fallback_->traffic();
         // Rows that left this rank and came back, from the count matrix (a host read: between steps only).
         const int64_t E = s_.router.num_experts, L = s_.local_experts(), EP = s_.ep_size, me = s_.ep_rank;
         const std::vector<int32_t> m = download(sym_local<const int32_t>(r_.counts), EP * E);
@@ -227,7 +228,16 @@ public:
 
     ExpertInput<R> dispatch(const RoutingPlan<R>& plan, const uint8_t* map, const R* probs, const bf16* hidden,
                             cudaStream_t stream) override {
-        if (synchronous_) return fallback_->dispatch(plan, map, probs, hidden, stream);
+        // Warm-up: the first eager step runs the synchronous path, so every kernel of the layer (cuBLAS's too) is
+        // loaded on every rank before any device barrier spins. With lazy module loading (CUDA's default) a
+        // kernel's first launch may wait for the kernels running on the device, a peer's spinning barrier
+        // among them: a deadlock (CUDA C++ Programming Guide, Lazy Loading). A captured step needs no warm-up
+        // (instantiation loads its kernels); callers meet on the host between instantiation and replay.
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+        warm_up_step_ = !warmed_ && capturing == cudaStreamCaptureStatusNone;
+        warmed_ = true;
+        if (sync()) return fallback_->dispatch(plan, map, probs, hidden, stream);
         const int64_t H = s_.router.hidden, E = s_.router.num_experts, L = s_.local_experts();
         permute_rows<R>(plan, H, hidden, send_rows_.get(), stream);
         exchange_counts_kernel<<<1, 256, 0, stream>>>(plan.counts, peers_.get(), r_.counts, s_.ep_rank, s_.ep_size, E);
@@ -243,14 +253,14 @@ public:
 
     void combine(const RoutingPlan<R>& plan, const bf16* expert_out, const bf16* shared_out, const float* shared_gate,
                  bf16* out, cudaStream_t stream) override {
-        if (synchronous_) return fallback_->combine(plan, expert_out, shared_out, shared_gate, out, stream);
+        if (sync()) return fallback_->combine(plan, expert_out, shared_out, shared_gate, out, stream);
         give_back(expert_out, nullptr, stream);
         combine_forward<R>(plan, s_.router.hidden, sym_local<bf16>(r_.ret_rows), shared_out, shared_gate, out, stream);
     }
 
     const bf16* combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* scratch,
                                  cudaStream_t stream) override {
-        if (synchronous_) return fallback_->combine_backward(plan, grad_out, scratch, stream);
+        if (sync()) return fallback_->combine_backward(plan, grad_out, scratch, stream);
         cuda::combine_backward<R>(plan, s_.router.hidden, grad_out, grad_rows_.get(), stream);
         push(grad_rows_.get(), nullptr, plan.offsets, r_.grad_recv, -1, -1, stream);
         barrier(stream);
@@ -260,7 +270,7 @@ public:
     void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* map, const bf16* grad_rows,
                            const R* grad_row_probs, float* grad_input, bool accumulate, R* grad_probs,
                            cudaStream_t stream) override {
-        if (synchronous_)
+        if (sync())
             return fallback_->dispatch_backward(plan, map, grad_rows, grad_row_probs, grad_input, accumulate, grad_probs,
                                                 stream);
         give_back(grad_rows, grad_row_probs, stream);
@@ -270,7 +280,7 @@ public:
 
     BudgetStatus end_step() override {
         std::vector<unsigned long long> st = status_.download();
-        MOEKIT_CUDA_CHECK(cudaMemset(status_.get(), 0, status_.bytes()));
+        zero_fill(status_.get(), status_.bytes());
         MOEKIT_CHECK(st[2] == 0, "budgeted dispatcher: EP rank ", st[3], " waited more than ", timeout_ns_ / 1e9,
                      " s at barrier ", st[5], " for EP rank ", st[4],
                      " (a rank that died, hangs or runs another step; MOEKIT_DEVICE_WAIT_S sets the bound)");
@@ -281,6 +291,16 @@ public:
     void set_synchronous(bool on) override { synchronous_ = on; }
 
 private:
+    bool sync() const { return synchronous_ || warm_up_step_; }
+    // The dispatcher's own kernels, loaded now (outside any step) for the same reason as the warm-up.
+    static void preload_kernels() {
+        cudaFuncAttributes a{};
+        MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, barrier_kernel));
+        MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, exchange_counts_kernel));
+        MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, budget_plan_kernel));
+        MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, push_kernel<R>));
+        MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel<R>));
+    }
     template <typename T>
     T* sym_local(int64_t at) const {
         return reinterpret_cast<T*>(static_cast<char*>(sym_->local()) + at);
@@ -321,6 +341,7 @@ private:
     DeviceBuffer<bf16> send_rows_, grad_rows_;
     std::unique_ptr<CudaDispatcher<R>> fallback_;
     bool synchronous_ = false;
+    bool warmed_ = false, warm_up_step_ = false;
 };
 
 }  // namespace

@@ -97,10 +97,12 @@ EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups
     // copy) must not wait on a peer's spinning device barrier.
     groups.ep->barrier();
     EpRankStep r;
-    const BudgetStatus budget = run_budgeted_cuda_step(*layer, stream.s, [&] {
+    const auto step = [&] {
         layer->forward(stream.s, in.training);
         layer->backward(stream.s, BackwardOptions{});
-    });
+    };
+    warm_up_budgeted(*layer, stream.s, step);
+    const BudgetStatus budget = run_budgeted_cuda_step(*layer, stream.s, step);
 
     r.output = Matrix<float>(T, H);
     const std::vector<bf16> out = download(b.output, T * H);

@@ -225,8 +225,8 @@ private:
         if (moments) {
             m_.upload(moments->first), v_.upload(moments->second);
         } else {
-            MOEKIT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.bytes()));
-            MOEKIT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.bytes()));
+            zero_fill(m_.get(), m_.bytes());
+            zero_fill(v_.get(), v_.bytes());
         }
         // The uploads ran on the legacy stream (a pageable copy may return before its DMA lands): wait for them
         // before this rank's stream reads the master weights.

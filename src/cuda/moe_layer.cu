@@ -202,10 +202,10 @@ public:
         return std::vector<int64_t>(c.begin(), c.end());
     }
     std::vector<double> read_local_tokens_per_expert() const override { return local_tokens_.download(); }
-    void reset_local_tokens_per_expert() override { MOEKIT_CUDA_CHECK(cudaMemset(local_tokens_.get(), 0, local_tokens_.bytes())); }
+    void reset_local_tokens_per_expert() override { zero_fill(local_tokens_.get(), local_tokens_.bytes()); }
     void reset_global_aux_loss_tracker() override {
-        MOEKIT_CUDA_CHECK(cudaMemset(global_tokens_.get(), 0, global_tokens_.bytes()));
-        MOEKIT_CUDA_CHECK(cudaMemset(ga_steps_.get(), 0, ga_steps_.bytes()));
+        zero_fill(global_tokens_.get(), global_tokens_.bytes());
+        zero_fill(ga_steps_.get(), ga_steps_.bytes());
     }
 
 private:

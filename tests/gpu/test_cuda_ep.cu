@@ -267,7 +267,14 @@ TEST(CudaEpBudgeted, ReceiveBufferHoldsTheAlltoallRowsAndSlackIsUntouched) {
                 cuda::upload(b.hidden, hb);
                 cuda::upload(b.router_weight, wr);
                 budget = k == 1 ? budget_rows(in.hidden.rows, c.moe_router_topk, 1.5) : 0;
-                if (k == 1) ASSERT_EQ(cudaMemset(b.rows, 0xFF, size_t(budget * H * 2)), cudaSuccess);
+                if (k == 1) {  // the budgeted layer's first step is its synchronous warm-up
+                    layer->forward(s, true);
+                    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+                    (void)layer->end_dispatch_step();
+                    world.barrier();  // nobody writes into a receive buffer any more
+                    ASSERT_EQ(cudaMemset(b.rows, 0xFF, size_t(budget * H * 2)), cudaSuccess);
+                    world.barrier();
+                }
                 layer->forward(s, true);
                 ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
                 // Rows due here: every rank's counts of my local experts.
@@ -336,6 +343,11 @@ TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
                 o.insert(o.end(), gw.begin(), gw.end());
                 return o;
             };
+            set_inputs(0);  // the first eager step is the synchronous warm-up (kernels loaded)
+            layer->forward(s, true);
+            layer->backward(s);
+            ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+            EXPECT_FALSE(layer->end_dispatch_step().overflow);
             // Capture (thread-local: every rank captures its own stream at the same time).
             cudaGraph_t graph = nullptr;
             cudaGraphExec_t exec = nullptr;
@@ -344,6 +356,7 @@ TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
             layer->backward(s);
             ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
             ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+            world.barrier();  // no rank replays (and spins) while another still instantiates (loads kernels)
             for (uint64_t step = 1; step <= 3; ++step) {
                 set_inputs(step);
                 ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
