@@ -5,6 +5,8 @@
 # pipeline when .ep_baseline/ holds that tree (git archive 695b969 | tar -x -C .ep_baseline; carried).
 # usage: scripts/device_ep.sh; results in $OUT (summary.txt last lines = the verdict).
 set -o pipefail
+# N > 1 real GPUs (issues 12, 13): the multi-GPU script.
+if [ "${N:-1}" -gt 1 ]; then exec bash "$(dirname "$0")/device_ep_multi.sh"; fi
 OUT=${OUT:-/tmp/moekit-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH

@@ -9,6 +9,7 @@
 
 #include "command.h"
 #include "core/flags.h"
+#include "moekit/comm.h"
 #include "moekit/error.h"
 
 #ifdef MOEKIT_WITH_CUDA
@@ -59,8 +60,10 @@ int run_bench(const std::vector<std::string>& args) {
     MOEKIT_REQUIRE(ep >= 1 && ep <= 64, "--expert-model-parallel-size=", ep, " must be in [1, 64]");
     MOEKIT_REQUIRE(virtual_ranks == 0 || virtual_ranks == ep, "--virtual-ranks=", virtual_ranks,
                    " must equal --expert-model-parallel-size=", ep, " (one virtual rank per EP rank)");
-    MOEKIT_REQUIRE(ep == 1 || virtual_ranks == ep, "--expert-model-parallel-size=", ep, " needs --virtual-ranks ", ep,
-                   " (the EP benchmark runs the ranks on this one GPU)");
+    const bool under_mpirun = moekit::comm::mpi_launched();
+    MOEKIT_REQUIRE(ep == 1 || virtual_ranks == ep || (under_mpirun && virtual_ranks == 0), "--expert-model-parallel-size=",
+                   ep, " needs --virtual-ranks ", ep, " (the ranks on this one GPU) or mpirun -np ", ep,
+                   " (one GPU per process, NCCL)");
     MOEKIT_REQUIRE(ep == 1 || scope == "layer", "--scope=", scope, ": the EP benchmark times the whole layer");
     MOEKIT_REQUIRE(dispatcher == "allgather" || dispatcher == "alltoall", "--moe-token-dispatcher-type=", dispatcher,
                    " must be allgather or alltoall");
@@ -77,6 +80,7 @@ int run_bench(const std::vector<std::string>& args) {
     nlohmann::json r;
     if (ep > 1) {
         r = b::bench_layer_ep(chosen, o, int(ep), dispatcher, receive_factor);
+        if (under_mpirun && virtual_ranks == 0 && moekit::comm::mpi_world().rank() != 0) return 0;  // rank 0 reports
         std::printf("%s", b::format_layer_ep_table(r).c_str());
     } else {
         r = scope == "layer" ? b::bench_layer(chosen, o) : b::bench_expert_mlp(chosen, o);

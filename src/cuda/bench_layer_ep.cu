@@ -1,12 +1,14 @@
 // `moekit bench --expert-model-parallel-size N --virtual-ranks N`: the CUDA layer at EP = N on ONE GPU, N
 // virtual ranks (threads, own streams, the local-gpu DeviceComm), each with T/N of the preset's tokens and
-// E/N experts; against the EP = 1 layer on all T tokens in the same call. Ranks share the GPU, so the
+// E/N experts; against the EP = 1 layer on all T tokens in the same call. Under `mpirun -np N` the same on N
+// GPUs over NCCL (then each rank's EP = 1 reference is its own GPU's). Ranks share the GPU, so the
 // whole-step time is the comparison that means something (the same total work, plus the exchanges);
 // per-rank stage times show the load balance (the busiest rank's expert time is what ECHO evens out).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 
 #include "comm/device_comm.h"
@@ -43,13 +45,53 @@ double stage_sum(const StageTimesMs& t, std::initializer_list<LayerStage> stages
     return s;
 }
 
+// Median ms of an all-to-all of `bytes` (this rank's, split evenly over the other ranks, 16-byte multiples).
+double transport_all_to_all_ms(DeviceComm& dc, Communicator& world, int64_t bytes, cudaStream_t s, const Options& o) {
+    const int n = world.size(), me = world.rank();
+    const int64_t per_peer = n > 1 ? bytes / (n - 1) / 16 * 16 : 0;
+    const std::vector<int64_t> all = world.all_gather(std::vector<int64_t>{per_peer});
+    std::vector<int64_t> sb(static_cast<size_t>(n), per_peer), rb(static_cast<size_t>(n), 0);
+    sb[size_t(me)] = 0;
+    int64_t recv_total = 0;
+    for (int p = 0; p < n; ++p)
+        if (p != me) rb[size_t(p)] = all[size_t(p)], recv_total += all[size_t(p)];
+    if (per_peer * (n - 1) == 0 && recv_total == 0) return 0.0;
+    void *a = nullptr, *b = nullptr;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&a, size_t(std::max<int64_t>(per_peer * (n - 1), 16))));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&b, size_t(std::max<int64_t>(recv_total, 16))));
+    world.barrier();
+    cudaEvent_t e0, e1;
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
+    std::vector<double> t;
+    for (int it = 0; it < o.warmup + o.iters; ++it) {
+        world.barrier();
+        MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
+        dc.all_to_all_v(a, sb.data(), b, rb.data(), s);
+        MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
+        MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= o.warmup) t.push_back(ms);
+    }
+    world.barrier();
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    return median(t);
+}
+
 }  // namespace
 
 nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher,
                               double receive_factor) {
     MOEKIT_REQUIRE(ep >= 2 && p.tokens % ep == 0 && p.experts % ep == 0, "--expert-model-parallel-size=", ep,
                    " must be >= 2 and divide the preset's ", p.tokens, " tokens and ", p.experts, " experts");
-    const int64_t T = p.tokens, Tr = T / ep;
+    // Virtual ranks share one GPU: strong scaling (T/EP tokens each, the same total as EP = 1). Real ranks
+    // (mpirun, a GPU each): weak scaling (T tokens per GPU, against EP = 1 on T tokens on that GPU).
+    const bool real_ranks = comm::mpi_launched();
+    const int64_t T = p.tokens, Tr = real_ranks ? T : T / ep;
     nlohmann::json out{{"preset", p.name}, {"ep", ep},          {"dispatcher", dispatcher}, {"T", T},
                        {"tokens_per_rank", Tr}, {"iters", o.iters}, {"H", p.hidden}, {"E", p.experts},
                        {"topk", p.topk},        {"F", p.ffn},          {"receive_factor", receive_factor}};
@@ -59,26 +101,43 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
     MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     out["device"] = prop.name;
 
-    // EP = 1 on all T tokens, eager steps: the reference the EP step is compared with.
-    {
+    // EP = 1 on all T tokens, eager steps: the reference the EP step is compared with (on every real rank's
+    // own GPU, inside the ranks below).
+    const auto time_ep1 = [&] {
         auto layer = CudaMoeLayer::create(preset_config(p), T, 1);
         fill_layer(*layer, T, p, o, 0);
         cudaStream_t s;
         MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-        out["ep1_step_ms"] = time_ms([&] { layer->forward(s, true), layer->backward(s); }, s, o.warmup, o.iters);
+        const double ms = time_ms([&] { layer->forward(s, true), layer->backward(s); }, s, o.warmup, o.iters);
         MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+        return ms;
+    };
+    if (!real_ranks) {
+        out["ep1_step_ms"] = time_ep1();
     }
 
     std::mutex mutex;
     std::vector<nlohmann::json> ranks(static_cast<size_t>(ep));
     std::vector<double> wall;
-    comm::run_virtual_ranks(ep, [&](Communicator& world) {
+    // Virtual ranks on this GPU, or the MPI world (one GPU per process, NCCL) when started by mpirun.
+    const auto on_ranks = [&](const std::function<void(Communicator&)>& fn) {
+        if (comm::mpi_launched()) {
+            Communicator& world = comm::mpi_world();
+            MOEKIT_REQUIRE(world.size() == ep, "--expert-model-parallel-size=", ep, " under mpirun -np ", world.size(),
+                           ": the EP benchmark takes one process per EP rank");
+            return fn(world);
+        }
+        comm::run_virtual_ranks(ep, fn);
+    };
+    on_ranks([&](Communicator& world) {
         const int r = world.rank();
         MoeConfig c = preset_config(p);
         c.expert_model_parallel_size = ep;
         c.moe_token_dispatcher_type = dispatcher;
         if (receive_factor > 0) c.moe_expert_rank_capacity_factor = receive_factor;
-        std::unique_ptr<DeviceComm> dc = make_device_comm(world);
+        std::unique_ptr<DeviceComm> dc = make_device_comm(world);  // NCCL: selects this process's GPU
+        double ep1_ms = 0;
+        if (real_ranks) ep1_ms = time_ep1();
         auto layer = CudaMoeLayer::create(c, Tr, 1, true, dc.get());
         fill_layer(*layer, Tr, p, o, r);
         // No rank starts a step (whose device barriers spin) while another still allocates or synchronises.
@@ -147,28 +206,9 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         const std::vector<int64_t> counts = layer->read_tokens_per_expert();
         const DispatchTraffic traffic = layer->traffic();
         const LayerMemory mem = layer->memory();
-        // Reference for the bytes: the same payload as one device-to-device copy per rank, all ranks at once.
-        double copy_ms = 0;
-        if (traffic.bytes_sent > 0) {
-            void *a = nullptr, *b2 = nullptr;
-            MOEKIT_CUDA_CHECK(cudaMalloc(&a, size_t(traffic.bytes_sent)));
-            MOEKIT_CUDA_CHECK(cudaMalloc(&b2, size_t(traffic.bytes_sent)));
-            std::vector<double> t;
-            for (int it = 0; it < o.warmup + o.iters; ++it) {
-                world.barrier();
-                MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
-                MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b2, a, size_t(traffic.bytes_sent), cudaMemcpyDeviceToDevice, s));
-                MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
-                MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
-                float ms = 0;
-                MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                if (it >= o.warmup) t.push_back(ms);
-            }
-            copy_ms = median(t);
-            world.barrier();
-            cudaFree(a);
-            cudaFree(b2);
-        }
+        // Reference for the bytes: the same payload through the transport's own all-to-all, split evenly over
+        // the peers (NCCL: grouped send/recv, what ncclAlltoAll does; virtual ranks: peer device copies).
+        const double a2a_ms = transport_all_to_all_ms(*dc, world, traffic.bytes_sent, s, o);
         nlohmann::json j{{"rank", r},
                          {"step_ms", median(mine)},
                          {"expert_ms", median(expert)},
@@ -178,7 +218,8 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
                          {"bytes_sent", traffic.bytes_sent},
                          {"host_syncs_per_step", traffic.host_syncs},
                          {"memory_bytes", mem.workspace_bytes},
-                         {"device_copy_ms", copy_ms},
+                         {"transport_a2a_ms", a2a_ms},
+                         {"ep1_step_ms", ep1_ms},
                          {"overflow", budget.overflow || after.overflow},
                          {"budget_rows", budget.budget_rows},
                          {"peak_rows", std::max(budget.peak_rows, after.peak_rows)}};
@@ -189,11 +230,16 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         cudaEventDestroy(e0);
         cudaEventDestroy(e1);
         MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
+        // Every rank's row on every rank (MPI ranks are separate processes).
+        const std::string mine_json = j.dump();
+        const auto all = world.all_gather_v(std::vector<char>(mine_json.begin(), mine_json.end()));
         std::lock_guard<std::mutex> lock(mutex);
-        ranks[size_t(r)] = j;
+        for (size_t q = 0; q < all.size(); ++q) ranks[q] = nlohmann::json::parse(std::string(all[q].begin(), all[q].end()));
         if (r == 0) wall = walls;
     });
     out["ranks"] = ranks;
+    if (real_ranks) out["ep1_step_ms"] = ranks[0]["ep1_step_ms"];
+    out["scaling"] = real_ranks ? "weak: T tokens per GPU" : "strong: T/EP tokens per virtual rank, one GPU";
     out["whole_step_ms"] = median(wall);
     out["whole_step_vs_ep1"] = out["whole_step_ms"].get<double>() / out["ep1_step_ms"].get<double>();
     if (ranks[0].contains("graph_whole_step_ms")) {
@@ -221,13 +267,13 @@ std::string format_layer_ep_table(const nlohmann::json& r) {
                           " (all ranks share it)\n");
     char line[256];
     std::snprintf(line, sizeof line, "  %-5s %10s %10s %10s %10s %10s %12s %10s %6s %9s\n", "rank", "step ms", "router",
-                  "dispatch", "experts", "combine", "sent MiB", "copy ms", "syncs", "mem MiB");
+                  "dispatch", "experts", "combine", "sent MiB", "a2a ms", "syncs", "mem MiB");
     out += line;
     for (const auto& j : r["ranks"]) {
         std::snprintf(line, sizeof line, "  %-5d %10.3f %10.3f %10.3f %10.3f %10.3f %12.2f %10.3f %6lld %9.0f\n",
                       j["rank"].get<int>(), j["step_ms"].get<double>(), j["router_ms"].get<double>(),
                       j["dispatch_ms"].get<double>(), j["expert_ms"].get<double>(), j["combine_ms"].get<double>(),
-                      double(j["bytes_sent"].get<int64_t>()) / (1 << 20), j["device_copy_ms"].get<double>(),
+                      double(j["bytes_sent"].get<int64_t>()) / (1 << 20), j["transport_a2a_ms"].get<double>(),
                       static_cast<long long>(j["host_syncs_per_step"].get<int64_t>()),
                       double(j["memory_bytes"].get<int64_t>()) / (1 << 20));
         out += line;

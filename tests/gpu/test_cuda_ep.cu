@@ -21,6 +21,20 @@
 namespace moekit::test {
 namespace {
 
+// The ranks a case runs on: `ranks` virtual ranks on this GPU, or, when the binary was started by mpirun with
+// that many processes, the MPI world (one GPU each, the NCCL transport): the same checks on real ranks
+// (scripts/device_ep_multi.sh). Under mpirun with another size the case is skipped.
+bool on_ranks(int ranks, const std::function<void(Communicator&)>& fn) {
+    if (comm::mpi_launched()) {
+        Communicator& world = comm::mpi_world();
+        if (world.size() != ranks) return false;
+        fn(world);
+        return true;
+    }
+    comm::run_virtual_ranks(ranks, fn);
+    return true;
+}
+
 std::vector<float> flat(const std::vector<Matrix<float>>& ms, int64_t first, int64_t count) {
     std::vector<float> v;
     for (int64_t e = first; e < first + count; ++e) v.insert(v.end(), ms[size_t(e)].data.begin(), ms[size_t(e)].data.end());
@@ -68,7 +82,7 @@ void run_case(const EpGpuCase& tc, int ranks, const std::string& dispatcher) {
     std::mutex print;
     if (dispatcher == "budgeted" && tc.name.find("capacity_pad") != std::string::npos)
         GTEST_SKIP() << "--moe-pad-expert-input-to-capacity already gives static shapes: the receive factor is refused";
-    comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+    on_ranks(ranks, [&](Communicator& world) {
         const int r = world.rank();
         MoeConfig c = small_config();
         tc.edit(c);
@@ -183,7 +197,7 @@ std::string first_difference(const std::vector<float>& a, const std::vector<floa
 // overflows, is flagged on every rank, and its re-run through alltoall is bitwise the dropless result.
 void run_budgeted_vs_alltoall(const EpGpuCase& tc, int ranks, double factor, bool expect_overflow) {
     const uint64_t seed = 777;
-    comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+    on_ranks(ranks, [&](Communicator& world) {
         const int r = world.rank();
         MoeConfig c = small_config();
         tc.edit(c);
@@ -243,7 +257,7 @@ TEST(CudaEpBudgeted, OverflowIsFlaggedAndReRunEqualsDropless) {
 TEST(CudaEpBudgeted, ReceiveBufferHoldsTheAlltoallRowsAndSlackIsUntouched) {
     SKIP_WITHOUT_GPU();
     for (int ranks : {2, 4, 8}) {
-        comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+        on_ranks(ranks, [&](Communicator& world) {
             const int r = world.rank();
             MoeConfig c = small_config();
             c.expert_model_parallel_size = ranks, c.moe_token_dispatcher_type = "alltoall";
@@ -305,7 +319,7 @@ TEST(CudaEpBudgeted, ReceiveBufferHoldsTheAlltoallRowsAndSlackIsUntouched) {
 TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
     SKIP_WITHOUT_GPU();
     for (int ranks : {2, 4, 8}) {
-        comm::run_virtual_ranks(ranks, [&](Communicator& world) {
+        on_ranks(ranks, [&](Communicator& world) {
             const int r = world.rank();
             MoeConfig c = small_config();
             c.expert_model_parallel_size = ranks, c.moe_token_dispatcher_type = "alltoall";
