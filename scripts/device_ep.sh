@@ -44,25 +44,12 @@ for d in cpu cuda; do
   $B/moekit layer --device $d --init random --hidden-size 128 --num-experts 16 --moe-ffn-hidden-size 64 \
     --moe-router-topk 4 --seq-length 64 --micro-batch-size 8 --swiglu --out /tmp/ep1_${d}.safetensors >/dev/null 2>&1
 done
-python3 - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
-import json, struct, math
-def load(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n]); out = {}
-    for k, t in h.items():
-        if k == "__metadata__" or t["dtype"] != "F32": continue
-        s, e = t["data_offsets"]; out[k] = struct.unpack("<%df" % ((e - s) // 4), b[8 + n + s:8 + n + e])
-    return out
-def compare(a_path, c_path, label):
-    a, c = load(a_path), load(c_path); errs = []
-    for k in a:
-        num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a[k], c[k]))); den = math.sqrt(sum(x * x for x in a[k]))
-        if den > 0: errs.append((num / den, k))
-    errs.sort(reverse=True)
-    print("%s: cuda vs cpu over %d tensors, worst: %s" % (label, len(errs), ", ".join("%s %.2e" % (k, e) for e, k in errs[:3])))
-for disp in ("allgather", "alltoall"):
-    compare("/tmp/ep_cpu_%s.safetensors" % disp, "/tmp/ep_cuda_%s.safetensors" % disp, "moekit layer EP=4 " + disp)
-compare("/tmp/ep1_cpu.safetensors", "/tmp/ep1_cuda.safetensors", "moekit layer EP=1 (one rank)")
-PY
+for disp in allgather alltoall; do
+  python3 scripts/compare_safetensors.py /tmp/ep_cpu_$disp.safetensors /tmp/ep_cuda_$disp.safetensors \
+    "moekit layer EP=4 $disp, cuda vs cpu" | tee -a "$OUT/summary.txt"
+done
+python3 scripts/compare_safetensors.py /tmp/ep1_cpu.safetensors /tmp/ep1_cuda.safetensors \
+  "moekit layer EP=1 (one rank), cuda vs cpu" | tee -a "$OUT/summary.txt"
 if [ "${EP_BENCH:-0}" = 1 ]; then
   log "moekit bench: EP=4 and 8 on virtual ranks (alltoall, allgather, budgeted f=1.25)"
   mkdir -p "$OUT/bench"

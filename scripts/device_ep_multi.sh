@@ -38,19 +38,10 @@ for disp in allgather alltoall; do
     echo "layer $d $disp exit $?" | tee -a "$OUT/summary.txt"
   done
 done
-python3 - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
-import json, struct, math
-def load(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n]); out = {}
-    for k, t in h.items():
-        if k == "__metadata__" or t["dtype"] != "F32": continue
-        s, e = t["data_offsets"]; out[k] = struct.unpack("<%df" % ((e - s) // 4), b[8 + n + s:8 + n + e])
-    return out
-for disp in ("allgather", "alltoall"):
-    a, c = load("/tmp/mgpu_cpu_%s.safetensors" % disp), load("/tmp/mgpu_cuda_%s.safetensors" % disp)
-    errs = sorted(((math.sqrt(sum((x - y) ** 2 for x, y in zip(a[k], c[k]))) / max(math.sqrt(sum(x * x for x in a[k])), 1e-30), k) for k in a), reverse=True)
-    print("moekit layer %s: cuda (NCCL) vs cpu, worst: %s" % (disp, ", ".join("%s %.2e" % (k, e) for e, k in errs[:3])))
-PY
+for disp in allgather alltoall; do
+  python3 scripts/compare_safetensors.py /tmp/mgpu_cpu_$disp.safetensors /tmp/mgpu_cuda_$disp.safetensors \
+    "moekit layer EP=$N $disp, cuda (NCCL) vs cpu" | tee -a "$OUT/summary.txt"
+done
 log "moekit bench under mpirun -np $N (weak scaling; alltoall vs budgeted f=1.25)"
 for preset in dsv3-e256 dsv3-ep8 qwen3-30b; do
   for disp in alltoall budgeted; do
