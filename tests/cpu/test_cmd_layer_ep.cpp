@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "io/safetensors.h"
 #include "moekit/error.h"
+#include "moekit/layer.h"
 #include <nlohmann/json.hpp>
 #include "run_tool.h"
 
@@ -170,9 +171,14 @@ TEST_F(CmdLayerEp, RefusesBadLayouts) {
     EXPECT_EQ(r.status, 2) << r.output;  // EP must divide the ranks
     r = run_tool(base + " --virtual-ranks -1");
     EXPECT_EQ(r.status, 2) << r.output;
-    r = run_tool(kLayer.substr(0, kLayer.find("--device")) + "layer --device cuda --init random --seq-length 3 "
-                 "--micro-batch-size 2 --hidden-size 12 --num-experts 4 --virtual-ranks 2 --out " + path("r"));
-    EXPECT_EQ(r.status, 2) << r.output;
+    // --device cuda on several ranks runs where a GPU is (tests/gpu/test_cuda_ep.cu); without one: exit 2, saying so.
+    if (!cuda_device_available()) {
+        r = run_tool(kLayer.substr(0, kLayer.find("--device")) + "layer --device cuda --init random --seq-length 3 "
+                     "--micro-batch-size 2 --hidden-size 16 --num-experts 4 --virtual-ranks 2 "
+                     "--expert-model-parallel-size 2 --out " + path("r"));
+        EXPECT_EQ(r.status, 2) << r.output;
+        EXPECT_NE(r.output.find("no CUDA device"), std::string::npos) << r.output;
+    }
 }
 
 TEST_F(CmdLayerEp, MpiRanksEqualVirtualRanksBitwise) {
