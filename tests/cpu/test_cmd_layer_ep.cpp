@@ -173,7 +173,7 @@ TEST_F(CmdLayerEp, RefusesBadLayouts) {
     EXPECT_EQ(r.status, 2) << r.output;
     // --device cuda on several ranks runs where a GPU is (tests/gpu/test_cuda_ep.cu); without one: exit 2, saying so.
     if (!cuda_device_available()) {
-        r = run_tool(kLayer.substr(0, kLayer.find("--device")) + "layer --device cuda --init random --seq-length 3 "
+        r = run_tool(kLayer.substr(0, kLayer.find("--device")) + "--device cuda --init random --seq-length 3 "
                      "--micro-batch-size 2 --hidden-size 16 --num-experts 4 --virtual-ranks 2 "
                      "--expert-model-parallel-size 2 --out " + path("r"));
         EXPECT_EQ(r.status, 2) << r.output;
