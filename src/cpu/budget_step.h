@@ -5,8 +5,10 @@
 // step is re-run through the synchronous alltoall path, so the results equal the dropless run.
 // Used by tools/layer_ep.cpp and the EP tests (tests/budget_checks.h).
 #pragma once
+#include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <vector>
 
 #include "cpu/dispatch_budgeted.h"
 #include "cpu/moe_pipeline.h"
@@ -41,6 +43,55 @@ BudgetOverflowReport run_budgeted_step(MoePipeline<T>& layer, Communicator& step
     }
     budgeted->set_synchronous(false);
     (void)budgeted->end_step(step_group);  // the synchronous path never overflows; keeps the collectives paired
+    return report;
+}
+
+// The same for a stack of layers run as one step (moekit train's micro-batch: every layer forward, the loss,
+// every layer backward): an overflow in any layer re-runs the whole step with every layer synchronous. The
+// end-of-step collectives run layer by layer in the same order on every rank. Returns the merged report
+// (overflow if any layer overflowed; the largest peak).
+template <typename T>
+BudgetOverflowReport run_budgeted_step(const std::vector<MoePipeline<T>*>& layers, Communicator& step_group,
+                                       const std::function<void()>& step) {
+    std::vector<BudgetStep*> budgeted;
+    std::vector<RouterState> before;
+    for (MoePipeline<T>* l : layers) {
+        auto* b = dynamic_cast<BudgetStep*>(&l->dispatcher());
+        budgeted.push_back(b && b->has_budget() ? b : nullptr);
+        before.push_back(l->router_state());
+    }
+    const auto end_all = [&] {
+        BudgetOverflowReport merged;
+        for (BudgetStep* b : budgeted) {
+            if (!b) continue;
+            const BudgetOverflowReport r = b->end_step(step_group);
+            if (r.overflow && !merged.overflow) merged = r;
+            merged.peak_rows = std::max(merged.peak_rows, r.peak_rows);
+            merged.budget_rows = r.budget_rows, merged.factor = r.factor;
+        }
+        return merged;
+    };
+    const auto set_all = [&](bool synchronous) {
+        for (BudgetStep* b : budgeted)
+            if (b) b->set_synchronous(synchronous), b->begin_step();
+    };
+    set_all(false);
+    step();
+    BudgetOverflowReport report = end_all();
+    if (!report.overflow) return report;
+    if (step_group.rank() == 0) std::fprintf(stderr, "moekit: %s\n", report.message().c_str());
+    for (size_t l = 0; l < layers.size(); ++l) layers[l]->router_state() = before[l];
+    set_all(true);
+    try {
+        step();
+    } catch (...) {
+        for (BudgetStep* b : budgeted)
+            if (b) b->set_synchronous(false);
+        throw;
+    }
+    (void)end_all();
+    for (BudgetStep* b : budgeted)
+        if (b) b->set_synchronous(false);
     return report;
 }
 

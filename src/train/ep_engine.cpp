@@ -7,8 +7,11 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
+#include <tuple>
 
 #include "core/flags.h"
+#include "cpu/budget_step.h"
 #include "cpu/moe_pipeline.h"
 #include "moekit/comm.h"
 #include "moekit/error.h"
@@ -43,14 +46,38 @@ public:
         step_start_ = std::chrono::steady_clock::now();
         const int64_t step = ++step_;
         const int64_t L = int64_t(layers_.size()), E = o_.config.num_experts();
-        const int64_t T = held_.x.rows, M = layout_.micro_batches_per_rank;
+        const int64_t M = layout_.micro_batches_per_rank;
         std::vector<MoeWeights<float>> grads;
         for (auto& w : weights_) grads.push_back(zeros_like(w));
         // [loss, aux, z] summed over this rank's micro-batches; counts [layer][expert] likewise.
         std::vector<double> sums(3, 0.0);
         std::vector<int64_t> counts(size_t(L * E), 0);
         std::vector<double> echo(size_t(3 * L), 0.0);  // [clones, before, after][layer], summed
+        // With a receive budget (--moe-expert-rank-capacity-factor) each micro-batch is one budgeted step of the
+        // whole stack: an overflow in any layer restores what the micro-batch added and re-runs it through the
+        // synchronous alltoall path (cpu/budget_step.h), so the run equals the one without the factor.
+        const std::vector<cpu::MoePipeline<float>*> stack = pipelines();
+        const bool budgeted = bool(o_.config.moe_expert_rank_capacity_factor);
         for (int64_t i = 0; i < M; ++i) {
+            const auto kept = budgeted ? std::make_optional(std::make_tuple(grads, sums, counts, echo)) : std::nullopt;
+            bool rerun = false;
+            cpu::run_budgeted_step<float>(stack, world_, [&] {
+                if (rerun) std::tie(grads, sums, counts, echo) = *kept;  // undo the overflowed attempt
+                rerun = true;
+                micro_batch(step, i, grads, sums, counts, echo);
+            });
+        }
+        reduce(grads);
+        finish_step(step, grads, sums, counts, echo);
+    }
+
+    // One micro-batch of this rank: data, teacher, the student's stack forward, loss, backward into `grads`;
+    // adds its loss terms to `sums`, its routing counts to `counts` and its ECHO statistics to `echo`.
+    void micro_batch(int64_t step, int64_t i, std::vector<MoeWeights<float>>& grads, std::vector<double>& sums,
+                     std::vector<int64_t>& counts, std::vector<double>& echo) {
+        const int64_t L = int64_t(layers_.size()), E = o_.config.num_experts();
+        const int64_t T = held_.x.rows, M = layout_.micro_batches_per_rank;
+        {
             const uint64_t stream = data_stream(step, int64_t(world_.rank()) * M + i);
             const Matrix<float> x = task_tokens(o_, T, stream);
             const Matrix<float> y = teacher_.forward(stack_input(o_.config, x, false));
@@ -77,8 +104,13 @@ public:
             for (size_t k = 0; k < grad.data.size(); ++k) grad.data[k] = float(scale * (pred.data[k] - y.data[k]));
             backward(std::move(grad), grads);
         }
-        reduce(grads);
+    }
 
+    // The step's reductions, record and optimizer after this rank's micro-batches.
+    void finish_step(int64_t step, std::vector<MoeWeights<float>>& grads, std::vector<double>& sums,
+                     std::vector<int64_t>& counts, std::vector<double>& echo) {
+        const int64_t L = int64_t(layers_.size()), E = o_.config.num_experts();
+        const int64_t M = layout_.micro_batches_per_rank;
         // Per-micro-batch values, averaged over the global batch as Megatron averages its micro-batch losses.
         world_.all_reduce(sums.data(), int64_t(sums.size()));
         world_.all_reduce(counts.data(), int64_t(counts.size()));
@@ -111,7 +143,9 @@ public:
     void eval() override {
         MOEKIT_CHECK(!records_.empty(), "eval() records with the last step");
         // Rank 0's value for all: every rank ran the same tokens, the record must not depend on the rank.
-        double loss = mse(forward(stack_input(o_.config, held_.x, false)), held_.y) / held_.identity_mse;
+        Matrix<float> pred;  // a budgeted step too: an overflow re-runs it synchronously
+        cpu::run_budgeted_step<float>(pipelines(), world_, [&] { pred = forward(stack_input(o_.config, held_.x, false)); });
+        double loss = mse(pred, held_.y) / held_.identity_mse;
         loss = world_.all_gather(std::vector<double>{loss})[0];
         records_.back().eval_loss = loss;
         time_last_record();
@@ -144,6 +178,11 @@ private:
         return c;
     }
 
+    std::vector<cpu::MoePipeline<float>*> pipelines() {
+        std::vector<cpu::MoePipeline<float>*> p;
+        for (auto& l : layers_) p.push_back(l.get());
+        return p;
+    }
     Matrix<float> forward(LayerInput<float> in) {
         for (size_t l = 0; l < layers_.size(); ++l) {
             const Matrix<float> out = layers_[l]->forward(weights_[l], in);

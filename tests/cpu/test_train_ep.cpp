@@ -312,6 +312,29 @@ TEST_F(TrainEpTool, MpirunEqualsVirtualRanksBitwiseAndOneProcessWithinTolerance)
     EXPECT_FALSE(fs::exists(path("m") + "/.moekit-write-probe"));
 }
 
+// The receive budget in training: each micro-batch of the stack is one budgeted step. A generous factor never
+// overflows and a tiny one overflows every micro-batch (and the held-out evaluation) and re-runs it through
+// alltoall; either way the losses, evaluations and routing counts are bitwise those of the run without it.
+TEST_F(TrainEpTool, ReceiveBudgetReRunsOverflowsAndKeepsTheCurveBitwise) {
+    const std::string run = kTrain + "--steps 4 --global-batch-size 8 --expert-model-parallel-size 2 --virtual-ranks 2 "
+                                     "--moe-token-dispatcher-type alltoall ";
+    const ToolResult plain = run_tool(run + "--out-dir " + path("plain"));
+    ASSERT_EQ(plain.status, 0) << plain.output;
+    const nlohmann::json jp = report(path("plain"));
+    for (const auto& [factor, overflows] : std::vector<std::pair<std::string, bool>>{{"2.0", false}, {"0.05", true}}) {
+        SCOPED_TRACE("--moe-expert-rank-capacity-factor " + factor);
+        const ToolResult r = run_tool(run + "--moe-expert-rank-capacity-factor " + factor + " --out-dir " + path(factor));
+        ASSERT_EQ(r.status, 0) << r.output;
+        EXPECT_EQ(r.output.find("EP receive budget overflow") != std::string::npos, overflows) << r.output;
+        const nlohmann::json jb = report(path(factor));
+        EXPECT_EQ(report_losses(jb), report_losses(jp));
+        for (size_t i = 0; i < jp["steps"].size(); ++i) {
+            EXPECT_EQ(jb["steps"][i]["tokens_per_expert"], jp["steps"][i]["tokens_per_expert"]) << "step " << i + 1;
+            EXPECT_EQ(jb["steps"][i].value("eval_loss", -1.0), jp["steps"][i].value("eval_loss", -1.0)) << "step " << i + 1;
+        }
+    }
+}
+
 // Global batch 8 sequences = 4 micro-batches of 2: 2 per rank at EP=2, 1 at EP=4, 4 at EP=1. The checkpoint
 // holds global tensors, so each resume continues the same global batches: the curve of an uninterrupted EP=2
 // run within float tolerance (the sums of the micro-batch grads are taken in another order).
