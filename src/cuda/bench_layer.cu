@@ -20,6 +20,41 @@ __global__ void set_column_kernel(bf16* p, int64_t rows, int64_t cols, int64_t c
         p[r * cols + col] = __float2bfloat16(value);
 }
 
+// Bytes one fwd+bwd step of the expert MLP must move at least (SwiGLU, bf16 tensors, fp32 weight grads):
+// every expert weight read in forward and again in dgrad, its fp32 grad written once in wgrad, and each
+// routed row's activations written once and read once per use (fc1 in, h, act, fc2 out, and their grads).
+double expert_step_bytes(const Preset& p) {
+    const double H = double(p.hidden), F = double(p.ffn), W = double(p.experts) * 3.0 * H * F;
+    const double R = double(p.tokens) * double(p.topk);
+    const double weights = W * 2 * 2 + W * 4;
+    const double fwd = R * 2 * (H + 2 * (2 * F) + 2 * F + H);                 // x in; h out+in; act out+in; y out
+    const double bwd = R * 2 * (H + 2 * F + F + 2 * (2 * F) + H + (F + H) + (H + 2 * F));  // dy; dact; dh; dx; wgrad ins
+    return weights + fwd + bwd;
+}
+
+// The roofline of a step: the larger of the compute floor (3 x dense cuBLAS, timed by the caller) and the
+// memory floor (expert_step_bytes / device-to-device copy bandwidth measured now, bytes read + written).
+nlohmann::json roofline(const Preset& p, double compute_floor_ms, cudaStream_t s, const Options& o) {
+    const size_t n = size_t(1) << 30;  // 1 GiB copied: read + written
+    void *a = nullptr, *b = nullptr;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&a, n));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&b, n));
+    MOEKIT_CUDA_CHECK(cudaMemsetAsync(a, 1, n, s));
+    const double copy_ms = time_ms([&] { MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, s)); },
+                                   s, o.warmup, o.iters);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaFree(a);
+    cudaFree(b);
+    const double gbps = 2.0 * double(n) / (copy_ms * 1e6), bytes = expert_step_bytes(p);
+    const double memory_ms = bytes / (gbps * 1e6);
+    return {{"bytes", bytes},
+            {"copy_gb_per_s", gbps},
+            {"memory_floor_ms", memory_ms},
+            {"compute_floor_ms", compute_floor_ms},
+            {"roofline_ms", std::max(memory_ms, compute_floor_ms)},
+            {"bound", memory_ms > compute_floor_ms ? "memory" : "compute"}};
+}
+
 double median_of(std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v.empty() ? 0.0 : v[v.size() / 2];
@@ -177,8 +212,11 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         time_ms([&] { dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s); }, s, o.warmup, o.iters);
     out["floor"] = {{"fc1_ms", fc1}, {"fc2_ms", fc2}, {"fwd_ms", fc1 + fc2}, {"fwd_bwd_ms", 3 * (fc1 + fc2)}};
     const double floor_ms = 3 * (fc1 + fc2);
+    out["roofline"] = roofline(p, floor_ms, s, o);
     const double g = out["grouped"]["fwd_bwd_ms"].get<double>(), sb = out["sync"]["fwd_bwd_ms"].get<double>();
     const double ge = out["grouped"]["eager_fwd_bwd_ms"].get<double>();
+    out["roofline"]["grouped_vs_roofline"] = g / out["roofline"]["roofline_ms"].get<double>();
+    out["roofline"]["sync_vs_roofline"] = sb / out["roofline"]["roofline_ms"].get<double>();
     out["ratios"] = {{"grouped_vs_floor", g / floor_ms},
                      {"grouped_eager_vs_floor", ge / floor_ms},
                      {"sync_vs_floor", sb / floor_ms},
@@ -234,6 +272,17 @@ std::string format_layer_table(const nlohmann::json& r) {
                   r["ratios"]["sync_vs_floor"].get<double>(), r["ratios"]["grouped_vs_sync"].get<double>(),
                   g["kernel"].get<std::string>().c_str());
     out += line;
+    if (r.contains("roofline")) {
+        const auto& f = r["roofline"];
+        std::snprintf(line, sizeof line,
+                      "  roofline %.3f ms (%s-bound: compute floor %.3f ms, memory floor %.3f ms = %.2f GB at %.0f GB/s "
+                      "copy): sync-free %.2fx, sync %.2fx\n",
+                      f["roofline_ms"].get<double>(), f["bound"].get<std::string>().c_str(),
+                      f["compute_floor_ms"].get<double>(), f["memory_floor_ms"].get<double>(),
+                      f["bytes"].get<double>() / 1e9, f["copy_gb_per_s"].get<double>(),
+                      f["grouped_vs_roofline"].get<double>(), f["sync_vs_roofline"].get<double>());
+        out += line;
+    }
     if (r.contains("memory")) {
         std::snprintf(line, sizeof line, "  memory: layer %.1f MiB (I/O and parameters included), saved activations "
                       "%.0f bytes/token\n", double(r["memory"]["workspace_bytes"].get<int64_t>()) / (1 << 20),
