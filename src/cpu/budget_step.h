@@ -18,36 +18,8 @@ namespace moekit::cpu {
 // `step` runs the whole forward + backward from scratch (it must reset what it accumulates, e.g.
 // zero the grads first). `step_group`: every rank that shares the step's collectives (the world), so
 // that all of them agree to re-run. Returns the end-of-step report (overflow = false without a budget).
-template <typename T>
-BudgetOverflowReport run_budgeted_step(MoePipeline<T>& layer, Communicator& step_group,
-                                       const std::function<void()>& step) {
-    auto* budgeted = dynamic_cast<BudgetStep*>(&layer.dispatcher());
-    const RouterState before = layer.router_state();
-    if (!budgeted || !budgeted->has_budget()) {
-        step();
-        return {};
-    }
-    budgeted->begin_step();
-    step();
-    BudgetOverflowReport report = budgeted->end_step(step_group);
-    if (!report.overflow) return report;
-    if (step_group.rank() == 0) std::fprintf(stderr, "moekit: %s\n", report.message().c_str());
-    layer.router_state() = before;  // the first attempt's expert-bias and global-aux counts are undone
-    budgeted->set_synchronous(true);
-    budgeted->begin_step();
-    try {
-        step();
-    } catch (...) {
-        budgeted->set_synchronous(false);
-        throw;
-    }
-    budgeted->set_synchronous(false);
-    (void)budgeted->end_step(step_group);  // the synchronous path never overflows; keeps the collectives paired
-    return report;
-}
-
-// The same for a stack of layers run as one step (moekit train's micro-batch: every layer forward, the loss,
-// every layer backward): an overflow in any layer re-runs the whole step with every layer synchronous. The
+// For a stack of layers run as one step (moekit train's micro-batch: every layer forward, the loss, every
+// layer backward) an overflow in any layer re-runs the whole step with every layer synchronous. The
 // end-of-step collectives run layer by layer in the same order on every rank. Returns the merged report
 // (overflow if any layer overflowed; the largest peak).
 template <typename T>
@@ -60,14 +32,16 @@ BudgetOverflowReport run_budgeted_step(const std::vector<MoePipeline<T>*>& layer
         budgeted.push_back(b && b->has_budget() ? b : nullptr);
         before.push_back(l->router_state());
     }
-    const auto end_all = [&] {
+    const auto end_all = [&] {  // the report of the layer that overflowed with the largest peak (or peaked)
         BudgetOverflowReport merged;
+        bool any = false;
         for (BudgetStep* b : budgeted) {
             if (!b) continue;
-            const BudgetOverflowReport r = b->end_step(step_group);
-            if (r.overflow && !merged.overflow) merged = r;
-            merged.peak_rows = std::max(merged.peak_rows, r.peak_rows);
-            merged.budget_rows = r.budget_rows, merged.factor = r.factor;
+            BudgetOverflowReport r = b->end_step(step_group);
+            if (!any || (r.overflow && !merged.overflow) ||
+                (r.overflow == merged.overflow && r.peak_rows > merged.peak_rows))
+                merged = std::move(r);
+            any = true;
         }
         return merged;
     };
@@ -93,6 +67,13 @@ BudgetOverflowReport run_budgeted_step(const std::vector<MoePipeline<T>*>& layer
     for (BudgetStep* b : budgeted)
         if (b) b->set_synchronous(false);
     return report;
+}
+
+// One layer: the stack of one.
+template <typename T>
+BudgetOverflowReport run_budgeted_step(MoePipeline<T>& layer, Communicator& step_group,
+                                       const std::function<void()>& step) {
+    return run_budgeted_step<T>(std::vector<MoePipeline<T>*>{&layer}, step_group, step);
 }
 
 }  // namespace moekit::cpu
