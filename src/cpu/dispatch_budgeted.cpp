@@ -199,22 +199,28 @@ void BudgetedDispatcher<T>::dispatch_backward(const Matrix<T>& grad_rows, const 
     grad_probs = permute_probs_backward(probs_back, plan_);
 }
 
-template <typename T>
-BudgetOverflowReport BudgetedDispatcher<T>::end_step(Communicator& step_group) {
+BudgetOverflowReport gather_overflow_report(Communicator& step_group, bool overflowed, int64_t peak, int64_t budget_rows,
+                                            double factor, int64_t tokens, int64_t topk) {
     const int G = step_group.size();
     // Slot r: rank r's peak if it overflowed (else 0); slot G: the group's peak. One all-reduce (max).
     std::vector<int64_t> v(size_t(G + 1), 0);
-    v[size_t(step_group.rank())] = overflow_ ? peak_ : 0;
-    v[size_t(G)] = peak_;
+    v[size_t(step_group.rank())] = overflowed ? peak : 0;
+    v[size_t(G)] = peak;
     step_group.all_reduce(v.data(), G + 1, ReduceOp::max);
     BudgetOverflowReport r;
-    r.budget_rows = budget_;
-    r.factor = factor_;
+    r.budget_rows = budget_rows;
+    r.factor = factor;
     r.peak_rows = v[size_t(G)];
     for (int g = 0; g < G; ++g)
         if (v[size_t(g)] > 0) r.overflowed_ranks.push_back(g);
     r.overflow = !r.overflowed_ranks.empty();
-    r.sufficient_factor = sufficient_factor(r.peak_rows, tokens_, topk_);
+    r.sufficient_factor = sufficient_factor(r.peak_rows, tokens, topk);
+    return r;
+}
+
+template <typename T>
+BudgetOverflowReport BudgetedDispatcher<T>::end_step(Communicator& step_group) {
+    BudgetOverflowReport r = gather_overflow_report(step_group, overflow_, peak_, budget_, factor_, tokens_, topk_);
     if (r.overflow) ++overflow_events_;
     overflow_ = false;
     peak_ = 0;

@@ -27,6 +27,11 @@ struct BudgetOverflowReport {
     std::string message() const;        // one line for the log
 };
 
+// The end-of-step verdict of a budgeted dispatcher, collective over `step_group`: one all-reduce (max) of
+// each rank's peak if it overflowed and of the peak itself. Shared by the budgeted and ECHO dispatchers.
+BudgetOverflowReport gather_overflow_report(Communicator& step_group, bool overflowed, int64_t peak, int64_t budget_rows,
+                                            double factor, int64_t tokens, int64_t topk);
+
 // The step protocol of a dispatcher with a receive budget (this one, and the ECHO dispatcher with
 // --moe-expert-rank-capacity-factor, src/cpu/dispatch_echo.h), driven by run_budgeted_step (budget_step.h).
 class BudgetStep {

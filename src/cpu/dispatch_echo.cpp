@@ -296,20 +296,7 @@ Matrix<T> EchoDispatcher<T>::return_to_sources(const Matrix<T>& rows, const std:
 
 template <typename T>
 BudgetOverflowReport EchoDispatcher<T>::end_step(Communicator& step_group) {
-    const int G = step_group.size();
-    // Slot r: rank r's peak if it overflowed (else 0); slot G: the group's peak. One all-reduce (max).
-    std::vector<int64_t> v(size_t(G + 1), 0);
-    v[size_t(step_group.rank())] = overflow_ ? peak_ : 0;
-    v[size_t(G)] = peak_;
-    step_group.all_reduce(v.data(), G + 1, ReduceOp::max);
-    BudgetOverflowReport r;
-    r.budget_rows = budget_;
-    r.factor = factor_;
-    r.peak_rows = v[size_t(G)];
-    for (int g = 0; g < G; ++g)
-        if (v[size_t(g)] > 0) r.overflowed_ranks.push_back(g);
-    r.overflow = !r.overflowed_ranks.empty();
-    r.sufficient_factor = sufficient_factor(r.peak_rows, tokens_, topk_);
+    BudgetOverflowReport r = gather_overflow_report(step_group, overflow_, peak_, budget_, factor_, tokens_, topk_);
     if (r.overflow) ++overflow_events_;
     overflow_ = false, peak_ = 0, in_step_ = false;
     return r;
