@@ -33,6 +33,21 @@ std::string BudgetOverflowReport::message() const {
                sufficient_factor, " would have sufficed");
 }
 
+void BudgetBuffers::create(Communicator& ep, int ep_size, int64_t tokens, int64_t topk, int64_t hidden, double factor,
+                           int64_t elem_bytes, unsigned char slack_byte) {
+    budget = moekit::budget_rows(tokens, topk, std::min(factor, double(ep_size)));
+    return_rows = tokens * topk;  // a rank sends at most T*k rows, and gets each back once
+    recv_rows_at = budget * 8;
+    recv_probs_at = recv_rows_at + budget * hidden * elem_bytes;
+    ret_probs_at = return_rows * hidden * elem_bytes;
+    const int64_t recv_bytes = recv_probs_at + budget * elem_bytes, ret_bytes = ret_probs_at + return_rows * elem_bytes;
+    recv_words.assign(size_t((recv_bytes + 7) / 8), 0);
+    ret_words.assign(size_t((ret_bytes + 7) / 8), 0);
+    std::memset(recv_words.data(), slack_byte, recv_words.size() * 8);
+    recv_win = ep.create_window(recv_words.data(), recv_bytes);
+    ret_win = ep.create_window(ret_words.data(), ret_bytes);
+}
+
 template <typename T>
 BudgetedDispatcher<T>::BudgetedDispatcher(const EpLayout& layout, Communicator& ep, int64_t tokens, int64_t topk,
                                           int64_t hidden, double factor)
@@ -41,21 +56,8 @@ BudgetedDispatcher<T>::BudgetedDispatcher(const EpLayout& layout, Communicator& 
                    " must be > 0 and finite");
     MOEKIT_REQUIRE(tokens > 0, "the budgeted dispatcher needs the tokens per rank (--seq-length * --micro-batch-size) "
                    "to size its receive budget, got ", tokens);
-    // [moekit] A rank can never receive more than EP*T*k rows, so a larger factor buys nothing: the buffer
-    // is sized with min(f, EP) (the factor reported stays the configured one).
-    budget_ = moekit::budget_rows(tokens, topk, std::min(factor, double(layout.ep_size)));
-    return_rows_ = tokens * topk;  // a rank sends at most T*k rows, and gets each back once
     fallback_ = make_alltoall_dispatcher<T>(layout, ep);
-    const int64_t t = int64_t(sizeof(T));
-    recv_rows_at_ = budget_ * 8;
-    recv_probs_at_ = recv_rows_at_ + budget_ * hidden * t;
-    ret_probs_at_ = return_rows_ * hidden * t;
-    const int64_t recv_bytes = recv_probs_at_ + budget_ * t, ret_bytes = ret_probs_at_ + return_rows_ * t;
-    recv_words_.assign(size_t((recv_bytes + 7) / 8), 0);
-    ret_words_.assign(size_t((ret_bytes + 7) / 8), 0);
-    std::memset(recv_words_.data(), kSlackByte, recv_words_.size() * 8);
-    recv_win_ = ep.create_window(recv_words_.data(), recv_bytes);
-    ret_win_ = ep.create_window(ret_words_.data(), ret_bytes);
+    buf_.create(ep, layout.ep_size, tokens, topk, hidden, factor, int64_t(sizeof(T)), kSlackByte);
 }
 
 template <typename T>
@@ -63,36 +65,36 @@ BudgetedDispatcher<T>::~BudgetedDispatcher() = default;
 
 template <typename T>
 const T* BudgetedDispatcher<T>::buffer_rows() const {
-    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(recv_words_.data()) + recv_rows_at_);
+    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(buf_.recv_words.data()) + buf_.recv_rows_at);
 }
 template <typename T>
 const T* BudgetedDispatcher<T>::buffer_probs() const {
-    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(recv_words_.data()) + recv_probs_at_);
+    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(buf_.recv_words.data()) + buf_.recv_probs_at);
 }
 template <typename T>
 const int64_t* BudgetedDispatcher<T>::buffer_sources() const {
-    return recv_words_.data();
+    return buf_.recv_words.data();
 }
 
 template <typename T>
 void BudgetedDispatcher<T>::put_to_receivers(const T* rows, const T* probs, const int64_t* sources) {
     const int EP = layout_.ep_size, me = layout_.ep_rank;
     const int64_t L = layout_.num_local_experts, t = int64_t(sizeof(T));
-    recv_win_->fence();
+    buf_.recv_win->fence();
     for (int i = 0; i < EP; ++i) {
         const int p = (me + 1 + i) % EP;  // staggered peer order, as the device kernel runs it
         const int64_t* off = &all_offsets_[size_t(p) * size_t(L * EP + 1)];
         for (int64_t l = 0; l < L; ++l) {
             const int64_t e = int64_t(p) * L + l, start = plan_.offsets[size_t(e)];
             const int64_t dest = off[l * EP + me];
-            const int64_t fit = rows_within_budget(dest, plan_.tokens_per_expert[size_t(e)], budget_);
+            const int64_t fit = rows_within_budget(dest, plan_.tokens_per_expert[size_t(e)], buf_.budget);
             if (fit == 0) continue;
-            recv_win_->put(p, recv_rows_at_ + dest * hidden_ * t, rows + start * hidden_, fit * hidden_ * t);
-            if (probs) recv_win_->put(p, recv_probs_at_ + dest * t, probs + start, fit * t);
-            if (sources) recv_win_->put(p, dest * 8, sources + start, fit * 8);
+            buf_.recv_win->put(p, buf_.recv_rows_at + dest * hidden_ * t, rows + start * hidden_, fit * hidden_ * t);
+            if (probs) buf_.recv_win->put(p, buf_.recv_probs_at + dest * t, probs + start, fit * t);
+            if (sources) buf_.recv_win->put(p, dest * 8, sources + start, fit * 8);
         }
     }
-    recv_win_->fence();
+    buf_.recv_win->fence();
 }
 
 template <typename T>
@@ -102,28 +104,28 @@ Matrix<T> BudgetedDispatcher<T>::return_to_sources(const Matrix<T>& rows, const 
     const int64_t L = layout_.num_local_experts, t = int64_t(sizeof(T)), N = plan_.num_rows();
     MOEKIT_CHECK(rows.rows == held_rows() && rows.cols == hidden_, "rows to return are [", rows.rows, ", ", rows.cols,
                  "], this rank holds [", held_rows(), ", ", hidden_, "]");
-    char* ret = reinterpret_cast<char*>(ret_words_.data());
+    char* ret = reinterpret_cast<char*>(buf_.ret_words.data());
     // Rows that were over a budget come back as zeros (the re-run replaces the whole step anyway).
     std::memset(ret, 0, size_t(N * hidden_ * t));
-    if (probs_back) std::memset(ret + ret_probs_at_, 0, size_t(N * t));
-    ret_win_->fence();
+    if (probs_back) std::memset(ret + buf_.ret_probs_at, 0, size_t(N * t));
+    buf_.ret_win->fence();
     for (int64_t c = 0; c < L * EP; ++c) {
-        const int64_t c0 = std::min(my_offsets_[size_t(c)], budget_), c1 = std::min(my_offsets_[size_t(c + 1)], budget_);
+        const int64_t c0 = std::min(my_offsets_[size_t(c)], buf_.budget), c1 = std::min(my_offsets_[size_t(c + 1)], buf_.budget);
         if (c1 <= c0) continue;
         const int src = int(c % EP);
         // A chunk is one expert's rows of one source: contiguous there, so one put per chunk.
         const int64_t first = held_sources_[size_t(c0)];
         for (int64_t r = c0; r < c1; ++r)
             MOEKIT_CHECK(held_sources_[size_t(r)] == first + (r - c0), "source rows of chunk ", c, " not contiguous");
-        ret_win_->put(src, first * hidden_ * t, rows.row(c0), (c1 - c0) * hidden_ * t);
-        if (probs) ret_win_->put(src, ret_probs_at_ + first * t, probs->data() + c0, (c1 - c0) * t);
+        buf_.ret_win->put(src, first * hidden_ * t, rows.row(c0), (c1 - c0) * hidden_ * t);
+        if (probs) buf_.ret_win->put(src, buf_.ret_probs_at + first * t, probs->data() + c0, (c1 - c0) * t);
     }
-    ret_win_->fence();
+    buf_.ret_win->fence();
     Matrix<T> back(N, hidden_);
     copy_bytes(back.data.data(), ret, N * hidden_ * t);
     if (probs_back) {
         probs_back->resize(size_t(N));
-        copy_bytes(probs_back->data(), ret + ret_probs_at_, N * t);
+        copy_bytes(probs_back->data(), ret + buf_.ret_probs_at, N * t);
     }
     return back;
 }
@@ -141,7 +143,7 @@ DispatchedRows<T> BudgetedDispatcher<T>::dispatch(const Matrix<T>& tokens, const
                  hidden_);
     plan_ = build_routing_plan(routing_map, probs, tokens.rows, E);
     const int64_t N = plan_.num_rows();
-    MOEKIT_CHECK(N <= return_rows_, "this rank routes ", N, " rows, more than T*k = ", return_rows_,
+    MOEKIT_CHECK(N <= buf_.return_rows, "this rank routes ", N, " rows, more than T*k = ", buf_.return_rows,
                  " (tokens per rank ", tokens_, ", k ", topk_, ") the budgeted dispatcher was built for");
     const Matrix<T> permuted = permute(tokens, plan_);
     row_ids_.resize(size_t(N));
@@ -154,7 +156,7 @@ DispatchedRows<T> BudgetedDispatcher<T>::dispatch(const Matrix<T>& tokens, const
     for (int p = 0; p < EP; ++p) recv_chunk_offsets(counts_.data(), EP, E, L, p, &all_offsets_[size_t(p) * stride]);
     my_offsets_.assign(all_offsets_.begin() + long(size_t(me) * stride), all_offsets_.begin() + long(size_t(me + 1) * stride));
     received_ = my_offsets_.back();
-    if (received_ > budget_) overflow_ = true;  // this rank's flag; peers learn it at end_step()
+    if (received_ > buf_.budget) overflow_ = true;  // this rank's flag; peers learn it at end_step()
     peak_ = std::max(peak_, received_);
 
     put_to_receivers(permuted.data.data(), plan_.permuted_probs.data(), row_ids_.data());
@@ -167,7 +169,7 @@ DispatchedRows<T> BudgetedDispatcher<T>::dispatch(const Matrix<T>& tokens, const
     out.probs.assign(buffer_probs(), buffer_probs() + n);
     held_sources_.assign(buffer_sources(), buffer_sources() + n);
     out.offsets.resize(size_t(L + 1));
-    for (int64_t l = 0; l <= L; ++l) out.offsets[size_t(l)] = std::min(my_offsets_[size_t(l * EP)], budget_);
+    for (int64_t l = 0; l <= L; ++l) out.offsets[size_t(l)] = std::min(my_offsets_[size_t(l * EP)], buf_.budget);
     return out;
 }
 
@@ -220,7 +222,7 @@ BudgetOverflowReport gather_overflow_report(Communicator& step_group, bool overf
 
 template <typename T>
 BudgetOverflowReport BudgetedDispatcher<T>::end_step(Communicator& step_group) {
-    BudgetOverflowReport r = gather_overflow_report(step_group, overflow_, peak_, budget_, factor_, tokens_, topk_);
+    BudgetOverflowReport r = gather_overflow_report(step_group, overflow_, peak_, buf_.budget, factor_, tokens_, topk_);
     if (r.overflow) ++overflow_events_;
     overflow_ = false;
     peak_ = 0;

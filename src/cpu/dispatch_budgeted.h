@@ -27,6 +27,23 @@ struct BudgetOverflowReport {
     std::string message() const;        // one line for the log
 };
 
+// A rank's budgeted receive buffer and return buffer with their one-sided windows, the layout both budgeted
+// dispatchers (this one and the ECHO one, src/cpu/dispatch_echo.h) put into. Receive: [source row int64 x
+// budget][rows x budget*H][probs x budget]; return: [rows x T*k*H][probs x T*k]; int64 words keep every region
+// aligned. budget = ceil(T*k*min(f, EP)) aligned (a rank never receives more than EP*T*k rows, so a larger
+// factor buys nothing; the factor reported stays the configured one).
+struct BudgetBuffers {
+    int64_t budget = 0, return_rows = 0;
+    int64_t recv_rows_at = 0, recv_probs_at = 0, ret_probs_at = 0;  // byte offsets of the regions
+    std::vector<int64_t> recv_words, ret_words;
+    std::unique_ptr<Window> recv_win, ret_win;
+
+    // Collective over `ep` (creates the windows); elem_bytes = sizeof(T). The receive buffer's slack holds
+    // `slack_byte` until a row lands there.
+    void create(Communicator& ep, int ep_size, int64_t tokens, int64_t topk, int64_t hidden, double factor,
+                int64_t elem_bytes, unsigned char slack_byte);
+};
+
 // The end-of-step verdict of a budgeted dispatcher, collective over `step_group`: one all-reduce (max) of
 // each rank's peak if it overflowed and of the peak itself. Shared by the budgeted and ECHO dispatchers.
 BudgetOverflowReport gather_overflow_report(Communicator& step_group, bool overflowed, int64_t peak, int64_t budget_rows,
@@ -76,7 +93,7 @@ public:
     int64_t overflow_events() const override { return overflow_events_; }
 
     // ---- inspection (tests) ----
-    int64_t budget_rows() const { return budget_; }
+    int64_t budget_rows() const { return buf_.budget; }
     double factor() const { return factor_; }
     bool overflowed() const { return overflow_; }        // this rank's flag since the last end_step
     int64_t received_rows() const { return received_; }  // rows that were due here in the last dispatch
@@ -95,21 +112,17 @@ private:
     // Puts this rank's received rows (and probs) back to their sources' return buffers; returns them
     // there [N, H] (rows that never arrived anywhere: zeros).
     Matrix<T> return_to_sources(const Matrix<T>& rows, const std::vector<T>* probs, std::vector<T>* probs_back);
-    int64_t held_rows() const { return received_ < budget_ ? received_ : budget_; }
+    int64_t held_rows() const { return received_ < buf_.budget ? received_ : buf_.budget; }
 
     EpLayout layout_;
     Communicator& ep_;
-    int64_t tokens_, topk_, hidden_, budget_, return_rows_;
+    int64_t tokens_, topk_, hidden_;
     double factor_;
     std::unique_ptr<Dispatcher<T>> fallback_;  // the synchronous alltoall path
     bool synchronous_ = false;
     bool in_step_ = false;
 
-    // Receive buffer [src int64 x budget][rows T x budget*H][probs T x budget]; return buffer
-    // [rows T x T*k*H][probs T x T*k]. int64 words keep every region aligned.
-    std::vector<int64_t> recv_words_, ret_words_;
-    int64_t recv_rows_at_ = 0, recv_probs_at_ = 0, ret_probs_at_ = 0;  // byte offsets of the regions
-    std::unique_ptr<Window> recv_win_, ret_win_;
+    BudgetBuffers buf_;
 
     RoutingPlan<T> plan_;                 // permutation 1 of this rank's tokens
     std::vector<int64_t> row_ids_;        // [N] 0..N-1: the source rows sent along with the rows

@@ -96,8 +96,8 @@ DispatchedRows<T> EchoDispatcher<T>::dispatch(const Matrix<T>& tokens, const Mat
         MOEKIT_REQUIRE(in_step_, "--moe-expert-rank-capacity-factor: this command runs the layer without the "
                        "end-of-step overflow check and re-run (cpu::run_budgeted_step), so an over-budget step would "
                        "drop rows unnoticed; it is not supported here yet");
-        MOEKIT_CHECK(H == hidden_budget_ && routing_.num_rows() <= return_rows_, "the ECHO budget was sized for H=",
-                     hidden_budget_, " and ", return_rows_, " rows per rank; got H=", H, " and ", routing_.num_rows());
+        MOEKIT_CHECK(H == hidden_budget_ && routing_.num_rows() <= buf_.return_rows, "the ECHO budget was sized for H=",
+                     hidden_budget_, " and ", buf_.return_rows, " rows per rank; got H=", H, " and ", routing_.num_rows());
         const size_t stride = size_t(B * EP + 1);
         all_offsets_.assign(size_t(EP) * stride, 0);
         for (int64_t p = 0; p < EP; ++p)
@@ -105,21 +105,21 @@ DispatchedRows<T> EchoDispatcher<T>::dispatch(const Matrix<T>& tokens, const Mat
                                     &all_offsets_[size_t(p) * stride]);
         received_ = all_offsets_[size_t(me) * stride + size_t(B * EP)];
         MOEKIT_CHECK(received_ == offsets.back(), "ECHO budget layout disagrees with the plan");
-        if (received_ > budget_) overflow_ = true;  // peers learn it at end_step()
+        if (received_ > buf_.budget) overflow_ = true;  // peers learn it at end_step()
         peak_ = std::max(peak_, received_);
         std::vector<int64_t> row_ids(size_t(routing_.num_rows()));
         std::iota(row_ids.begin(), row_ids.end(), int64_t(0));
         put_to_receivers(permuted.data.data(), routing_.permuted_probs.data(), row_ids.data());
         const int64_t n = held_rows();
-        const char* base = reinterpret_cast<const char*>(recv_words_.data());
+        const char* base = reinterpret_cast<const char*>(buf_.recv_words.data());
         DispatchedRows<T> out;
         out.rows = held_matrix();
         out.probs.resize(size_t(n));
-        if (n > 0) std::memcpy(out.probs.data(), base + recv_probs_at_, size_t(n) * sizeof(T));
-        held_sources_.assign(recv_words_.begin(), recv_words_.begin() + n);
+        if (n > 0) std::memcpy(out.probs.data(), base + buf_.recv_probs_at, size_t(n) * sizeof(T));
+        held_sources_.assign(buf_.recv_words.begin(), buf_.recv_words.begin() + n);
         out.offsets.resize(size_t(B + 1));
         for (int64_t b = 0; b <= B; ++b)
-            out.offsets[size_t(b)] = std::min(all_offsets_[size_t(me) * stride + size_t(b * EP)], budget_);
+            out.offsets[size_t(b)] = std::min(all_offsets_[size_t(me) * stride + size_t(b * EP)], buf_.budget);
         return out;
     }
 
@@ -217,38 +217,27 @@ void EchoDispatcher<T>::enable_budget(int64_t tokens, int64_t topk, int64_t hidd
                    "--micro-batch-size), got ", tokens);
     budgeted_ = true;
     tokens_ = tokens, topk_ = topk, hidden_budget_ = hidden, factor_ = factor;
-    // A rank never receives more than all ranks' rows, EP*T*k: a larger factor buys nothing.
-    budget_ = moekit::budget_rows(tokens, topk, std::min(factor, double(layout_.ep_size)));
-    return_rows_ = tokens * topk;
-    const int64_t t = int64_t(sizeof(T));
-    recv_rows_at_ = budget_ * 8;
-    recv_probs_at_ = recv_rows_at_ + budget_ * hidden * t;
-    ret_probs_at_ = return_rows_ * hidden * t;
-    const int64_t recv_bytes = recv_probs_at_ + budget_ * t, ret_bytes = ret_probs_at_ + return_rows_ * t;
-    recv_words_.assign(size_t((recv_bytes + 7) / 8), 0);
-    ret_words_.assign(size_t((ret_bytes + 7) / 8), 0);
-    recv_win_ = ep_.create_window(recv_words_.data(), recv_bytes);
-    ret_win_ = ep_.create_window(ret_words_.data(), ret_bytes);
+    buf_.create(ep_, layout_.ep_size, tokens, topk, hidden, factor, int64_t(sizeof(T)), 0);
 }
 
 template <typename T>
 void EchoDispatcher<T>::put_to_receivers(const T* rows, const T* probs, const int64_t* sources) {
     const int64_t EP = layout_.ep_size, me = layout_.ep_rank, t = int64_t(sizeof(T)), H = hidden_;
     const size_t stride = size_t((dims_.experts_per_rank() + dims_.slots_per_rank) * EP + 1);
-    recv_win_->fence();
+    buf_.recv_win->fence();
     for (int64_t i = 0; i < EP; ++i) {
         const int64_t p = (me + 1 + i) % EP;  // staggered peer order, as the budgeted dispatcher
         for (const Segment& g : segments_) {
             if (g.dest != p) continue;
             const int64_t dest = all_offsets_[size_t(p) * stride + size_t(g.bucket * EP + me)];
-            const int64_t fit = rows_within_budget(dest, g.rows, budget_);
+            const int64_t fit = rows_within_budget(dest, g.rows, buf_.budget);
             if (fit == 0) continue;
-            recv_win_->put(int(p), recv_rows_at_ + dest * H * t, rows + g.start * H, fit * H * t);
-            if (probs) recv_win_->put(int(p), recv_probs_at_ + dest * t, probs + g.start, fit * t);
-            if (sources) recv_win_->put(int(p), dest * 8, sources + g.start, fit * 8);
+            buf_.recv_win->put(int(p), buf_.recv_rows_at + dest * H * t, rows + g.start * H, fit * H * t);
+            if (probs) buf_.recv_win->put(int(p), buf_.recv_probs_at + dest * t, probs + g.start, fit * t);
+            if (sources) buf_.recv_win->put(int(p), dest * 8, sources + g.start, fit * 8);
         }
     }
-    recv_win_->fence();
+    buf_.recv_win->fence();
 }
 
 template <typename T>
@@ -256,7 +245,7 @@ Matrix<T> EchoDispatcher<T>::held_matrix() const {
     const int64_t n = held_rows();
     Matrix<T> out(n, hidden_);
     if (n > 0)
-        std::memcpy(out.data.data(), reinterpret_cast<const char*>(recv_words_.data()) + recv_rows_at_,
+        std::memcpy(out.data.data(), reinterpret_cast<const char*>(buf_.recv_words.data()) + buf_.recv_rows_at,
                     size_t(n * hidden_) * sizeof(T));
     return out;
 }
@@ -269,34 +258,34 @@ Matrix<T> EchoDispatcher<T>::return_to_sources(const Matrix<T>& rows, const std:
     const int64_t* off = &all_offsets_[size_t(me) * size_t(chunks + 1)];
     MOEKIT_CHECK(rows.rows == held_rows() && rows.cols == hidden_, "rows to return are [", rows.rows, ", ", rows.cols,
                  "], this rank holds [", held_rows(), ", ", hidden_, "]");
-    char* ret = reinterpret_cast<char*>(ret_words_.data());
+    char* ret = reinterpret_cast<char*>(buf_.ret_words.data());
     // Rows that were over a budget come back as zeros (the re-run replaces the whole step anyway).
     std::memset(ret, 0, size_t(N * hidden_ * t));
-    if (probs_back) std::memset(ret + ret_probs_at_, 0, size_t(N * t));
-    ret_win_->fence();
+    if (probs_back) std::memset(ret + buf_.ret_probs_at, 0, size_t(N * t));
+    buf_.ret_win->fence();
     for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t c0 = std::min(off[c], budget_), c1 = std::min(off[c + 1], budget_);
+        const int64_t c0 = std::min(off[c], buf_.budget), c1 = std::min(off[c + 1], buf_.budget);
         if (c1 <= c0) continue;
         const int src = int(c % EP);
         const int64_t first = held_sources_[size_t(c0)];  // a chunk is a contiguous segment at its source
         for (int64_t r = c0; r < c1; ++r)
             MOEKIT_CHECK(held_sources_[size_t(r)] == first + (r - c0), "source rows of chunk ", c, " not contiguous");
-        ret_win_->put(src, first * hidden_ * t, rows.row(c0), (c1 - c0) * hidden_ * t);
-        if (probs) ret_win_->put(src, ret_probs_at_ + first * t, probs->data() + c0, (c1 - c0) * t);
+        buf_.ret_win->put(src, first * hidden_ * t, rows.row(c0), (c1 - c0) * hidden_ * t);
+        if (probs) buf_.ret_win->put(src, buf_.ret_probs_at + first * t, probs->data() + c0, (c1 - c0) * t);
     }
-    ret_win_->fence();
+    buf_.ret_win->fence();
     Matrix<T> back(N, hidden_);
     if (N > 0) std::memcpy(back.data.data(), ret, size_t(N * hidden_ * t));
     if (probs_back) {
         probs_back->resize(size_t(N));
-        if (N > 0) std::memcpy(probs_back->data(), ret + ret_probs_at_, size_t(N * t));
+        if (N > 0) std::memcpy(probs_back->data(), ret + buf_.ret_probs_at, size_t(N * t));
     }
     return back;
 }
 
 template <typename T>
 BudgetOverflowReport EchoDispatcher<T>::end_step(Communicator& step_group) {
-    BudgetOverflowReport r = gather_overflow_report(step_group, overflow_, peak_, budget_, factor_, tokens_, topk_);
+    BudgetOverflowReport r = gather_overflow_report(step_group, overflow_, peak_, buf_.budget, factor_, tokens_, topk_);
     if (r.overflow) ++overflow_events_;
     overflow_ = false, peak_ = 0, in_step_ = false;
     return r;

@@ -46,7 +46,7 @@ public:
     BudgetOverflowReport end_step(Communicator& step_group) override;
     void set_synchronous(bool on) override { synchronous_ = on; }
     int64_t overflow_events() const override { return overflow_events_; }
-    int64_t budget_rows() const { return budget_; }
+    int64_t budget_rows() const { return buf_.budget; }
     int64_t received_rows() const { return received_; }  // rows due here in the last dispatch (with the plan)
 
     const EpLayout& layout() const override { return layout_; }
@@ -78,7 +78,7 @@ private:
     void put_to_receivers(const T* rows, const T* probs, const int64_t* sources);
     Matrix<T> return_to_sources(const Matrix<T>& rows, const std::vector<T>* probs, std::vector<T>* probs_back);
     Matrix<T> held_matrix() const;  // the held rows of the receive buffer
-    int64_t held_rows() const { return received_ < budget_ ? received_ : budget_; }
+    int64_t held_rows() const { return received_ < buf_.budget ? received_ : buf_.budget; }
     std::vector<T> exchange(const std::vector<T>& send, int64_t width, const std::vector<int64_t>& send_rows,
                             const std::vector<int64_t>& recv_rows);
 
@@ -100,11 +100,9 @@ private:
 
     // Budget mode (see the class comment); the buffers as in BudgetedDispatcher.
     bool budgeted_ = false, synchronous_ = false, in_step_ = false, overflow_ = false;
-    int64_t tokens_ = 0, topk_ = 0, hidden_budget_ = 0, budget_ = 0, return_rows_ = 0, received_ = 0, peak_ = 0, overflow_events_ = 0;
+    int64_t tokens_ = 0, topk_ = 0, hidden_budget_ = 0, received_ = 0, peak_ = 0, overflow_events_ = 0;
     double factor_ = 0;
-    std::vector<int64_t> recv_words_, ret_words_;
-    int64_t recv_rows_at_ = 0, recv_probs_at_ = 0, ret_probs_at_ = 0;
-    std::unique_ptr<Window> recv_win_, ret_win_;
+    BudgetBuffers buf_;  // receive/return buffers and windows (src/cpu/dispatch_budgeted.h)
     std::vector<int64_t> all_offsets_;   // [EP][(L + S) * EP + 1] every receiver's chunk offsets
     std::vector<int64_t> held_sources_;  // [held_rows] the sender's permutation-1 row of each held row
     struct Segment {
