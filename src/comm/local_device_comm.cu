@@ -5,6 +5,8 @@
 // and waits for the peers' done events before going on, so no rank overwrites a send buffer a peer is
 // still reading. Two rendezvous per collective keep every event recorded before it is re-recorded.
 // Also the transport-independent helpers all_reduce_sum and sum_blocks. Tests: tests/gpu/test_cuda_ep.cu.
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "comm/device_comm.h"
@@ -14,6 +16,19 @@
 
 namespace moekit::cuda {
 namespace {
+
+// Virtual ranks that spin in device barriers (the budgeted dispatcher) need a hardware work queue each:
+// the GPU maps streams round-robin onto CUDA_DEVICE_MAX_CONNECTIONS queues (8 unless set), and a rank
+// whose stream shares a queue with a peer's spinning barrier waits behind it for ever (measured on an
+// H100: 1 queue deadlocks every EP step, 8 some EP=8 steps, 32 none). The variable is read when the CUDA
+// context is created, so it is raised to the maximum here, at load time, unless the user set it.
+constexpr int kMaxHardwareQueues = 32;
+const int hardware_queues = [] {
+    const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    if (set) return std::atoi(set);
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(kMaxHardwareQueues).c_str(), 0);
+    return kMaxHardwareQueues;
+}();
 
 class LocalDeviceComm final : public DeviceComm {
 public:
@@ -68,6 +83,11 @@ public:
     }
 
     std::unique_ptr<SymmetricBuffer> alloc_symmetric(int64_t bytes) override {
+        // Symmetric memory is for device-initiated transfers, whose barriers spin (see hardware_queues).
+        MOEKIT_REQUIRE(hardware_queues > size(), "CUDA_DEVICE_MAX_CONNECTIONS=", hardware_queues, " gives ", size(),
+                       " virtual ranks too few hardware queues for device barriers (a rank would wait behind a "
+                       "peer's spinning barrier): it must exceed the virtual ranks; unset it, or set it to ",
+                       kMaxHardwareQueues);
         return std::make_unique<LocalSymmetric>(host_, bytes);
     }
 

@@ -6,6 +6,7 @@
 // transport's own collectives (all-gather, uneven all-to-all-v, deterministic all-reduce).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -250,6 +251,28 @@ TEST(CudaEpBudgeted, OverflowIsFlaggedAndReRunEqualsDropless) {
         run_budgeted_vs_alltoall(ep_cases()[0], ranks, 0.05, true);
         run_budgeted_vs_alltoall(ep_cases().back(), ranks, 0.5, true);  // everything to expert 0: rank 0 overflows
     }
+}
+
+// Virtual ranks' device barriers need a hardware queue each (src/comm/local_device_comm.cu): with fewer
+// than ranks + 1 queues the symmetric allocation is refused, naming the variable, before anything spins.
+// Runs under CUDA_DEVICE_MAX_CONNECTIONS=4 as the ctest case budgeted_too_few_hardware_queues.
+TEST(CudaEpBudgeted, TooFewHardwareQueuesIsRefused) {
+    SKIP_WITHOUT_GPU();
+    const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    if (!queues || std::atoi(queues) > 4) GTEST_SKIP() << "runs with CUDA_DEVICE_MAX_CONNECTIONS=4 (ctest)";
+    on_ranks(8, [&](Communicator& world) {
+        const auto groups = make_process_groups(world, 8);
+        auto dc = cuda::make_device_comm(*groups->ep);
+        MoeConfig c = small_config();
+        c.expert_model_parallel_size = 8, c.moe_token_dispatcher_type = "alltoall";
+        c.moe_expert_rank_capacity_factor = 1.5;
+        try {
+            (void)cuda::CudaMoeLayer::create(c, c.seq_length, c.micro_batch_size, true, dc.get());
+            ADD_FAILURE() << "rank " << world.rank() << ": 8 virtual ranks on 4 hardware queues were accepted";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("CUDA_DEVICE_MAX_CONNECTIONS=4"), std::string::npos) << e.what();
+        }
+    });
 }
 
 // The rows the budgeted dispatcher delivers are the alltoall dispatcher's expert rows, bit for bit, and the
