@@ -246,7 +246,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         out["graph_whole_step_ms"] = ranks[0]["graph_whole_step_ms"];
         out["graph_whole_step_vs_ep1"] = out["graph_whole_step_ms"].get<double>() / out["ep1_step_ms"].get<double>();
     }
-    out["dispatch_blocks"] = receive_factor > 0 ? 32 : 0;  // kDispatchBlocks of dispatch_budgeted.cu
+    out["dispatch_blocks"] = receive_factor > 0 ? kBudgetedDispatchBlocks : 0;
     int64_t bytes = 0;
     double max_expert = 0, sum_expert = 0;
     for (const auto& j : ranks) {
@@ -266,14 +266,22 @@ std::string format_layer_ep_table(const nlohmann::json& r) {
                           r["tokens_per_rank"].get<int64_t>(), " per rank) on ", r["device"].get<std::string>(),
                           " (all ranks share it)\n");
     char line[256];
-    std::snprintf(line, sizeof line, "  %-5s %10s %10s %10s %10s %10s %12s %10s %6s %9s\n", "rank", "step ms", "router",
-                  "dispatch", "experts", "combine", "sent MiB", "a2a ms", "syncs", "mem MiB");
+    // GB/s: the bytes this rank sent over its dispatch + combine time (both directions), and over the
+    // transport's all-to-all of the same bytes.
+    std::snprintf(line, sizeof line, "  %-5s %10s %10s %10s %10s %10s %12s %8s %10s %8s %6s %9s\n", "rank", "step ms",
+                  "router", "dispatch", "experts", "combine", "sent MiB", "GB/s", "a2a ms", "a2a GB/s", "syncs",
+                  "mem MiB");
     out += line;
     for (const auto& j : r["ranks"]) {
-        std::snprintf(line, sizeof line, "  %-5d %10.3f %10.3f %10.3f %10.3f %10.3f %12.2f %10.3f %6lld %9.0f\n",
+        const double sent = double(j["bytes_sent"].get<int64_t>()), moved_ms = j["dispatch_ms"].get<double>() +
+                                                                                   j["combine_ms"].get<double>();
+        const double a2a_ms = j["transport_a2a_ms"].get<double>();
+        std::snprintf(line, sizeof line,
+                      "  %-5d %10.3f %10.3f %10.3f %10.3f %10.3f %12.2f %8.1f %10.3f %8.1f %6lld %9.0f\n",
                       j["rank"].get<int>(), j["step_ms"].get<double>(), j["router_ms"].get<double>(),
                       j["dispatch_ms"].get<double>(), j["expert_ms"].get<double>(), j["combine_ms"].get<double>(),
-                      double(j["bytes_sent"].get<int64_t>()) / (1 << 20), j["transport_a2a_ms"].get<double>(),
+                      sent / (1 << 20), moved_ms > 0 ? sent / moved_ms / 1e6 : 0.0, a2a_ms,
+                      a2a_ms > 0 ? sent / a2a_ms / 1e6 : 0.0,
                       static_cast<long long>(j["host_syncs_per_step"].get<int64_t>()),
                       double(j["memory_bytes"].get<int64_t>()) / (1 << 20));
         out += line;

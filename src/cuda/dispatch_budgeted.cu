@@ -25,7 +25,6 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kDispatchBlocks = 32;  // SMs the push/return kernels take (the rest stays with the GEMMs)
 constexpr int kDispatchThreads = 256;
 constexpr int kWarps = kDispatchThreads / 32;  // one row per warp at a time
 constexpr int64_t kRegionAlign = 256;
@@ -315,14 +314,14 @@ private:
     }
     void push(const bf16* rows, const R* probs, const int32_t* plan_offsets, int64_t rows_at, int64_t probs_at,
               int64_t src_at, cudaStream_t stream) {
-        push_kernel<R><<<kDispatchBlocks, kDispatchThreads, 0, stream>>>(
+        push_kernel<R><<<kBudgetedDispatchBlocks, kDispatchThreads, 0, stream>>>(
             reinterpret_cast<const uint4*>(rows), probs, plan_offsets, tables(), peers_.get(), rows_at, probs_at, src_at,
             s_.ep_rank, s_.ep_size, s_.local_experts(), s_.router.hidden / 8);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
     // Held rows (and probs) back to their sources' return buffers, then the phase's barrier.
     void give_back(const bf16* rows, const R* probs, cudaStream_t stream) {
-        return_kernel<R><<<kDispatchBlocks, kDispatchThreads, 0, stream>>>(
+        return_kernel<R><<<kBudgetedDispatchBlocks, kDispatchThreads, 0, stream>>>(
             reinterpret_cast<const uint4*>(rows), probs, sym_local<const int32_t>(r_.recv_src), tables(), peers_.get(),
             r_.ret_rows, r_.ret_probs, s_.ep_size, s_.local_experts(), s_.router.hidden / 8);
         MOEKIT_CUDA_LAUNCH_CHECK();

@@ -103,6 +103,8 @@ template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_allgather_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_alltoall_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
+// Blocks (so SMs) the budgeted dispatcher's push/return kernels take; the rest stay with the GEMMs.
+inline constexpr int kBudgetedDispatchBlocks = 32;
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_budgeted_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
 
