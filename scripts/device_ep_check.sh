@@ -4,7 +4,8 @@
 # (bit-for-bit vs alltoall, overflow re-runs, untouched slack, one-graph EP steps, too few hardware queues
 # refused); every other GPU test (the EP dispatchers vs the CPU oracle at EP=2/4/8, the EP training engine);
 # the EP benchmark (alltoall vs budgeted); the ECHO planner's benchmark; the NCCL transport under mpirun
-# -np 1; compute-sanitizer memcheck/racecheck on the budgeted dispatch kernels.
+# -np 1; compute-sanitizer memcheck/racecheck on the budgeted dispatch kernels
+# (phase barriers on the host: the sanitizer runs one kernel at a time, so device barriers could not meet).
 # usage: MOEKIT_COMMIT=<sha> scripts/device_ep_check.sh; results in $OUT (summary.txt first).
 set -o pipefail
 OUT=${OUT:-/tmp/moekit-out}
@@ -51,12 +52,16 @@ left 30 "NCCL np1" && {
   timeout 30 mpirun --allow-run-as-root -np 1 -x LD_LIBRARY_PATH $B/test_cuda_ep --gtest_filter='NcclDeviceComm.*' 2>&1 \
     | grep -E "PASSED|FAILED|Failure|SKIPPED" | head -3 | tee -a "$OUT/summary.txt"
 }
-for tool in memcheck racecheck; do
-  left 60 "$tool" && {
-    log "compute-sanitizer $tool on the budgeted dispatch kernels (EP=2)"
-    MOEKIT_DEVICE_WAIT_S=30 MOEKIT_EXPERT_GEMM=sync_baseline timeout $((LIMIT - SECONDS - 10)) compute-sanitizer \
-      --error-exitcode 9 --tool $tool $B/test_cuda_ep --gtest_filter='*softmax_post_swiglu_ep2_budgeted*' 2>&1 \
-      | tail -3 | tee -a "$OUT/summary.txt"
+# memcheck also on the overflow test (pushes clipped at the budget); racecheck on one EP=2 case.
+for run in "memcheck *softmax_post_swiglu_ep2_budgeted*:CudaEpBudgeted.Overflow*" \
+           "racecheck *softmax_post_swiglu_ep2_budgeted*"; do
+  set -- $run
+  left 60 "$1" && {
+    log "compute-sanitizer $1 on the budgeted dispatch kernels ($2)"
+    MOEKIT_BUDGETED_HOST_BARRIERS=1 MOEKIT_EXPERT_GEMM=sync_baseline timeout $((LIMIT - SECONDS - 10)) compute-sanitizer \
+      --error-exitcode 9 --tool $1 $B/test_cuda_ep --gtest_filter="$2" >"$OUT/sanitizer_$1.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "PASSED|FAILED|SUMMARY" "$OUT/sanitizer_$1.log" | tail -4 | tee -a "$OUT/summary.txt"
   }
 done
 (cd "$OUT" && tar czf bench.tgz bench && rm -rf bench)

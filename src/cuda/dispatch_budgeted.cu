@@ -29,6 +29,14 @@ constexpr int kDispatchThreads = 256;
 constexpr int kWarps = kDispatchThreads / 32;  // one row per warp at a time
 constexpr int64_t kRegionAlign = 256;
 
+// MOEKIT_BUDGETED_HOST_BARRIERS=1: every phase barrier is a stream sync + host barrier instead of a device
+// spin. For compute-sanitizer, which runs one kernel at a time, so ranks' spinning barriers could never
+// meet; the push/return kernels it checks run unchanged. Eager steps only (a host barrier can't be captured).
+bool host_barriers() {
+    const char* env = std::getenv("MOEKIT_BUDGETED_HOST_BARRIERS");
+    return env && std::atoi(env) != 0;
+}
+
 int64_t wait_timeout_ns() {
     const char* env = std::getenv("MOEKIT_DEVICE_WAIT_S");
     const double s = env ? std::atof(env) : 0.0;
@@ -164,7 +172,8 @@ __global__ void return_kernel(const uint4* __restrict__ rows, const R* __restric
 template <typename R>
 class BudgetedDispatcher final : public CudaDispatcher<R> {
 public:
-    BudgetedDispatcher(const DispatchShape& s, DeviceComm& ep) : s_(s), ep_(ep), timeout_ns_(wait_timeout_ns()) {
+    BudgetedDispatcher(const DispatchShape& s, DeviceComm& ep)
+        : s_(s), ep_(ep), timeout_ns_(wait_timeout_ns()), host_barriers_(host_barriers()) {
         const int64_t T = s.router.num_tokens, H = s.router.hidden, E = s.router.num_experts, L = s.local_experts();
         const int EP = s.ep_size;
         MOEKIT_REQUIRE(H % 8 == 0, "--moe-expert-rank-capacity-factor on --device cuda needs --hidden-size divisible "
@@ -309,6 +318,11 @@ private:
                 epoch_.get()};
     }
     void barrier(cudaStream_t stream) {
+        if (host_barriers_) {
+            MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+            ep_.host().barrier();
+            return;
+        }
         barrier_kernel<<<1, 64, 0, stream>>>(peers_.get(), r_.flags, s_.ep_rank, s_.ep_size, tables(), timeout_ns_);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
@@ -331,6 +345,7 @@ private:
     DispatchShape s_;
     DeviceComm& ep_;
     int64_t timeout_ns_ = 0, budget_ = 0;
+    bool host_barriers_ = false;
     Regions r_;
     std::unique_ptr<SymmetricBuffer> sym_;
     DeviceBuffer<char*> peers_;
