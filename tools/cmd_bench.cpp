@@ -21,7 +21,8 @@ namespace {
 constexpr const char* kUsage =
     "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
     "                    [--device cuda] [--scope layer|mlp]\n"
-    "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]]\n"
+    "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]\n"
+    "              [--moe-expert-rank-capacity-factor f] [--moe-enable-echo --moe-num-echo-experts S]]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
     "--scope mlp: the expert MLP alone on top-k routing counts) with the sync-free grouped GEMMs (the step captured "
     "in\n"
@@ -32,8 +33,9 @@ constexpr const char* kUsage =
 
 int run_bench(const std::vector<std::string>& args) {
     std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall";
-    int64_t iters = 20, ep = 1, virtual_ranks = 0;
+    int64_t iters = 20, ep = 1, virtual_ranks = 0, echo_experts = 0;
     double receive_factor = 0;
+    bool enable_echo = false;
     // The project's flag table: --help lists these, unknown flags get a suggestion, bad values name the flag.
     moekit::FlagParser p(kUsage);
     p.section("bench");
@@ -48,6 +50,8 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--moe-token-dispatcher-type", &dispatcher, "allgather | alltoall (the EP benchmark; default alltoall)");
     p.add("--moe-expert-rank-capacity-factor", &receive_factor,
           "f > 0: the budgeted sync-free dispatcher with ceil(T*k*f) receive rows (the EP benchmark, alltoall)");
+    p.add("--moe-enable-echo", &enable_echo, "ECHO: clone hot experts into spare slots (the EP benchmark, alltoall)");
+    p.add("--moe-num-echo-experts", &echo_experts, "S_TOTAL spare slots over all EP ranks, divisible by EP (with ECHO)");
     if (!p.parse(args)) return 0;  // --help was printed
     MOEKIT_REQUIRE(iters >= 1 && iters <= 1'000'000, "--iters=", iters, " must be a positive integer (at most 1000000)");
 #ifndef MOEKIT_WITH_CUDA
@@ -70,6 +74,11 @@ int run_bench(const std::vector<std::string>& args) {
     MOEKIT_REQUIRE(receive_factor == 0 || (receive_factor > 0 && receive_factor <= 64 && dispatcher == "alltoall" && ep > 1),
                    "--moe-expert-rank-capacity-factor=", receive_factor,
                    " must be in (0, 64] and goes with --moe-token-dispatcher-type alltoall and EP > 1");
+    MOEKIT_REQUIRE(!enable_echo || (ep > 1 && dispatcher == "alltoall" && echo_experts > 0 && echo_experts % ep == 0),
+                   "--moe-enable-echo needs --expert-model-parallel-size > 1, --moe-token-dispatcher-type alltoall and "
+                   "--moe-num-echo-experts > 0 divisible by EP (got ", echo_experts, ")");
+    MOEKIT_REQUIRE(enable_echo || echo_experts == 0, "--moe-num-echo-experts=", echo_experts,
+                   " goes with --moe-enable-echo");
 #ifdef MOEKIT_WITH_CUDA
     namespace b = moekit::cuda::bench;
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
@@ -79,7 +88,7 @@ int run_bench(const std::vector<std::string>& args) {
     const b::Preset& chosen = b::find_preset(preset);
     nlohmann::json r;
     if (ep > 1) {
-        r = b::bench_layer_ep(chosen, o, int(ep), dispatcher, receive_factor);
+        r = b::bench_layer_ep(chosen, o, int(ep), dispatcher, receive_factor, enable_echo ? echo_experts / ep : 0);
         if (under_mpirun && virtual_ranks == 0 && moekit::comm::mpi_world().rank() != 0) return 0;  // rank 0 reports
         std::printf("%s", b::format_layer_ep_table(r).c_str());
     } else {

@@ -50,8 +50,9 @@ MoeConfig preset_config(const Preset& p);
 // alltoall; with receive_factor > 0 the budgeted sync-free one, also captured in one graph per rank):
 // whole-step wall time, each rank's step and stage times, bytes each rank sends and a device copy of as many
 // bytes, host syncs, against the EP = 1 layer on all T tokens timed in the same call.
+// echo_slots > 0: ECHO with that many spare slots per rank (the budgeted dispatcher; with o.zipf_s the skew).
 nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher,
-                              double receive_factor = 0);
+                              double receive_factor = 0, int64_t echo_slots = 0);
 std::string format_layer_ep_table(const nlohmann::json& r);
 
 // Human-readable tables of the results above.

@@ -15,11 +15,6 @@
 namespace moekit::cuda::bench {
 namespace {
 
-__global__ void set_column_kernel(bf16* p, int64_t rows, int64_t cols, int64_t col, float value) {
-    for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x)
-        p[r * cols + col] = __float2bfloat16(value);
-}
-
 // Bytes one fwd+bwd step of the expert MLP must move at least (SwiGLU, bf16 tensors, fp32 weight grads):
 // every expert weight read in forward and again in dgrad, its fp32 grad written once in wgrad, and each
 // routed row's activations written once and read once per use (fc1 in, h, act, fc2 out, and their grads).
@@ -91,17 +86,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     fill_uniform(b.router_weight, E * H, w, o.seed + 13);
     fill_uniform(b.fc1, E * 2 * F * H, w, o.seed + 14);
     fill_uniform(b.fc2, E * H * F, w, o.seed + 15);
-    if (o.zipf_s > 0) {
-        // Feature 0 of every token is 1 and router row e gets -S*log(e+1) there (scaled to the logit noise):
-        // a per-expert logit bias that makes expert e's popularity fall like a zipf law.
-        set_column_kernel<<<256, 256>>>(b.hidden, T, H, 0, 1.f);
-        MOEKIT_CUDA_LAUNCH_CHECK();
-        const float noise = std::sqrt(float(H) / 3.f) * 0.02f;
-        std::vector<bf16> bias(E);
-        for (int64_t e = 0; e < E; ++e) bias[e] = __float2bfloat16(float(-o.zipf_s * std::log(double(e + 1)) * noise));
-        MOEKIT_CUDA_CHECK(cudaMemcpy2D(b.router_weight, H * sizeof(bf16), bias.data(), sizeof(bf16), sizeof(bf16), E,
-                                       cudaMemcpyHostToDevice));
-    }
+    if (o.zipf_s > 0) apply_zipf_skew(b.hidden, T, b.router_weight, E, H, o.zipf_s);
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     cudaStream_t s;
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));

@@ -36,6 +36,7 @@ void fill_layer(CudaMoeLayer& layer, int64_t T, const Preset& p, const Options& 
     fill_uniform(b.router_weight, size_t(p.experts * H), w, o.seed + 13);
     fill_uniform(b.fc1, size_t(L * 2 * F * H), w, o.seed + 14 + 100 * uint64_t(rank));
     fill_uniform(b.fc2, size_t(L * H * F), w, o.seed + 15 + 100 * uint64_t(rank));
+    if (o.zipf_s > 0) apply_zipf_skew(b.hidden, T, b.router_weight, p.experts, H, o.zipf_s);
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -85,7 +86,7 @@ double transport_all_to_all_ms(DeviceComm& dc, Communicator& world, int64_t byte
 }  // namespace
 
 nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const std::string& dispatcher,
-                              double receive_factor) {
+                              double receive_factor, int64_t echo_slots) {
     MOEKIT_REQUIRE(ep >= 2 && p.tokens % ep == 0 && p.experts % ep == 0, "--expert-model-parallel-size=", ep,
                    " must be >= 2 and divide the preset's ", p.tokens, " tokens and ", p.experts, " experts");
     // Virtual ranks share one GPU: strong scaling (T/EP tokens each, the same total as EP = 1). Real ranks
@@ -94,7 +95,9 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
     const int64_t T = p.tokens, Tr = real_ranks ? T : T / ep;
     nlohmann::json out{{"preset", p.name}, {"ep", ep},          {"dispatcher", dispatcher}, {"T", T},
                        {"tokens_per_rank", Tr}, {"iters", o.iters}, {"H", p.hidden}, {"E", p.experts},
-                       {"topk", p.topk},        {"F", p.ffn},          {"receive_factor", receive_factor}};
+                       {"topk", p.topk},        {"F", p.ffn},          {"receive_factor", receive_factor},
+                       {"zipf_s", o.zipf_s},    {"echo_slots_per_rank", echo_slots}};
+    const bool sync_free = receive_factor > 0 || echo_slots > 0;  // the budgeted dispatcher
     cudaDeviceProp prop{};
     int dev = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
@@ -135,6 +138,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         c.expert_model_parallel_size = ep;
         c.moe_token_dispatcher_type = dispatcher;
         if (receive_factor > 0) c.moe_expert_rank_capacity_factor = receive_factor;
+        if (echo_slots > 0) c.moe_enable_echo = true, c.moe_num_echo_experts = echo_slots * ep;
         std::unique_ptr<DeviceComm> dc = make_device_comm(world);  // NCCL: selects this process's GPU
         double ep1_ms = 0;
         if (real_ranks) ep1_ms = time_ep1();
@@ -180,7 +184,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         const BudgetStatus budget = layer->end_dispatch_step();
         // The budgeted step has no host sync: capture it (every rank its own graph) and time the replays.
         std::vector<double> graph_walls;
-        if (receive_factor > 0) {
+        if (sync_free) {
             cudaGraph_t g = nullptr;
             cudaGraphExec_t ge = nullptr;
             MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -203,6 +207,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
             cudaGraphDestroy(g);
         }
         const BudgetStatus after = layer->end_dispatch_step();
+        const EchoStepSummary echo = layer->echo_summary();
         const std::vector<int64_t> counts = layer->read_tokens_per_expert();
         const DispatchTraffic traffic = layer->traffic();
         const LayerMemory mem = layer->memory();
@@ -224,6 +229,8 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
                          {"budget_rows", budget.budget_rows},
                          {"peak_rows", std::max(budget.peak_rows, after.peak_rows)}};
         if (!graph_walls.empty()) j["graph_whole_step_ms"] = median(graph_walls);
+        if (echo_slots > 0)
+            j["echo"] = {{"clones", echo.clones}, {"load_before", echo.load_before}, {"load_after", echo.load_after}};
         int64_t routed = 0;
         for (int64_t v : counts) routed += v;
         j["rows_routed"] = routed;
@@ -246,7 +253,18 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
         out["graph_whole_step_ms"] = ranks[0]["graph_whole_step_ms"];
         out["graph_whole_step_vs_ep1"] = out["graph_whole_step_ms"].get<double>() / out["ep1_step_ms"].get<double>();
     }
-    out["dispatch_blocks"] = receive_factor > 0 ? kBudgetedDispatchBlocks : 0;
+    out["dispatch_blocks"] = sync_free ? kBudgetedDispatchBlocks : 0;
+    if (ranks[0].contains("echo")) {
+        const auto mom = [](const std::vector<int64_t>& v) {
+            int64_t sum = 0, mx = 0;
+            for (int64_t x : v) sum += x, mx = std::max(mx, x);
+            return sum > 0 ? double(mx) * double(v.size()) / double(sum) : 1.0;
+        };
+        const nlohmann::json& e = ranks[0]["echo"];
+        out["echo_clones"] = e["clones"];
+        out["rank_load_max_over_mean_before"] = mom(e["load_before"].get<std::vector<int64_t>>());
+        out["rank_load_max_over_mean_after"] = mom(e["load_after"].get<std::vector<int64_t>>());
+    }
     int64_t bytes = 0;
     double max_expert = 0, sum_expert = 0;
     for (const auto& j : ranks) {
@@ -293,6 +311,13 @@ std::string format_layer_ep_table(const nlohmann::json& r) {
                   r["whole_step_vs_ep1"].get<double>(), double(r["bytes_sent_total"].get<int64_t>()) / (1 << 20),
                   r["expert_ms_max_over_mean"].get<double>());
     out += line;
+    if (r.contains("echo_clones")) {
+        std::snprintf(line, sizeof line, "  ECHO (%lld spare slots per rank, zipf %.2f): %lld clones, rank load max/mean %.3f -> %.3f\n",
+                      static_cast<long long>(r["echo_slots_per_rank"].get<int64_t>()), r["zipf_s"].get<double>(),
+                      static_cast<long long>(r["echo_clones"].get<int64_t>()),
+                      r["rank_load_max_over_mean_before"].get<double>(), r["rank_load_max_over_mean_after"].get<double>());
+        out += line;
+    }
     if (r.contains("graph_whole_step_ms")) {
         std::snprintf(line, sizeof line,
                       "  budgeted (factor %.2f, %d dispatch blocks): whole step in one graph per rank %.3f ms (x%.2f "

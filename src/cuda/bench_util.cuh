@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/rng.h"
@@ -43,6 +44,24 @@ void fill_uniform(bf16* p, size_t n, float scale, uint64_t seed) {
 void fill_uniform(float* p, size_t n, float lo, float hi, uint64_t seed) {
     fill_uniform_f32_kernel<<<1024, 256>>>(p, n, lo, hi, seed);
     MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+__global__ void set_column_kernel(bf16* p, int64_t rows, int64_t cols, int64_t col, float value) {
+    for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x)
+        p[r * cols + col] = __float2bfloat16(value);
+}
+
+// --skew zipf:S: feature 0 of every token is 1 and router row e gets -S*log(e+1) there (scaled to the
+// logit noise of init-scale weights): a per-expert logit bias that makes expert e's popularity fall like
+// a zipf law. hidden [T, H], router_weight [E, H].
+void apply_zipf_skew(bf16* hidden, int64_t T, bf16* router_weight, int64_t E, int64_t H, double s) {
+    set_column_kernel<<<256, 256>>>(hidden, T, H, 0, 1.f);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    const float noise = std::sqrt(float(H) / 3.f) * 0.02f;
+    std::vector<bf16> bias(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) bias[size_t(e)] = __float2bfloat16(float(-s * std::log(double(e + 1)) * noise));
+    MOEKIT_CUDA_CHECK(cudaMemcpy2D(router_weight, H * sizeof(bf16), bias.data(), sizeof(bf16), sizeof(bf16), size_t(E),
+                                   cudaMemcpyHostToDevice));
 }
 
 // Dense cuBLAS GEMMs with the grouped functions' row-major conventions and one group of `rows` rows:

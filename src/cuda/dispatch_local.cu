@@ -69,7 +69,7 @@ std::unique_ptr<CudaDispatcher<R>> make_cuda_dispatcher(const std::string& type,
     if (type == "allgather") return make_allgather_cuda_dispatcher<R>(shape, *ep);
     MOEKIT_REQUIRE(type == "alltoall" || type == "flex", "--moe-token-dispatcher-type=", type,
                    ": --device cuda with EP > 1 supports allgather, alltoall and flex");
-    if (shape.receive_factor > 0) return make_budgeted_cuda_dispatcher<R>(shape, *ep);
+    if (shape.receive_factor > 0 || shape.echo_slots > 0) return make_budgeted_cuda_dispatcher<R>(shape, *ep);
     return make_alltoall_cuda_dispatcher<R>(shape, *ep);
 }
 

@@ -3,7 +3,8 @@
 // over the global experts; the dispatcher turns it into the local experts' input and returns their
 // output to the tokens. Implementations: dispatch_local.cu (EP = 1: permute/combine, no communication),
 // dispatch_allgather.cu (device all-gathers, static buffers, no host sync), dispatch_alltoall.cu (host
-// split sizes: the synchronous baseline). Twin: src/cpu/dispatcher.h. Tests: tests/gpu/test_cuda_ep.cu.
+// split sizes: the synchronous baseline), dispatch_budgeted.cu (sync-free, fixed receive budgets; with
+// ECHO spare slots, dispatch_echo.cu). Twin: src/cpu/dispatcher.h. Tests: tests/gpu/test_cuda_ep.cu.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -11,8 +12,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/device_comm.h"
+#include "core/echo_plan_math.h"
 #include "cuda/permute.cuh"
 #include "cuda/router.cuh"
 
@@ -25,7 +28,24 @@ struct ExpertInput {
     int64_t max_rows = 0;                   // static bound on offsets[L]
     const __nv_bfloat16* rows = nullptr;    // [max_rows, H] grouped by local expert
     const R* probs = nullptr;               // [max_rows] routing prob of each row
-    const int32_t* offsets = nullptr;       // [L + 1] on the device
+    const int32_t* offsets = nullptr;       // [L + S + 1] on the device
+    // ECHO (issue 9): S spare slots after the L home experts; slot s computes with slot_fc1/fc2[s] (clone
+    // weights the dispatcher brought in) and its weight gradients go to slot_grad_fc1/fc2[s] (fp32), which
+    // the dispatcher adds into the home experts' gradients in dispatch_backward. S = 0 without ECHO.
+    int64_t num_slots = 0;
+    const __nv_bfloat16* slot_fc1 = nullptr;  // [S, F1, H]
+    const __nv_bfloat16* slot_fc2 = nullptr;  // [S, H, F]
+    float* slot_grad_fc1 = nullptr;           // [S, F1, H]
+    float* slot_grad_fc2 = nullptr;           // [S, H, F]
+};
+
+// The local experts' parameters (the layer's, bound per step): ECHO clones read the weights and add their
+// gradients into the grads.
+struct ExpertParams {
+    const __nv_bfloat16* fc1 = nullptr;  // [L, F1, H]
+    const __nv_bfloat16* fc2 = nullptr;  // [L, H, F]
+    float* grad_fc1 = nullptr;           // [L, F1, H]
+    float* grad_fc2 = nullptr;           // [L, H, F]
 };
 
 // Traffic of the last step, for benchmarks (host values; the budgeted dispatcher reads its count matrix).
@@ -41,6 +61,12 @@ struct BudgetStatus {
     bool overflow = false;   // some rank would have received more rows than its budget: the step is invalid
     int64_t budget_rows = 0; // per rank
     int64_t peak_rows = 0;   // most rows any rank would have received this step
+};
+
+// ECHO's last plan, as every rank computed it (empty without ECHO).
+struct EchoStepSummary {
+    int64_t clones = 0;
+    std::vector<int64_t> load_before, load_after;  // [EP] rows per rank without / with the clones
 };
 
 template <typename R>
@@ -77,6 +103,10 @@ public:
     virtual BudgetStatus end_step() { return {}; }
     // While on, the calls run the synchronous alltoall path (the re-run after an overflow).
     virtual void set_synchronous(bool) {}
+    // ECHO: where this step's expert weights and grads are (set before dispatch; a no-op elsewhere).
+    virtual void set_expert_params(const ExpertParams&) {}
+    // ECHO: the last step's plan summary (device values read on the host: between steps only).
+    virtual EchoStepSummary echo_summary() const { return {}; }
 };
 
 // Static bounds of a rank's dispatcher.
@@ -85,13 +115,16 @@ struct DispatchShape {
     int64_t plan_max_rows = 0;   // bound on this rank's permuted rows (RouterShape::max_rows)
     int ep_size = 1, ep_rank = 0;
     double receive_factor = 0;   // --moe-expert-rank-capacity-factor (0 = none): the budgeted dispatcher
+    int64_t echo_slots = 0;      // ECHO spare slots per rank (--moe-num-echo-experts / EP; 0 = no ECHO)
+    EchoAlgorithm echo_algorithm = EchoAlgorithm::waterfill;
+    int64_t fc1_rows = 0, ffn = 0;  // an expert's weights: fc1 [F1, H], fc2 [H, F] (ECHO copies them)
     int64_t local_experts() const { return router.num_experts / ep_size; }
     // Rows one source rank can send to one EP rank: L * capacity with padding, else T * min(k, L).
     int64_t rows_per_source() const;
 };
 
 // --moe-token-dispatcher-type allgather | alltoall (flex = alltoall here); with a receive factor (EP > 1,
-// alltoall or flex) the budgeted one; EP = 1 is the local one whatever the type. `ep` (null at EP = 1) is
+// alltoall or flex) or ECHO spare slots the budgeted one; EP = 1 is the local one whatever the type. `ep` (null at EP = 1) is
 // kept by reference.
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_cuda_dispatcher(const std::string& type, const DispatchShape& shape,

@@ -259,4 +259,9 @@ void echo_plan_profiled(const EchoDims& d, EchoAlgorithm algorithm, const int64_
     launch_echo_plan_kernel(d, algorithm, counts, plan, profile, stream);
 }
 
+void echo_plan_preload() {
+    cudaFuncAttributes a{};
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, echo_plan_kernel<false>));
+}
+
 }  // namespace moekit::cuda

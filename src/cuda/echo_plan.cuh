@@ -27,6 +27,9 @@ struct EchoDevicePlan {
 void echo_plan(const EchoDims& dims, EchoAlgorithm algorithm, const int64_t* counts, const EchoDevicePlan& plan,
                cudaStream_t stream);
 
+// Loads the planner's kernel now (outside a step whose device barriers spin; dispatch_budgeted.cu).
+void echo_plan_preload();
+
 // Where the planner's time goes (bench_echo_plan --profile): the same plan from an instantiation that
 // stamps the SM clock (clock64, cycles) at the start and after each phase. profile: device int64
 // [kEchoPlanProfileSize] = kEchoPlanPhases + 1 stamps, then search rounds, then listed experts.

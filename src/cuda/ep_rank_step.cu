@@ -126,6 +126,8 @@ EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups
     r.bytes_sent = traffic.bytes_sent, r.host_syncs = traffic.host_syncs;
     r.budgeted = budget.budgeted, r.overflow = budget.overflow;
     r.budget_rows = budget.budget_rows, r.peak_rows = budget.peak_rows;
+    const EchoStepSummary echo = layer->echo_summary();
+    r.echo_clones = echo.clones, r.echo_load_before = echo.load_before, r.echo_load_after = echo.load_after;
     return r;
 }
 

@@ -22,6 +22,9 @@ struct EpRankStep {
     // --moe-expert-rank-capacity-factor: the budget, and whether an overflow made the step re-run.
     bool budgeted = false, overflow = false;
     int64_t budget_rows = 0, peak_rows = 0;
+    // --moe-enable-echo: clones of the step's plan and the rows per EP rank without / with them.
+    int64_t echo_clones = 0;
+    std::vector<int64_t> echo_load_before, echo_load_after;
 };
 
 // Collective over groups.ep (its transport picks the device one: local -> virtual ranks on the current

@@ -39,8 +39,10 @@ public:
         const RouterShape& r = shape.router;
         const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
-        dispatcher_ = make_cuda_dispatcher<R>(
-            shape.dispatcher, DispatchShape{r, M, shape.ep_size, shape.ep_rank, shape.receive_factor}, ep);
+        DispatchShape ds{r, M, shape.ep_size, shape.ep_rank, shape.receive_factor};
+        ds.echo_slots = shape.echo_slots, ds.echo_algorithm = shape.echo_algorithm;
+        ds.fc1_rows = shape.fc1_rows, ds.ffn = shape.ffn;
+        dispatcher_ = make_cuda_dispatcher<R>(shape.dispatcher, ds, ep);
         const int64_t L = dispatcher_->num_local_experts(), Me = dispatcher_->expert_max_rows();
         mask_.resize(T);
         if (own_io) {
@@ -109,6 +111,7 @@ public:
     DispatchTraffic traffic() const override { return dispatcher_->traffic(); }
     BudgetStatus end_dispatch_step() override { return dispatcher_->end_step(); }
     void set_synchronous_dispatch(bool on) override { dispatcher_->set_synchronous(on); }
+    EchoStepSummary echo_summary() const override { return dispatcher_->echo_summary(); }
     void save_router_trackers(cudaStream_t stream) override { copy_trackers(true, stream); }
     void restore_router_trackers(cudaStream_t stream) override { copy_trackers(false, stream); }
     void enable_stage_timing(bool on) override { timing_ = on; }
@@ -125,9 +128,10 @@ public:
         mark(stream, 0, LayerStage::router, false);
         mark(stream, 0, LayerStage::permute, true);
         build_routing_plan<R>(map_.get(), probs_.get(), plan(), stream);
+        dispatcher_->set_expert_params(ExpertParams{buf_.fc1, buf_.fc2, buf_.grad_fc1, buf_.grad_fc2});
         experts_ = dispatcher_->dispatch(plan(), map_.get(), probs_.get(), buf_.hidden, stream);
         mark(stream, 0, LayerStage::permute, false);
-        const int64_t L = experts_.num_experts, M = experts_.max_rows;
+        const int64_t L = experts_.num_experts, S = experts_.num_slots, M = experts_.max_rows;
         const int32_t* offsets = experts_.offsets;
         if (shape_.has_shared) {
             mark(stream, 0, LayerStage::shared_expert, true);
@@ -135,13 +139,16 @@ public:
             mark(stream, 0, LayerStage::shared_expert, false);
         }
         mark(stream, 0, LayerStage::fc1, true);
+        // ECHO: the S slot groups follow the L home groups in the rows; they compute with the clone weights.
         gemm_.nt(GroupedGemmShape{L, M, F1, H}, experts_.rows, buf_.fc1, fc1_out_.get(), offsets, stream);
+        if (S) gemm_.nt(GroupedGemmShape{S, M, F1, H}, experts_.rows, experts_.slot_fc1, fc1_out_.get(), offsets + L, stream);
         mark(stream, 0, LayerStage::fc1, false);
         mark(stream, 0, LayerStage::activation, true);
-        activation_forward<R>(act_shape(), offsets + L, fc1_out_.get(), experts_.probs, act_out_.get(), stream);
+        activation_forward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, act_out_.get(), stream);
         mark(stream, 0, LayerStage::activation, false);
         mark(stream, 0, LayerStage::fc2, true);
         gemm_.nt(GroupedGemmShape{L, M, H, F}, act_out_.get(), buf_.fc2, expert_out_.get(), offsets, stream);
+        if (S) gemm_.nt(GroupedGemmShape{S, M, H, F}, act_out_.get(), experts_.slot_fc2, expert_out_.get(), offsets + L, stream);
         mark(stream, 0, LayerStage::fc2, false);
         mark(stream, 0, LayerStage::combine, true);
         dispatcher_->combine(plan(), expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
@@ -153,23 +160,36 @@ public:
         const RouterShape& r = shape_.router;
         const bool acc = options.accumulate_param_grads;
         const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
-        const int64_t L = experts_.num_experts, M = experts_.max_rows;
+        const int64_t L = experts_.num_experts, S = experts_.num_slots, M = experts_.max_rows;
         const int32_t* offsets = experts_.offsets;
         mark(stream, 1, LayerStage::combine, true);
         const bf16* grad_rows = dispatcher_->combine_backward(plan(), buf_.grad_output, grad_rows_.get(), stream);
         mark(stream, 1, LayerStage::combine, false);
         mark(stream, 1, LayerStage::fc2, true);
+        // ECHO slot groups: clone weights for dgrad; their weight grads go to the slots' own buffers (fresh each
+        // step), which dispatch_backward adds into the home experts' grads.
+        const int32_t* slot_offsets = offsets + L;
         gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, grad_act_.get(), offsets, stream);
+        if (S) gemm_.nn(GroupedGemmShape{S, M, F, H}, grad_rows, experts_.slot_fc2, grad_act_.get(), slot_offsets, stream);
         gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows, act_out_.get(), buf_.grad_fc2, offsets, acc, stream);
+        if (S)
+            gemm_.tn(GroupedGemmShape{S, M, F, H}, grad_rows, act_out_.get(), experts_.slot_grad_fc2, slot_offsets, false,
+                     stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
-        activation_backward<R>(act_shape(), offsets + L, fc1_out_.get(), experts_.probs, grad_act_.get(),
+        activation_backward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, grad_act_.get(),
                                grad_fc1_out_.get(), grad_row_probs_.get(), stream);
         mark(stream, 1, LayerStage::activation, false);
         mark(stream, 1, LayerStage::fc1, true);
         gemm_.nn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(), offsets, stream);
+        if (S)
+            gemm_.nn(GroupedGemmShape{S, M, H, F1}, grad_fc1_out_.get(), experts_.slot_fc1, grad_x_rows_.get(), slot_offsets,
+                     stream);
         gemm_.tn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), experts_.rows, buf_.grad_fc1, offsets, acc,
                  stream);
+        if (S)
+            gemm_.tn(GroupedGemmShape{S, M, H, F1}, grad_fc1_out_.get(), experts_.rows, experts_.slot_grad_fc1,
+                     slot_offsets, false, stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
         dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,
@@ -381,6 +401,12 @@ CudaLayerShape CudaLayerShape::from_config(const MoeConfig& c, int64_t seq_lengt
     s.ep_size = int(c.expert_model_parallel_size);
     MOEKIT_REQUIRE(s.ep_size >= 1 && s.router.num_experts % s.ep_size == 0, "--expert-model-parallel-size=", s.ep_size,
                    " must divide --num-experts=", s.router.num_experts);
+    if (c.moe_enable_echo && s.ep_size > 1) {
+        s.echo_slots = c.moe_num_echo_experts.value_or(0) / s.ep_size;
+        s.echo_algorithm = c.moe_echo_algorithm == "greedy" ? EchoAlgorithm::greedy : EchoAlgorithm::waterfill;
+        MOEKIT_REQUIRE(!c.moe_echo_recompute_expert_dispatch, "--moe-echo-recompute-expert-dispatch: not supported on "
+                       "--device cuda yet (each CUDA layer keeps its own spare-slot buffers); use the CPU backend");
+    }
     return s;
 }
 

@@ -40,6 +40,8 @@ struct CudaLayerShape {
     std::string dispatcher = "allgather";  // --moe-token-dispatcher-type (EP > 1)
     int ep_size = 1, ep_rank = 0;   // this layer's place in its EP group; experts [ep_rank*L, +L) are local
     double receive_factor = 0;      // --moe-expert-rank-capacity-factor: the budgeted dispatcher (EP > 1)
+    int64_t echo_slots = 0;         // --moe-enable-echo: spare slots per rank (--moe-num-echo-experts / EP)
+    EchoAlgorithm echo_algorithm = EchoAlgorithm::waterfill;  // --moe-echo-algorithm
     int64_t local_experts() const { return router.num_experts / ep_size; }
 
     static CudaLayerShape from_config(const MoeConfig& config, int64_t seq_length, int64_t micro_batch_size);
@@ -132,6 +134,8 @@ public:
     // the end-of-step verdict (a host read between steps), and the synchronous re-run switch.
     virtual BudgetStatus end_dispatch_step() = 0;
     virtual void set_synchronous_dispatch(bool on) = 0;
+    // ECHO (--moe-enable-echo, EP > 1): the last step's plan summary (a host read between steps).
+    virtual EchoStepSummary echo_summary() const = 0;
     // Device copies of the expert-bias counts and the global-aux tracker, so a re-run step counts once.
     virtual void save_router_trackers(cudaStream_t stream) = 0;
     virtual void restore_router_trackers(cudaStream_t stream) = 0;

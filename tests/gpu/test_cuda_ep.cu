@@ -17,24 +17,11 @@
 #include "cuda/moe_layer.h"
 #include "core/dispatch_math.h"
 #include "gpu/cuda_layer_test_util.h"
+#include "gpu/ep_test_util.h"
 #include "moekit/comm.h"
 
 namespace moekit::test {
 namespace {
-
-// The ranks a case runs on: `ranks` virtual ranks on this GPU, or, when the binary was started by mpirun with
-// that many processes, the MPI world (one GPU each, the NCCL transport): the same checks on real ranks
-// (scripts/device_ep_multi.sh). Under mpirun with another size the case is skipped.
-bool on_ranks(int ranks, const std::function<void(Communicator&)>& fn) {
-    if (comm::mpi_launched()) {
-        Communicator& world = comm::mpi_world();
-        if (world.size() != ranks) return false;
-        fn(world);
-        return true;
-    }
-    comm::run_virtual_ranks(ranks, fn);
-    return true;
-}
 
 std::vector<float> flat(const std::vector<Matrix<float>>& ms, int64_t first, int64_t count) {
     std::vector<float> v;
@@ -177,21 +164,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaEpVsCpu,
                              return std::get<0>(info.param).name + "_ep" + std::to_string(std::get<1>(info.param)) +
                                     "_" + std::get<2>(info.param);
                          });
-
-// "" when equal bit for bit, else where they first differ, by how much, and how many entries differ.
-std::string first_difference(const std::vector<float>& a, const std::vector<float>& b) {
-    if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
-    size_t first = a.size(), n = 0;
-    double worst = 0;
-    for (size_t i = 0; i < a.size(); ++i)
-        if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-            if (first == a.size()) first = i;
-            ++n, worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
-        }
-    if (n == 0) return "";
-    return "first at " + std::to_string(first) + " (" + std::to_string(a[first]) + " vs " + std::to_string(b[first]) +
-           "), " + std::to_string(n) + " of " + std::to_string(a.size()) + " differ, max |diff| " + std::to_string(worst);
-}
 
 // The budgeted (sync-free) dispatcher against the alltoall one on the same micro-batches: the same rows in
 // the same order reach the same GEMMs, so every result is bitwise equal; with a tiny factor every step
@@ -337,17 +309,23 @@ TEST(CudaEpBudgeted, ReceiveBufferHoldsTheAlltoallRowsAndSlackIsUntouched) {
     }
 }
 
-// The whole EP layer step (forward + backward through the budgeted dispatcher) captured in one CUDA graph
-// per rank: replays on fresh inputs equal eager steps bit for bit.
-TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
-    SKIP_WITHOUT_GPU();
+// The whole EP layer step (forward + backward through the budgeted dispatcher; with `echo`, also the
+// planner, clone weights and clone grads, under zipf-skewed routing) captured in one CUDA graph per rank:
+// replays on fresh inputs equal eager steps bit for bit.
+void check_graph_equals_eager(bool echo) {
     for (int ranks : {2, 4, 8}) {
         on_ranks(ranks, [&](Communicator& world) {
             const int r = world.rank();
             MoeConfig c = small_config();
             c.expert_model_parallel_size = ranks, c.moe_token_dispatcher_type = "alltoall";
             c.moe_expert_rank_capacity_factor = 2.0;
-            const MoeWeights<float> w = bf16_weights(c, 55);
+            if (echo) c.moe_enable_echo = true, c.moe_num_echo_experts = 2 * ranks;
+            MoeWeights<float> w = bf16_weights(c, 55);
+            const auto skewed = [&](LayerInput<float> in) {
+                if (echo) zipf_skew(w, in, 1.2, 2.0);
+                return in;
+            };
+            (void)skewed(bf16_input(c, 1));  // the router weights' skew column
             const auto groups = make_process_groups(world, ranks);
             auto dc = cuda::make_device_comm(*groups->ep);
             auto layer = cuda::CudaMoeLayer::create(c, c.seq_length, c.micro_batch_size, true, dc.get());
@@ -368,7 +346,7 @@ TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
             cudaStream_t s;
             ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
             const auto set_inputs = [&](uint64_t step) {
-                up(b.hidden, bf16_input(c, 1000 * step + uint64_t(r)).hidden.data);
+                up(b.hidden, skewed(bf16_input(c, 1000 * step + uint64_t(r))).hidden.data);
                 up(b.grad_output, random_matrix<float>(T, H, 1000 * step + uint64_t(r), 9, 1.0).data);
             };
             const auto results = [&] {
@@ -409,11 +387,22 @@ TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
                 world.barrier();
             }
             EXPECT_EQ(layer->traffic().host_syncs, 0);
+            if (echo) EXPECT_GT(layer->echo_summary().clones, 0) << "the skew should make ECHO clone";
             cudaGraphExecDestroy(exec);
             cudaGraphDestroy(graph);
             cudaStreamDestroy(s);
         });
     }
+}
+
+TEST(CudaEpBudgeted, WholeStepCapturedInOneGraphEqualsEager) {
+    SKIP_WITHOUT_GPU();
+    check_graph_equals_eager(false);
+}
+
+TEST(CudaEcho, WholeStepCapturedInOneGraphEqualsEager) {
+    SKIP_WITHOUT_GPU();
+    check_graph_equals_eager(true);
 }
 
 // The transport's collectives on `world` (local-gpu for virtual ranks, NCCL for MPI ranks).

@@ -1,0 +1,132 @@
+// ECHO device steps of the budgeted dispatcher (see dispatch_echo.cuh): counts -> plan -> send tables in
+// two small kernels, clone weights pushed into peers' slots, clone gradients added at home.
+#include "cuda/dispatch_echo.cuh"
+
+#include "core/dispatch_math.h"
+#include "core/echo_dispatch_math.h"
+#include "cuda/cuda_check.h"
+
+namespace moekit::cuda {
+namespace {
+
+constexpr int kTableThreads = 64;
+constexpr int kCopyThreads = 256;
+
+__global__ void widen_counts_kernel(const int32_t* counts32, int64_t n, int64_t* counts64) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+        counts64[i] = counts32[i];
+}
+
+// One block; thread q walks receiver q's buffer layout (echo_recv_chunk_offsets) and fills this rank's
+// chunk (q, b) of it; the receiver's own layout (q == rank) gives the held rows and the GEMM offsets.
+__global__ void echo_tables_kernel(EchoDeviceState st, const int32_t* plan_offsets, int rank, int64_t budget,
+                                   BudgetTables t) {
+    const EchoDims d = st.dims;
+    const int64_t E = d.num_experts, L = d.experts_per_rank(), S = d.slots_per_rank, B = L + S, EP = d.ep;
+    const int32_t* slot_expert = st.plan.slot_expert;
+    const int64_t* home = st.plan.home_tokens;
+    const int64_t* clone = st.plan.clone_tokens;
+    const int64_t* home_row = home + rank * E;
+    const int64_t* clone_row = clone + rank * d.num_slots();
+    for (int64_t q = threadIdx.x; q < EP; q += blockDim.x) {
+        int64_t* off = st.recv_offsets + q * (B * EP + 1);
+        const int64_t total = echo_recv_chunk_offsets(d, slot_expert, home, clone, q, off);
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t c = q * B + b, e = echo_bucket_expert(d, slot_expert, q, b);
+            const int64_t n = echo_chunk_rows(d, slot_expert, home, clone, q, b, rank);
+            const int64_t begin = b < L || e < 0 ? 0 : echo_segment_begin(d, slot_expert, home_row, clone_row, q * S + b - L);
+            const int64_t dst = off[b * EP + rank];
+            t.send_src[c] = e < 0 ? 0 : int32_t(plan_offsets[e] + begin);
+            t.send_dst[c] = int32_t(dst);
+            t.send_n[c] = int32_t(rows_within_budget(dst, n, budget));
+        }
+        if (q == rank) {
+            for (int64_t i = 0; i <= B * EP; ++i) t.chunk_start[i] = int32_t(off[i] < budget ? off[i] : budget);
+            *t.held = int32_t(total < budget ? total : budget);
+        }
+        if (total > budget) atomicExch(t.status, 1ull);
+        atomicMax(t.status + 1, (unsigned long long)total);
+    }
+    __syncthreads();
+    for (int64_t b = threadIdx.x; b <= B; b += blockDim.x) t.expert_offsets[b] = t.chunk_start[b * EP];
+}
+
+// Grid-stride over (slot j, 16-byte vector v) of the clones homed here: weights into slot j % S of rank j / S.
+__global__ void push_weights_kernel(EchoDims d, const int32_t* slot_expert, const uint4* fc1, const uint4* fc2,
+                                    char* const* peers, EchoSlotRegions r, int rank) {
+    const int64_t L = d.experts_per_rank(), S = d.slots_per_rank, v1 = r.fc1_elems / 8, v2 = r.fc2_elems / 8;
+    for (int64_t j = 0; j < d.num_slots(); ++j) {
+        const int64_t e = slot_expert[j];
+        if (e < 0 || d.home_rank(e) != rank) continue;
+        const int64_t l = e - int64_t(rank) * L, q = j / S, s = j % S;
+        uint4* dst1 = reinterpret_cast<uint4*>(peers[q] + r.fc1) + s * v1;
+        uint4* dst2 = reinterpret_cast<uint4*>(peers[q] + r.fc2) + s * v2;
+        const uint4* src1 = fc1 + l * v1;
+        const uint4* src2 = fc2 + l * v2;
+        for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < v1 + v2; i += int64_t(gridDim.x) * blockDim.x)
+            if (i < v1) dst1[i] = src1[i]; else dst2[i - v1] = src2[i - v1];
+    }
+}
+
+// For each home expert l with clones: grad[l] += clone grads, slots in ascending order, 4 floats at a time.
+__global__ void add_clone_grads_kernel(EchoDims d, const int32_t* slot_expert, float4* gfc1, float4* gfc2,
+                                       char* const* peers, EchoSlotRegions r, int rank) {
+    const int64_t L = d.experts_per_rank(), S = d.slots_per_rank, v1 = r.fc1_elems / 4, v2 = r.fc2_elems / 4;
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t e = int64_t(rank) * L + l;
+        bool cloned = false;
+        for (int64_t j = 0; j < d.num_slots() && !cloned; ++j) cloned = slot_expert[j] == e;
+        if (!cloned) continue;
+        for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < v1 + v2; i += int64_t(gridDim.x) * blockDim.x) {
+            const bool first = i < v1;
+            float4* g = first ? gfc1 + l * v1 + i : gfc2 + l * v2 + (i - v1);
+            float4 acc = *g;
+            for (int64_t j = 0; j < d.num_slots(); ++j) {
+                if (slot_expert[j] != e) continue;
+                const char* base = peers[j / S] + (first ? r.grad_fc1 : r.grad_fc2);
+                const float4 c = reinterpret_cast<const float4*>(base)[(j % S) * (first ? v1 : v2) + (first ? i : i - v1)];
+                acc.x += c.x, acc.y += c.y, acc.z += c.z, acc.w += c.w;
+            }
+            *g = acc;
+        }
+    }
+}
+
+}  // namespace
+
+void echo_plan_and_tables(const EchoDeviceState& st, const int32_t* counts32, const int32_t* plan_offsets, int rank,
+                          int64_t budget, const BudgetTables& t, cudaStream_t stream) {
+    const int64_t n = st.dims.ep * st.dims.num_experts;
+    widen_counts_kernel<<<int((n + 255) / 256), 256, 0, stream>>>(counts32, n, st.counts);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    echo_plan(st.dims, st.algorithm, st.counts, st.plan, stream);
+    echo_tables_kernel<<<1, kTableThreads, 0, stream>>>(st, plan_offsets, rank, budget, t);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+void echo_push_clone_weights(const EchoDeviceState& st, const ExpertParams& w, char* const* peers,
+                             const EchoSlotRegions& r, int rank, int blocks, cudaStream_t stream) {
+    push_weights_kernel<<<blocks, kCopyThreads, 0, stream>>>(st.dims, st.plan.slot_expert,
+                                                             reinterpret_cast<const uint4*>(w.fc1),
+                                                             reinterpret_cast<const uint4*>(w.fc2), peers, r, rank);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+void echo_add_clone_grads(const EchoDeviceState& st, const ExpertParams& w, char* const* peers,
+                          const EchoSlotRegions& r, int rank, int blocks, cudaStream_t stream) {
+    add_clone_grads_kernel<<<blocks, kCopyThreads, 0, stream>>>(st.dims, st.plan.slot_expert,
+                                                                reinterpret_cast<float4*>(w.grad_fc1),
+                                                                reinterpret_cast<float4*>(w.grad_fc2), peers, r, rank);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+void echo_preload_kernels() {
+    cudaFuncAttributes a{};
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, widen_counts_kernel));
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, echo_tables_kernel));
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, push_weights_kernel));
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, add_clone_grads_kernel));
+    echo_plan_preload();
+}
+
+}  // namespace moekit::cuda
