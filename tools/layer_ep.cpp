@@ -6,6 +6,7 @@
 #include "layer_ep.h"
 
 #include <csignal>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -112,6 +113,19 @@ RankStep<T> cuda_rank_step(const ProcessGroups& groups, const MoeConfig& config,
 #if MOEKIT_WITH_CUDA
     if constexpr (std::is_same_v<T, float>) {
         cuda::EpRankStep s = cuda::run_ep_rank_step(config, groups, weights, mine, grad_mine);
+        if (s.echo_clones > 0 && groups.world->rank() == 0) {  // what the device plan did (EP group 0)
+            const auto max_over_mean = [](const std::vector<int64_t>& v) {
+                int64_t sum = 0, mx = 0;
+                for (int64_t x : v) sum += x, mx = std::max(mx, x);
+                return sum > 0 ? double(mx) * double(v.size()) / double(sum) : 1.0;
+            };
+            std::fprintf(stderr, "moekit layer: ECHO on the GPU (EP group 0): %lld clones, rank load max/mean %.3f -> %.3f\n",
+                         static_cast<long long>(s.echo_clones), max_over_mean(s.echo_load_before),
+                         max_over_mean(s.echo_load_after));
+        }
+        if (s.overflow && groups.world->rank() == 0)
+            std::fprintf(stderr, "moekit layer: the receive budget of %lld rows overflowed (peak %lld); the step was re-run\n",
+                         static_cast<long long>(s.budget_rows), static_cast<long long>(s.peak_rows));
         RankStep<T> r{std::move(s.output), std::move(s.grad_input), std::move(s.probs), std::move(s.routing_map),
                       std::move(s.grads), std::move(s.summary), {}};
         r.layout = cpu::EpLayout{config.num_experts(), config.num_experts() / groups.ep_size(), groups.ep_size(),

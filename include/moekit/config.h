@@ -61,7 +61,7 @@ struct MoeConfig {
     bool moe_shared_expert_overlap = false;
 
     // ---- ECHO (MoE Echo's flags, megatron-moe.md §7.1; the planner is src/echo, `moekit plan`) ----
-    bool moe_enable_echo = false;                       // CPU EP pipeline (src/cpu/dispatch_echo.h); not yet on cuda
+    bool moe_enable_echo = false;                       // src/cpu/dispatch_echo.h; cuda: src/cuda/dispatch_echo.cuh
     std::optional<int64_t> moe_num_echo_experts;        // S_TOTAL spare slots over all ranks, divisible by EP
     bool moe_echo_recompute_expert_dispatch = false;    // one spare-slot buffer for all layers
     std::string moe_echo_algorithm = "waterfill";       // waterfill | greedy

@@ -117,7 +117,7 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-shared-expert-gate", &c.moe_shared_expert_gate, "sigmoid gate on the shared expert's output");
 
     p.section("ECHO (elastic cloning of hot experts)");
-    p.add("--moe-enable-echo", &c.moe_enable_echo, "clone hot experts into spare slots every step (CPU EP pipeline, alltoall dispatcher; not yet on cuda)");
+    p.add("--moe-enable-echo", &c.moe_enable_echo, "clone hot experts into spare slots every step (EP > 1, alltoall dispatcher; cuda: moekit layer and bench)");
     p.add("--moe-num-echo-experts", &c.moe_num_echo_experts, "S_TOTAL spare expert slots over all EP ranks");
     p.add("--moe-echo-recompute-expert-dispatch", &c.moe_echo_recompute_expert_dispatch,
           "one set of spare-slot buffers for all layers; clone weights sent again in backward (CPU: dropped between forward and backward)");

@@ -14,11 +14,12 @@
 namespace moekit {
 
 namespace {
-// Features of the CPU reference only, so far: ECHO (the CPU EP pipeline, src/cpu/dispatch_echo.h; the GPU
-// dispatch is issue 9's next step) and --moe-router-force-load-balancing (src/cpu/router.cpp).
+// The single-GPU runner has no ECHO (it needs other EP ranks: the GPU ECHO runs in the EP layer step,
+// src/cuda/dispatch_echo.cuh) and no --moe-router-force-load-balancing (src/cpu/router.cpp only).
 void refuse_echo_on_cuda(const MoeConfig& config) {
-    MOEKIT_REQUIRE(!config.moe_enable_echo, "--moe-enable-echo: not supported yet on --device cuda (the GPU ECHO "
-                   "dispatch is not there yet; --device cpu runs it)");
+    MOEKIT_REQUIRE(!config.moe_enable_echo, "--moe-enable-echo: not supported yet on --device cuda at "
+                   "--expert-model-parallel-size 1 (clones go to other EP ranks: run EP > 1 with --virtual-ranks or "
+                   "mpirun; --device cpu runs it)");
     MOEKIT_REQUIRE(!config.moe_router_force_load_balancing, "--moe-router-force-load-balancing: not supported yet on "
                    "--device cuda (the CPU router has it; --device cpu runs it)");
 }

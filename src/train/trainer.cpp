@@ -200,8 +200,8 @@ std::unique_ptr<TrainEngine> make_engine(const TrainOptions& o, const RunLayout&
         return make_ep_engine(o);
     }
     MOEKIT_REQUIRE(o.device != "cuda" || !o.config.moe_enable_echo,
-                   "--moe-enable-echo: not supported yet on --device cuda (the GPU ECHO dispatch is not there yet; "
-                   "--device cpu runs it)");
+                   "--moe-enable-echo: not supported yet on --device cuda by moekit train (the GPU ECHO runs in "
+                   "moekit layer and moekit bench with EP > 1; --device cpu trains with it)");
     MOEKIT_REQUIRE(o.device != "cuda" || !o.config.moe_router_force_load_balancing,
                    "--moe-router-force-load-balancing: not supported yet on --device cuda (the CPU router has it; "
                    "--device cpu runs it)");

@@ -171,7 +171,7 @@ TEST(EchoConfig, FlagsAreCheckedWithClearErrors) {
     a.moe_enable_echo = false;
     a.moe_echo_recompute_expert_dispatch = true;
     EXPECT_NE(error_of(a).find("requires --moe-enable-echo"), std::string::npos);
-    EXPECT_THROW((void)make_layer_runner(c, "cuda"), UsageError);  // the GPU ECHO dispatch is not there yet
+    EXPECT_THROW((void)make_layer_runner(c, "cuda"), UsageError);  // EP = 1: no other rank to clone to
     try {
         (void)make_layer_runner(c, "cuda");
     } catch (const UsageError& e) {

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU ECHO check in one call (issue 9; bounded to the device's 10-minute limit): build; the ECHO and
+# budgeted-dispatcher GPU tests in fresh processes; compute-sanitizer memcheck on the ECHO kernels; the
+# EP benchmark under zipf 1.2 skew with ECHO vs without (receive factor 1.25); the simulated EP step
+# (bench_echo_balance: busiest rank's expert time with ECHO vs forced balance) and the planner benchmark.
+# usage: MOEKIT_COMMIT=<sha> scripts/device_echo_check.sh; results in $OUT (summary.txt first).
+set -o pipefail
+OUT=${OUT:-/tmp/moekit-out}
+mkdir -p "$OUT/bench"
+export PATH=/usr/local/cuda/bin:$PATH MOEKIT_DEVICE_WAIT_S=${MOEKIT_DEVICE_WAIT_S:-10}
+B=build-dev
+LIMIT=${LIMIT:-570}
+log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
+left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
+echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
+log "build"
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
+targets="moekit test_cuda_echo test_cuda_ep"
+[ -f bench/bench_echo_balance.cu ] && targets="$targets bench_echo_balance"
+timeout 280 cmake --build $B --target $targets bench_echo_plan >>"$OUT/build.log" 2>&1 \
+  || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
+log "GPU tests: ECHO and the budgeted dispatcher (fresh processes)"
+for f in 'CudaEcho.EqualsDropless*' 'CudaEcho.CapacityFactor*' 'CudaEcho.WholeStep*' 'CudaEpBudgeted.*' \
+         '*softmax_post_swiglu_ep8_budgeted*'; do
+  timeout 90 $B/test_cuda_echo --gtest_filter="$f" >"$OUT/t.log" 2>&1 || true
+  grep -q "0 tests" "$OUT/t.log" && timeout 90 $B/test_cuda_ep --gtest_filter="$f" >"$OUT/t.log" 2>&1
+  echo "-- $f" | tee -a "$OUT/summary.txt"
+  grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|rank load|waited more|exception" "$OUT/t.log" | head -12 \
+    | cut -c1-240 | tee -a "$OUT/summary.txt"
+  cat "$OUT/t.log" >>"$OUT/tests.log"
+done
+left 120 "memcheck" && {
+  log "compute-sanitizer memcheck on the ECHO kernels (host barriers, EP=4 and 8)"
+  MOEKIT_BUDGETED_HOST_BARRIERS=1 MOEKIT_EXPERT_GEMM=sync_baseline timeout 150 compute-sanitizer --error-exitcode 9 \
+    --tool memcheck $B/test_cuda_echo --gtest_filter='CudaEcho.CapacityFactor*' >"$OUT/sanitizer_echo.log" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "PASSED|FAILED|SUMMARY" "$OUT/sanitizer_echo.log" | tail -3 | tee -a "$OUT/summary.txt"
+}
+for run in "dsv3-e256 8 echo" "dsv3-e256 8 plain" "qwen3-30b 8 echo" "qwen3-30b 8 plain"; do
+  set -- $run
+  left 60 "bench $run" || continue
+  extra="--moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2"
+  [ $3 = echo ] && extra="$extra --moe-enable-echo --moe-num-echo-experts $((2 * $2))"
+  f="$OUT/bench/ep_$1_$2_$3"
+  log "moekit bench --preset $1 EP=$2 $3 (zipf 1.2, f=1.25)"
+  timeout 50 $B/moekit bench --preset $1 --expert-model-parallel-size $2 --virtual-ranks $2 \
+    --moe-token-dispatcher-type alltoall $extra --iters 5 --json "$f.json" >"$f.txt" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "whole|ECHO|budgeted|rror|overflow" "$f.txt" | cut -c1-240 | tee -a "$OUT/summary.txt"
+done
+[ -x $B/bench_echo_balance ] && left 70 "bench_echo_balance" && {
+  log "bench_echo_balance (simulated EP step, rank by rank)"
+  timeout 65 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 --json "$OUT/bench/echo_balance.json" \
+    >"$OUT/bench/echo_balance.txt" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  tail -30 "$OUT/bench/echo_balance.txt" | tee -a "$OUT/summary.txt"
+}
+(cd "$OUT" && tar czf bench.tgz bench && rm -rf bench)
+log "done"
