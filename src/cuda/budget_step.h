@@ -19,7 +19,7 @@ namespace moekit::cuda {
 // device barrier spins (src/cuda/dispatch_budgeted.cu says why). This runs it, collectively, and undoes
 // what it counted, so the next step is the first real one. A no-op for the other dispatchers.
 inline void warm_up_budgeted(CudaMoeLayer& layer, cudaStream_t stream, const std::function<void()>& step) {
-    if (layer.shape().ep_size <= 1 || layer.shape().receive_factor <= 0) return;
+    if (!layer.shape().sync_free_dispatch()) return;
     layer.save_router_trackers(stream);
     step();
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -79,10 +79,11 @@ public:
                        " runs on cuda:", ep ? ep->device() : 0, " but the layer was asked for cuda:", device);
         // The budgeted dispatcher needs its end-of-step overflow check and re-run (src/cuda/budget_step.h), which
         // this API does not run yet: an over-budget step would go unnoticed, so it is refused here.
-        MOEKIT_REQUIRE(!(config.moe_expert_rank_capacity_factor && config.expert_model_parallel_size > 1),
-                       "--moe-expert-rank-capacity-factor with --expert-model-parallel-size > 1: the budgeted "
-                       "dispatcher is not available through moekit::Layer (nor moekit train) yet; it runs in moekit "
-                       "layer and moekit bench");
+        MOEKIT_REQUIRE(!((config.moe_expert_rank_capacity_factor || config.moe_enable_echo) &&
+                         config.expert_model_parallel_size > 1),
+                       "--moe-expert-rank-capacity-factor or --moe-enable-echo with --expert-model-parallel-size > 1: "
+                       "the budgeted dispatcher is not available through moekit::Layer (nor moekit train) yet; it "
+                       "runs in moekit layer and moekit bench");
         layer_ = CudaMoeLayer::create(config, bounds.seq_length, bounds.micro_batch_size, /*own_io=*/false, ep);
         config_ = config;
         config_.normalize();
