@@ -43,6 +43,13 @@ public:
                          ", rank ", host_.rank(), " on GPU ", device_, ": virtual ranks share one GPU");
     }
     ~LocalDeviceComm() override {
+        // Peers may still be about to enqueue waits on this rank's events (finish() ends with no rendezvous
+        // after the waits): destroying them first made a peer wait on a dead handle ("context is destroyed",
+        // then a crash; seen on an H100). Destruction is collective, like the communicator's collectives.
+        try {
+            host_.barrier();
+        } catch (...) {  // a failing rank woke the others: nothing waits on these events any more
+        }
         cudaEventDestroy(ready_);
         cudaEventDestroy(done_);
     }
