@@ -29,13 +29,13 @@ MOEKIT_HD double normal01(uint64_t seed, uint64_t stream, uint64_t index) {
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
-// A sequential generator for host code that wants "the next number".
+// A sequential generator for code that wants "the next number" (host, or one device thread).
 struct Rng {
     uint64_t seed = 0, stream = 0, index = 0;
-    Rng(uint64_t seed_, uint64_t stream_ = 0) : seed(seed_), stream(stream_) {}
-    double uniform() { return uniform01(seed, stream, index++); }
-    double normal() { return normal01(seed, stream, index++); }
-    int64_t below(int64_t n) { return int64_t(uniform() * double(n)) % n; }
+    MOEKIT_HD Rng(uint64_t seed_, uint64_t stream_ = 0) : seed(seed_), stream(stream_) {}
+    MOEKIT_HD double uniform() { return uniform01(seed, stream, index++); }
+    MOEKIT_HD double normal() { return normal01(seed, stream, index++); }
+    MOEKIT_HD int64_t below(int64_t n) { return int64_t(uniform() * double(n)) % n; }
 };
 
 }  // namespace moekit

@@ -293,6 +293,10 @@ public:
         sum.load_before = load_before_.download(), sum.load_after = load_after_.download();
         return sum;
     }
+    void force_random_echo_plans(uint64_t seed) override {
+        MOEKIT_CHECK(echo(), "forced random ECHO plans need --moe-enable-echo");
+        echo_.forced = true, echo_.forced_seed = seed;
+    }
     void set_expert_params(const ExpertParams& p) override {
         if (!echo()) return;
         const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };

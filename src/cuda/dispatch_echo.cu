@@ -4,6 +4,7 @@
 
 #include "core/dispatch_math.h"
 #include "core/echo_dispatch_math.h"
+#include "core/echo_random_plan_math.h"
 #include "cuda/cuda_check.h"
 
 namespace moekit::cuda {
@@ -15,6 +16,22 @@ constexpr int kCopyThreads = 256;
 __global__ void widen_counts_kernel(const int32_t* counts32, int64_t n, int64_t* counts64) {
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
         counts64[i] = counts32[i];
+}
+
+// One thread: the forced random plan (the CPU's draw), then its loads and clone count as the planner reports them.
+__global__ void random_plan_kernel(EchoDims d, const int64_t* counts, uint64_t seed, EchoDevicePlan p) {
+    const int64_t EP = d.ep, E = d.num_experts, slots = d.num_slots(), S = d.slots_per_rank;
+    echo_random_plan_draw(d, counts, seed, p.slot_expert, p.slot_tokens, p.home_tokens, p.clone_tokens);
+    int64_t clones = 0, max_after = 0;
+    for (int64_t r = 0; r < EP; ++r) p.rank_load_before[r] = 0, p.rank_load_after[r] = 0;
+    for (int64_t s = 0; s < EP; ++s)
+        for (int64_t e = 0; e < E; ++e) {
+            p.rank_load_before[d.home_rank(e)] += counts[s * E + e];
+            p.rank_load_after[d.home_rank(e)] += p.home_tokens[s * E + e];
+        }
+    for (int64_t j = 0; j < slots; ++j) p.rank_load_after[j / S] += p.slot_tokens[j], clones += p.slot_expert[j] >= 0;
+    for (int64_t r = 0; r < EP; ++r) max_after = p.rank_load_after[r] > max_after ? p.rank_load_after[r] : max_after;
+    p.summary[0] = max_after, p.summary[1] = clones;
 }
 
 // One block; thread q walks receiver q's buffer layout (echo_recv_chunk_offsets) and fills this rank's
@@ -99,7 +116,12 @@ void echo_plan_and_tables(const EchoDeviceState& st, const int32_t* counts32, co
     const int64_t n = st.dims.ep * st.dims.num_experts;
     widen_counts_kernel<<<int((n + 255) / 256), 256, 0, stream>>>(counts32, n, st.counts);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    echo_plan(st.dims, st.algorithm, st.counts, st.plan, stream);
+    if (st.forced) {
+        random_plan_kernel<<<1, 1, 0, stream>>>(st.dims, st.counts, st.forced_seed, st.plan);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    } else {
+        echo_plan(st.dims, st.algorithm, st.counts, st.plan, stream);
+    }
     echo_tables_kernel<<<1, kTableThreads, 0, stream>>>(st, plan_offsets, rank, budget, t);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
@@ -123,6 +145,7 @@ void echo_add_clone_grads(const EchoDeviceState& st, const ExpertParams& w, char
 void echo_preload_kernels() {
     cudaFuncAttributes a{};
     MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, widen_counts_kernel));
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, random_plan_kernel));
     MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, echo_tables_kernel));
     MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, push_weights_kernel));
     MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&a, add_clone_grads_kernel));

@@ -36,10 +36,12 @@ struct EchoDeviceState {
     int64_t* counts = nullptr;        // [EP, E] the exchanged counts as int64 (the planner's input)
     EchoDevicePlan plan;
     int64_t* recv_offsets = nullptr;  // [EP][(L + S) * EP + 1] every receiver's chunk offsets
+    bool forced = false;              // test hook: forced random plans (src/core/echo_random_plan_math.h)
+    uint64_t forced_seed = 0;
 };
 
 // counts32: the exchanged [EP, E] matrix; plan_offsets: this rank's permutation-1 offsets [E + 1].
-// Plans, then fills the tables (clipped at `budget`; overflow and peak in status like the plain protocol).
+// Plans (or draws the forced random plan), then fills the tables (clipped at `budget`; overflow and peak in status like the plain protocol).
 void echo_plan_and_tables(const EchoDeviceState& st, const int32_t* counts32, const int32_t* plan_offsets, int rank,
                           int64_t budget, const BudgetTables& t, cudaStream_t stream);
 

@@ -107,6 +107,8 @@ public:
     virtual void set_expert_params(const ExpertParams&) {}
     // ECHO: the last step's plan summary (device values read on the host: between steps only).
     virtual EchoStepSummary echo_summary() const { return {}; }
+    // ECHO test hook: every later step draws a forced random plan from `seed` instead of planning.
+    virtual void force_random_echo_plans(uint64_t) {}
 };
 
 // Static bounds of a rank's dispatcher.

@@ -57,7 +57,7 @@ struct Stream {
 }  // namespace
 
 EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups, const MoeWeights<float>& w,
-                            const LayerInput<float>& in, const Matrix<float>& grad_output) {
+                            const LayerInput<float>& in, const Matrix<float>& grad_output, uint64_t forced_echo_seed) {
     MoeConfig c = config;
     c.normalize();
     c.validate();
@@ -66,6 +66,7 @@ EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups
     MOEKIT_CHECK(in.hidden.rows == T && in.hidden.cols == H && grad_output.rows == T, "EP rank step: input [",
                  in.hidden.rows, ", ", in.hidden.cols, "] for S=", S, " B=", B, " H=", H);
     auto layer = CudaMoeLayer::create(c, S, B, /*own_io=*/true, ep.get());
+    if (forced_echo_seed != 0) layer->force_random_echo_plans(forced_echo_seed);
     const CudaLayerShape& shape = layer->shape();
     const LayerBuffers& b = layer->buffers();
     const int64_t L = shape.local_experts(), first = int64_t(shape.ep_rank) * L;

@@ -29,7 +29,9 @@ struct EpRankStep {
 
 // Collective over groups.ep (its transport picks the device one: local -> virtual ranks on the current
 // GPU, mpi -> NCCL). config.micro_batch_size must be this rank's B.
+// forced_echo_seed != 0 (with --moe-enable-echo): the step uses a forced random ECHO plan (a test hook).
 EpRankStep run_ep_rank_step(const MoeConfig& config, const ProcessGroups& groups, const MoeWeights<float>& weights,
-                            const LayerInput<float>& input, const Matrix<float>& grad_output);
+                            const LayerInput<float>& input, const Matrix<float>& grad_output,
+                            uint64_t forced_echo_seed = 0);
 
 }  // namespace moekit::cuda

@@ -112,6 +112,7 @@ public:
     BudgetStatus end_dispatch_step() override { return dispatcher_->end_step(); }
     void set_synchronous_dispatch(bool on) override { dispatcher_->set_synchronous(on); }
     EchoStepSummary echo_summary() const override { return dispatcher_->echo_summary(); }
+    void force_random_echo_plans(uint64_t seed) override { dispatcher_->force_random_echo_plans(seed); }
     void save_router_trackers(cudaStream_t stream) override { copy_trackers(true, stream); }
     void restore_router_trackers(cudaStream_t stream) override { copy_trackers(false, stream); }
     void enable_stage_timing(bool on) override { timing_ = on; }

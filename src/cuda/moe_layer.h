@@ -138,6 +138,8 @@ public:
     virtual void set_synchronous_dispatch(bool on) = 0;
     // ECHO (--moe-enable-echo, EP > 1): the last step's plan summary (a host read between steps).
     virtual EchoStepSummary echo_summary() const = 0;
+    // ECHO test hook: later steps draw forced random plans (clones the planner would not pick).
+    virtual void force_random_echo_plans(uint64_t seed) = 0;
     // Device copies of the expert-bias counts and the global-aux tracker, so a re-run step counts once.
     virtual void save_router_trackers(cudaStream_t stream) = 0;
     virtual void restore_router_trackers(cudaStream_t stream) = 0;

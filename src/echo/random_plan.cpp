@@ -4,7 +4,7 @@
 // Tests: tests/cpu/test_echo_dispatch.cpp, the ECHO exactness tests (tests/echo_checks.h).
 #include <algorithm>
 
-#include "core/rng.h"
+#include "core/echo_random_plan_math.h"
 #include "echo/planner.h"
 #include "moekit/error.h"
 
@@ -52,34 +52,15 @@ EchoPlan random_plan(const EchoDims& d, const std::vector<int64_t>& counts, uint
     validate(d);
     const int64_t EP = d.ep, E = d.num_experts, slots = d.num_slots();
     MOEKIT_CHECK(int64_t(counts.size()) == EP * E, "counts has ", counts.size(), " entries, expected EP*E = ", EP * E);
-    // The stream mixes in the counts, so successive steps (layers) of one run draw different plans.
-    uint64_t stream = 0x9e3779b97f4a7c15ull;
-    for (int64_t c : counts) stream = (stream ^ uint64_t(c)) * 0x100000001b3ull;
-    Rng rng(seed, stream);
     EchoPlan p;
     p.dims = d;
     p.algorithm = EchoAlgorithm::waterfill;  // not used: the plan is drawn, not planned
     p.slot_expert.assign(size_t(slots), -1);
     p.slot_tokens.assign(size_t(slots), 0);
-    // Every slot clones a random expert (empty slots are the planner's common case, tested there).
-    for (int64_t j = 0; j < slots; ++j) p.slot_expert[size_t(j)] = int32_t(rng.below(E));
     p.home_tokens.assign(size_t(EP * E), 0);
     p.clone_tokens.assign(size_t(EP * slots), 0);
-    for (int64_t s = 0; s < EP; ++s)
-        for (int64_t e = 0; e < E; ++e) {
-            // Cut source s's tokens of e at random among home and e's clones (sorted random cut points).
-            std::vector<int64_t> parts;
-            for (int64_t j = 0; j < slots; ++j)
-                if (p.slot_expert[size_t(j)] == e) parts.push_back(j);
-            int64_t left = counts[size_t(s * E + e)];
-            for (int64_t j : parts) {
-                const int64_t take = rng.below(3) == 0 ? 0 : rng.below(left + 1);
-                p.clone_tokens[size_t(s * slots + j)] = take;
-                p.slot_tokens[size_t(j)] += take;
-                left -= take;
-            }
-            p.home_tokens[size_t(s * E + e)] = left;
-        }
+    echo_random_plan_draw(d, counts.data(), seed, p.slot_expert.data(), p.slot_tokens.data(), p.home_tokens.data(),
+                          p.clone_tokens.data());
     finish_and_check(p, counts);
     p.target = p.max_after();
     return p;

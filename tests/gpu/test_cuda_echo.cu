@@ -3,7 +3,8 @@
 // dispatcher without ECHO on the same micro-batches: outputs, input and router grads, probs and maps
 // bit for bit (every row meets the same weights and is summed by original expert in the same order),
 // expert weight grads within fp32 1e-5 (a clone's partial sum is added to its home expert's); the plan's
-// loads balanced (max/mean <= 1.05) and equal to the CPU planner's on the same counts; zero host syncs;
+// loads balanced (max/mean <= 1.05) and equal to the CPU planner's on the same counts; forced random plans
+// (drawn alike on the device and the CPU) equal dropless too; zero host syncs;
 // --moe-expert-rank-capacity-factor 1.25 holds with ECHO and overflows (then re-runs equal) without.
 #include <algorithm>
 #include <cstdio>
@@ -113,6 +114,33 @@ TEST(CudaEcho, EqualsDroplessAlltoallAndBalancesUnderZipfSkew) {
                 if (r == 0)
                     std::printf("  EP=%d %-9s: rank load max/mean %.3f -> %.3f with %lld clones\n", ranks,
                                 algorithm.c_str(), before, after, static_cast<long long>(e.echo_clones));
+            });
+        }
+}
+
+// Forced random plans (clones on the expert's own rank, several clones of one expert, clones of empty
+// experts, empty shares): still the dropless results, and the device draws the CPU's plan.
+TEST(CudaEcho, ForcedRandomPlansEqualDropless) {
+    SKIP_WITHOUT_GPU();
+    for (int ranks : {4, 8})
+        for (uint64_t plan_seed : {3ull, 17ull}) {
+            on_ranks(ranks, [&](Communicator& world) {
+                const int r = world.rank();
+                const MoeConfig c = echo_config(ranks);
+                const Inputs x = skewed_inputs(c, r, 515);
+                SCOPED_TRACE("EP=" + std::to_string(ranks) + " plan seed " + std::to_string(plan_seed) + " rank " +
+                             std::to_string(r));
+                const auto groups = make_process_groups(world, ranks);
+                const cuda::EpRankStep a = cuda::run_ep_rank_step(c, *groups, x.w, x.in, x.grad_out);
+                const cuda::EpRankStep e =
+                    cuda::run_ep_rank_step(with_echo(c, "waterfill"), *groups, x.w, x.in, x.grad_out, plan_seed);
+                const int64_t L = c.num_experts() / ranks;
+                expect_echo_equals(a, e, int64_t(r) * L, L);
+                const std::vector<int64_t> counts = world.all_gather(a.summary.tokens_per_expert);
+                const echo::EchoPlan cpu = echo::random_plan(EchoDims{ranks, c.num_experts(), 2}, counts, plan_seed);
+                EXPECT_EQ(e.echo_load_after, cpu.rank_load_after) << "the device's random plan is the CPU's";
+                EXPECT_EQ(e.echo_clones, cpu.num_clones);
+                EXPECT_FALSE(e.overflow);
             });
         }
 }
