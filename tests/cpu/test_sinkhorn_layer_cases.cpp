@@ -107,7 +107,8 @@ TEST(SinkhornLayerCases, TopKMarginsAreFarAboveDeviceRounding) {
         for (size_t i = 0; i < valid.size(); ++i) {
             const std::vector<int64_t>& r = rank[i];
             // The oracle routed this row to the Sinkhorn top-k (and the matrix is the router's).
-            const std::vector<int64_t> routed(ctx.topk_idx.begin() + valid[i] * k, ctx.topk_idx.begin() + (valid[i] + 1) * k);
+            const auto row_idx = ctx.topk_idx.begin() + valid[i] * k;
+            const std::vector<int64_t> routed(row_idx, row_idx + k);
             EXPECT_EQ(routed, std::vector<int64_t>(r.begin(), r.begin() + k)) << "row " << valid[i];
             const double kth = m(int64_t(i), r[size_t(k - 1)]), next = m(int64_t(i), r[size_t(k)]);
             ASSERT_GT(kth, 0.0);
