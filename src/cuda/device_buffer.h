@@ -1,6 +1,7 @@
 // DeviceBuffer<T>: an owning cudaMalloc'd array sized once, outside any layer step (the sync-free
 // path never allocates). Host copies here are synchronous and only for set-up, tests and the
-// LayerRunner interface. Used by src/cuda/moe_layer.cu and the GPU tests.
+// LayerRunner interface: an upload or zero fill is complete, for every stream, when it returns.
+// Used by src/cuda/moe_layer.cu and the GPU tests (tests/gpu/test_device_buffer.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,6 +20,18 @@ namespace moekit::cuda {
 inline void zero_fill(void* p, size_t bytes) {
     if (bytes == 0) return;
     MOEKIT_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
+// Copies host memory to the device and waits until the bytes are there. A plain cudaMemcpy from pageable
+// memory (every std::vector here) returns once the data sit in the driver's staging buffer, while the DMA
+// into device memory may still run on the legacy stream (CUDA runtime API, "API synchronization
+// behavior"); the layers' streams are non-blocking, so a kernel enqueued right after could read the old
+// contents (issue 10: the runner's last upload before backward, grad_output, is read by its first kernel).
+// Same rule and same wait as zero_fill.
+inline void copy_to_device(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return;
+    MOEKIT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
@@ -51,7 +64,7 @@ public:
     }
     void upload(const std::vector<T>& host) {
         MOEKIT_CHECK(int64_t(host.size()) == count_, "upload of ", host.size(), " elements into a buffer of ", count_);
-        if (count_) MOEKIT_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
+        copy_to_device(ptr_, host.data(), bytes());
     }
     std::vector<T> download() const { return download(count_); }
     std::vector<T> download(int64_t count) const {
@@ -75,7 +88,8 @@ private:
     int64_t count_ = 0;
 };
 
-// Host copies of raw device arrays (tests, runner; never inside a step).
+// Host copies of raw device arrays (tests, runner; never inside a step). A download waits for its own copy
+// only: synchronise the stream that wrote the array first.
 template <typename T>
 std::vector<T> download(const T* device, int64_t count) {
     std::vector<T> host(static_cast<size_t>(count));
@@ -84,8 +98,7 @@ std::vector<T> download(const T* device, int64_t count) {
 }
 template <typename T>
 void upload(T* device, const std::vector<T>& host) {
-    if (!host.empty())
-        MOEKIT_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    copy_to_device(device, host.data(), host.size() * sizeof(T));
 }
 
 }  // namespace moekit::cuda

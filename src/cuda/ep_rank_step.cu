@@ -15,7 +15,7 @@ using bf16 = __nv_bfloat16;
 void upload_bf16(bf16* dst, const float* src, size_t n) {
     std::vector<bf16> v(n);
     for (size_t i = 0; i < n; ++i) v[i] = __nv_bfloat16_raw{float_to_bf16_bits(src[i])};
-    if (n) MOEKIT_CUDA_CHECK(cudaMemcpy(dst, v.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+    copy_to_device(dst, v.data(), n * sizeof(bf16));  // complete for the rank's non-blocking stream
 }
 void upload_bf16(bf16* dst, const Matrix<float>& m) { upload_bf16(dst, m.data.data(), m.data.size()); }
 

@@ -381,23 +381,30 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
                             bool accumulate) {
     const int T = int(s.num_tokens), E = int(s.num_experts), H = int(s.hidden);
     const float beta_w = accumulate ? 1.0f : 0.0f;
-    // dW from an R-typed product in scratch: copied, or added when accumulating into a main grad.
-    auto weight_grad_from_scratch = [&] {
+    // R = double: dW [E, H] = dLᵀ · x_R is an R-typed product that must land in a buffer the GEMM does not
+    // read (scratch may alias t.hidden_r, and a GEMM whose output overlaps its input is undefined: its CTAs
+    // read and write in no set order). It goes into t.weight_r, is copied (or added, into a main grad) to
+    // grad_weight, and W_R is upcast again for dX (E * H elements, cheap).
+    auto weight_grad_via_weight_r = [&] {
+        gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, R(0), t.weight_r, H);
         if (accumulate) {
-            add_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
+            add_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(t.weight_r, grad_weight,
+                                                                                 int64_t(E) * H);
         } else {
-            copy_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(scratch, grad_weight, int64_t(E) * H);
+            copy_to_float_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(t.weight_r, grad_weight,
+                                                                                  int64_t(E) * H);
         }
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        upcast_kernel<R><<<grid_for(int64_t(E) * H), 256, 0, stream>>>(t.weight, t.weight_r, int64_t(E) * H);
         MOEKIT_CUDA_LAUNCH_CHECK();
     };
     MOEKIT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
     if (s.jitter_eps > 0) {
-        // dX += (dL · W) * jitter: the product goes through scratch (after dW has read x_R).
+        // dX += (dL · W) * jitter: the product goes through scratch (written after dW has read x_R).
         if constexpr (sizeof(R) == sizeof(float)) {
             gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, beta_w, grad_weight, H);
         } else {
-            gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, R(0), scratch, H);
-            weight_grad_from_scratch();
+            weight_grad_via_weight_r();
         }
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, R(0), scratch, H);
         add_jittered_kernel<R><<<grid_for(int64_t(T) * H), 256, 0, stream>>>(scratch, grad_input, int64_t(T) * H,
@@ -408,8 +415,7 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
         gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, beta_w, grad_weight, H);
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, 1.0f, grad_input, H);
     } else {
-        gemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, H, T, grad_logits, E, t.hidden_r, H, R(0), scratch, H);
-        weight_grad_from_scratch();
+        weight_grad_via_weight_r();
         gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, E, grad_logits, E, t.weight_r, H, R(0), scratch, H);
         add_to_float_kernel<R><<<grid_for(int64_t(T) * H), 256, 0, stream>>>(scratch, grad_input, int64_t(T) * H);
         MOEKIT_CUDA_LAUNCH_CHECK();

@@ -89,7 +89,8 @@ void router_backward_probs(const RouterShape& shape, const RouterTensors<R>& t, 
 
 // Gating linear backward: grad_weight [E, H] fp32 = grad_logitsᵀ · x_R (overwritten, or += when accumulate);
 // grad_input [T, H] fp32 += (grad_logits · W_R) * jitter. scratch: [T, H] R (used when R = double
-// or with jitter; may alias t.hidden_r, which is read before scratch is written).
+// or with jitter; may alias t.hidden_r: only dX is written there, after dW has read x_R). R = double:
+// t.weight_r holds dW in between and W_R again on return (no GEMM writes a buffer it reads).
 template <typename R>
 void router_backward_linear(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_logits,
                             float* grad_weight, float* grad_input, R* scratch, cublasHandle_t cublas,
