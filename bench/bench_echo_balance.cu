@@ -39,8 +39,8 @@ struct Options {
     std::string preset = "dsv3-e256";
     int64_t tokens_per_rank = 4096;
     double zipf_s = 1.2;
-    int64_t slots_total = -1;     // --moe-num-echo-experts (over all ranks); -1: slots_per_rank
-    int64_t slots_per_rank = 2;   // --slots-per-rank
+    int64_t slots_total = -1;    // --moe-num-echo-experts (over all ranks); -1: slots_per_rank
+    int64_t slots_per_rank = 2;  // --slots-per-rank
     EchoAlgorithm algorithm = EchoAlgorithm::waterfill;
     int iters = 10, warmup = 2;
     uint64_t seed = 1234;
@@ -110,8 +110,8 @@ Options parse(int argc, char** argv) {
                    "--moe-num-echo-experts and --slots-per-rank both given: give one");
     if (!o.json_path.empty()) {  // fail now, not after the whole run
         const std::filesystem::path parent = std::filesystem::path(o.json_path).parent_path();
-        MOEKIT_REQUIRE(parent.empty() || std::filesystem::is_directory(parent), "--json=", o.json_path,
-                       ": directory ", parent.string(), " does not exist");
+        MOEKIT_REQUIRE(parent.empty() || std::filesystem::is_directory(parent), "--json=", o.json_path, ": directory ",
+                       parent.string(), " does not exist");
     }
     return o;
 }
@@ -156,6 +156,7 @@ echo::EchoPlan plan_on_device(const EchoDims& d, EchoAlgorithm alg, const std::v
         clone_tokens(d.ep * d.num_slots()), home_tokens(d.ep * d.num_experts), before(d.ep), after(d.ep), summary(2);
     cuda::DeviceBuffer<int32_t> slot_expert(d.num_slots());
     dcounts.upload(counts);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());  // the pageable copy's DMA, before a non-blocking stream reads it
     const cuda::EchoDevicePlan view{slot_expert.get(), slot_tokens.get(), clone_tokens.get(), home_tokens.get(),
                                     before.get(),      after.get(),       summary.get()};
     cudaStream_t stream;
@@ -192,8 +193,8 @@ EpCase build_case(const Options& o, const cuda::bench::Preset& pr, int64_t ep) {
 
     const EchoDims& d = c.dims;
     const int64_t L = d.experts_per_rank();
-    Config off{"no_echo", "no ECHO", {}, {}}, on{"echo", "ECHO", {}, {}}, forced{"forced_balance", "forced balance", {}, {}},
-        sampled{"forced_sampled", "forced (sampled)", {}, {}};
+    Config off{"no_echo", "no ECHO", {}, {}}, on{"echo", "ECHO", {}, {}},
+        forced{"forced_balance", "forced balance", {}, {}}, sampled{"forced_sampled", "forced (sampled)", {}, {}};
     // Sampled forced balance: what --moe-router-force-load-balancing routes in one step (uniform top-k).
     echo::ZipfRouting u = z;
     u.zipf_s = 0;
@@ -212,7 +213,8 @@ EpCase build_case(const Options& o, const cuda::bench::Preset& pr, int64_t ep) {
             for (int64_t s = 0; s < ep; ++s) rows += g.home_tokens[s * d.num_experts + e];
             w.group_rows.push_back(rows);
         }
-        for (int64_t j = r * S; j < (r + 1) * S; ++j) w.group_rows.push_back(g.slot_expert[j] < 0 ? 0 : g.slot_tokens[j]);
+        for (int64_t j = r * S; j < (r + 1) * S; ++j)
+            w.group_rows.push_back(g.slot_expert[j] < 0 ? 0 : g.slot_tokens[j]);
         MOEKIT_CHECK(w.rows() == g.rank_load_after[r], "rank ", r, ": ECHO groups hold ", w.rows(),
                      " rows != the device's rank_load_after ", g.rank_load_after[r]);
         on.ranks.push_back(w);
@@ -233,12 +235,26 @@ struct Buffers {
     DevBuf<bf16> x, w1, w2, h, act, y, dy, dact, dh, dx;
     DevBuf<float> dw1, dw2, prob;
     Buffers(int64_t H_, int64_t F_, int64_t rows_, int64_t groups_)
-        : H(H_), F(F_), rows(rows_), groups(groups_),
-          x(rows * H), w1(groups * 2 * F * H), w2(groups * H * F), h(rows * 2 * F), act(rows * F), y(rows * H),
-          dy(rows * H), dact(rows * F), dh(rows * 2 * F), dx(rows * H), dw1(groups * 2 * F * H), dw2(groups * H * F),
+        : H(H_),
+          F(F_),
+          rows(rows_),
+          groups(groups_),
+          x(rows * H),
+          w1(groups * 2 * F * H),
+          w2(groups * H * F),
+          h(rows * 2 * F),
+          act(rows * F),
+          y(rows * H),
+          dy(rows * H),
+          dact(rows * F),
+          dh(rows * 2 * F),
+          dx(rows * H),
+          dw1(groups * 2 * F * H),
+          dw2(groups * H * F),
           prob(rows) {}
     static double bytes(int64_t H, int64_t F, int64_t rows, int64_t groups) {
-        return double(rows) * double(4 * H + 6 * F) * 2 + double(rows) * 4 + double(groups) * double(3 * F * H) * (2 + 4);
+        return double(rows) * double(4 * H + 6 * F) * 2 + double(rows) * 4 +
+               double(groups) * double(3 * F * H) * (2 + 4);
     }
     void fill(uint64_t seed) {
         using cuda::bench::fill_uniform;
@@ -298,6 +314,8 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
             for (int64_t i = 0; i < G; ++i) off[i + 1] = int32_t(off[i] + w.group_rows[i]);
             g->offsets.resize(G + 1);
             g->offsets.upload(off);
+            // A pageable cudaMemcpy may return before its DMA lands, and s does not wait for the legacy stream.
+            MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
             // max_rows = the rank's own rows (>= 1: a zero-row tensor map is refused): launch geometry from the
             // real load, every buffer holds b.rows >= this many rows.
             const int64_t max_rows = std::max<int64_t>(w.rows(), 1);
@@ -410,7 +428,8 @@ int main(int argc, char** argv) {
             cases.push_back(build_case(o, pr, ep));
             for (const Config& cfg : cases.back().configs)
                 for (const RankWork& w : cfg.ranks)
-                    max_rows = std::max(max_rows, w.rows()), max_groups = std::max(max_groups, int64_t(w.group_rows.size()));
+                    max_rows = std::max(max_rows, w.rows()),
+                    max_groups = std::max(max_groups, int64_t(w.group_rows.size()));
         }
         MOEKIT_REQUIRE(max_rows < (int64_t(1) << 30), "a rank's rows (", max_rows,
                        ") reach 2^30: lower --tokens-per-rank");
@@ -442,48 +461,49 @@ int main(int argc, char** argv) {
             const double echo_ms = cfgs["echo"]["busiest_ms"].get<double>();
             const double off_ms = cfgs["no_echo"]["busiest_ms"].get<double>();
             const double before = max_over_mean(p.rank_load_before), after = max_over_mean(p.rank_load_after);
-            nlohmann::json run{
-                {"expert_model_parallel_size", d.ep},
-                {"experts_per_rank", d.experts_per_rank()},
-                {"slots_per_rank", d.slots_per_rank},
-                {"moe_num_echo_experts", d.num_slots()},
-                {"plan",
-                 {{"source", "GPU planner (cuda::echo_plan) on the device counts, downloaded"},
-                  {"matches_cpu", c.matches_cpu},
-                  {"rank_load_before", p.rank_load_before},
-                  {"rank_load_after", p.rank_load_after},
-                  {"max_over_mean_before", before},
-                  {"max_over_mean_after", after},
-                  {"target", p.target},
-                  {"clones", p.num_clones},
-                  {"slot_expert", p.slot_expert},
-                  {"slot_tokens", p.slot_tokens}}},
-                {"weight_bytes",
-                 {{"expert_bf16", expert_bytes},
-                  {"forward_clone_weights", double(p.num_clones) * expert_bytes},
-                  {"backward_clone_grads_fp32", double(p.num_clones) * expert_bytes * 2}}},
-                {"configs", cfgs},
-                {"ratios",
-                 {{"echo_over_forced", echo_ms / forced},
-                  {"no_echo_over_forced", off_ms / forced},
-                  {"echo_over_forced_sampled", echo_ms / sampled},
-                  {"forced_sampled_over_forced", sampled / forced}}},
-                {"acceptance",
-                 {{"loads_max_over_mean_after_le_1_05", after <= 1.05},
-                  {"echo_busiest_le_1_05_forced", echo_ms <= 1.05 * forced}}}};
+            nlohmann::json run{{"expert_model_parallel_size", d.ep},
+                               {"experts_per_rank", d.experts_per_rank()},
+                               {"slots_per_rank", d.slots_per_rank},
+                               {"moe_num_echo_experts", d.num_slots()},
+                               {"plan",
+                                {{"source", "GPU planner (cuda::echo_plan) on the device counts, downloaded"},
+                                 {"matches_cpu", c.matches_cpu},
+                                 {"rank_load_before", p.rank_load_before},
+                                 {"rank_load_after", p.rank_load_after},
+                                 {"max_over_mean_before", before},
+                                 {"max_over_mean_after", after},
+                                 {"target", p.target},
+                                 {"clones", p.num_clones},
+                                 {"slot_expert", p.slot_expert},
+                                 {"slot_tokens", p.slot_tokens}}},
+                               {"weight_bytes",
+                                {{"expert_bf16", expert_bytes},
+                                 {"forward_clone_weights", double(p.num_clones) * expert_bytes},
+                                 {"backward_clone_grads_fp32", double(p.num_clones) * expert_bytes * 2}}},
+                               {"configs", cfgs},
+                               {"ratios",
+                                {{"echo_over_forced", echo_ms / forced},
+                                 {"no_echo_over_forced", off_ms / forced},
+                                 {"echo_over_forced_sampled", echo_ms / sampled},
+                                 {"forced_sampled_over_forced", sampled / forced}}},
+                               {"acceptance",
+                                {{"loads_max_over_mean_after_le_1_05", after <= 1.05},
+                                 {"echo_busiest_le_1_05_forced", echo_ms <= 1.05 * forced}}}};
 
-            std::printf("\nEP=%lld: E=%lld, %lld home experts + %lld spare slots per rank, %lld x top-%lld = %lld rows "
-                        "per rank on average\n",
-                        (long long)d.ep, (long long)d.num_experts, (long long)d.experts_per_rank(),
-                        (long long)d.slots_per_rank, (long long)o.tokens_per_rank, (long long)k,
-                        (long long)(o.tokens_per_rank * k));
-            std::printf("  GPU plan (%s): per-rank loads max/mean %.4f before, %.4f after; %lld clones; = CPU plan: %s\n",
-                        echo::algorithm_name(o.algorithm), before, after, (long long)p.num_clones,
-                        c.matches_cpu ? "yes" : "NO");
-            std::printf("  ECHO weight traffic per layer and step: %lld clones x %.1f MiB = %.1f MiB bf16 weights "
-                        "forward, %.1f MiB fp32 grads backward\n",
-                        (long long)p.num_clones, expert_bytes / (1 << 20), p.num_clones * expert_bytes / (1 << 20),
-                        2 * p.num_clones * expert_bytes / (1 << 20));
+            std::printf(
+                "\nEP=%lld: E=%lld, %lld home experts + %lld spare slots per rank, %lld x top-%lld = %lld rows "
+                "per rank on average\n",
+                (long long)d.ep, (long long)d.num_experts, (long long)d.experts_per_rank(), (long long)d.slots_per_rank,
+                (long long)o.tokens_per_rank, (long long)k, (long long)(o.tokens_per_rank * k));
+            std::printf(
+                "  GPU plan (%s): per-rank loads max/mean %.4f before, %.4f after; %lld clones; = CPU plan: %s\n",
+                echo::algorithm_name(o.algorithm), before, after, (long long)p.num_clones,
+                c.matches_cpu ? "yes" : "NO");
+            std::printf(
+                "  ECHO weight traffic per layer and step: %lld clones x %.1f MiB = %.1f MiB bf16 weights "
+                "forward, %.1f MiB fp32 grads backward\n",
+                (long long)p.num_clones, expert_bytes / (1 << 20), p.num_clones * expert_bytes / (1 << 20),
+                2 * p.num_clones * expert_bytes / (1 << 20));
             std::printf("  %-18s %6s %14s %12s %8s %12s %9s %12s %11s\n", "configuration", "groups", "rows max/mean",
                         "padded rows", "busiest", "busiest ms", "mean ms", "ms max/mean", "/ forced");
             for (const Config& cfg : c.configs) {
@@ -495,10 +515,11 @@ int main(int argc, char** argv) {
                             j["mean_ms"].get<double>(), j["ms_max_over_mean"].get<double>(),
                             j["busiest_ms"].get<double>() / forced);
             }
-            std::printf("  acceptance: loads max/mean after %.4f <= 1.05: %s; busiest ECHO / busiest forced balance "
-                        "%.4f <= 1.05: %s (no ECHO: %.4f; ECHO / sampled forced: %.4f)\n",
-                        after, after <= 1.05 ? "yes" : "NO", echo_ms / forced, echo_ms <= 1.05 * forced ? "yes" : "NO",
-                        off_ms / forced, echo_ms / sampled);
+            std::printf(
+                "  acceptance: loads max/mean after %.4f <= 1.05: %s; busiest ECHO / busiest forced balance "
+                "%.4f <= 1.05: %s (no ECHO: %.4f; ECHO / sampled forced: %.4f)\n",
+                after, after <= 1.05 ? "yes" : "NO", echo_ms / forced, echo_ms <= 1.05 * forced ? "yes" : "NO",
+                off_ms / forced, echo_ms / sampled);
             std::fflush(stdout);
             runs.push_back(run);
         }
