@@ -5,8 +5,8 @@
 #   sync-free dispatcher; budgeted = alltoall bit for bit; overflow re-run; the EP step in one CUDA graph; NCCL
 #   collectives); moekit layer --device cuda under mpirun vs --device cpu; the EP benchmark (weak scaling: T tokens
 #   per GPU, against EP=1 on each GPU; dsv3-e256 for the dispatch payload, dsv3-ep8 and qwen3-30b; alltoall vs
-#   budgeted; the transport's all-to-all of the same bytes); moekit train over NCCL vs virtual ranks.
-# Not here yet: ECHO on the GPU (its dispatch runs on the CPU ranks only).
+#   budgeted; the transport's all-to-all of the same bytes; with N >= 4 ECHO under zipf 1.2); moekit train over
+#   NCCL vs virtual ranks. ECHO's GPU tests (test_cuda_echo) run their EP = 4 and 8 cases under mpirun -np 4 / 8.
 # usage: N=2 MOEKIT_COMMIT=<sha> scripts/device_ep_multi.sh; results in $OUT/summary.txt.
 set -o pipefail
 N=${N:-2}
@@ -27,6 +27,18 @@ log "GPU EP tests under mpirun -np $N (NCCL)"
 timeout 300 $MPI $B/test_cuda_ep --gtest_filter="*_ep${N}_*:CudaEpBudgeted.*:NcclDeviceComm.*" >"$OUT/test_mpi.log" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 grep -E "^\[  (PASSED|FAILED) |Failure|first at" "$OUT/test_mpi.log" | head -20 | cut -c1-240 | tee -a "$OUT/summary.txt"
+if [ "$N" -ge 4 ]; then
+  log "GPU ECHO tests under mpirun -np $N (NCCL)"
+  timeout 200 $MPI $B/test_cuda_echo >"$OUT/test_echo_mpi.log" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "^\[  (PASSED|FAILED) |Failure|rank load" "$OUT/test_echo_mpi.log" | head -12 | cut -c1-240 | tee -a "$OUT/summary.txt"
+  for echo in "" "--moe-enable-echo --moe-num-echo-experts $((2 * N))"; do
+    timeout 120 $MPI $B/moekit bench --preset dsv3-ep8 --expert-model-parallel-size $N --moe-token-dispatcher-type alltoall \
+      --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2 $echo --iters 10 >"$OUT/bench/echo_$N${echo:+_on}.txt" 2>&1
+    grep -E "whole|ECHO|overflow|budgeted|error" "$OUT/bench/echo_$N${echo:+_on}.txt" | cut -c1-240 \
+      | sed "s/^/dsv3-ep8 zipf 1.2 ${echo:+ECHO}: /" | tee -a "$OUT/summary.txt"
+  done
+fi
 log "moekit layer --device cuda under mpirun -np $N vs --device cpu"
 for disp in allgather alltoall; do
   for d in cpu cuda; do
