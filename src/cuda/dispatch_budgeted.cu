@@ -8,7 +8,7 @@
 // pushes like dispatch. A barrier closes every phase (five per step). Nothing is written past a budget:
 // an overflow sets a device flag that every rank computes alike; end_step() reads it between steps and
 // the caller re-runs the step through the synchronous alltoall path (src/cuda/budget_step.h). Every
-// device wait is bounded: past kWaitTimeoutNs it records rank, peer and barrier and gives up.
+// device wait is bounded: past MOEKIT_DEVICE_WAIT_S (30 s) it records rank, peer and barrier and gives up.
 // Transport: peer pointers of a DeviceComm symmetric buffer (other virtual ranks' memory on one GPU, or
 // NCCL symmetric windows across GPUs). With ECHO spare slots (S > 0) the same protocol runs over L + S
 // buckets per rank with the plan's tables, clone weights and gradients (dispatch_echo.cuh). Twin:
@@ -173,8 +173,8 @@ public:
         const int64_t T = s.router.num_tokens, H = s.router.hidden, E = s.router.num_experts, L = s.local_experts();
         const int64_t S = s.echo_slots, B = L + S, K = s.router.topk;
         const int EP = s.ep_size;
-        MOEKIT_REQUIRE(H % 8 == 0, "--moe-expert-rank-capacity-factor on --device cuda needs --hidden-size divisible "
-                       "by 8 (rows move as 16-byte vectors); got ", H);
+        MOEKIT_REQUIRE(H % 8 == 0, "--moe-expert-rank-capacity-factor or --moe-enable-echo on --device cuda needs "
+                       "--hidden-size divisible by 8 (rows and expert weights move as 16-byte vectors); got ", H);
         // Without a factor (ECHO alone) the budget is the dropless bound: every source's tokens, each with at
         // most min(k, L + S) rows here.
         budget_ = s.receive_factor > 0 ? budget_rows(T, K, s.receive_factor)
@@ -193,8 +193,8 @@ public:
         if (S > 0) {
             EchoSlotRegions& sr = r_.slots;
             sr.fc1_elems = s.fc1_rows * H, sr.fc2_elems = H * s.ffn;
-            MOEKIT_CHECK(sr.fc1_elems > 0 && sr.fc2_elems > 0 && s.ffn % 8 == 0, "ECHO on --device cuda: expert "
-                         "shapes F1=", s.fc1_rows, " F=", s.ffn, " H=", H, " (F must be divisible by 8)");
+            MOEKIT_CHECK(sr.fc1_elems > 0 && sr.fc2_elems > 0, "ECHO on --device cuda: expert shapes F1=", s.fc1_rows,
+                         " F=", s.ffn, " H=", H);  // H % 8 == 0 makes both whole 16-byte vectors
             sr.fc1 = region(S * sr.fc1_elems * 2), sr.fc2 = region(S * sr.fc2_elems * 2);
             sr.grad_fc1 = region(S * sr.fc1_elems * 4), sr.grad_fc2 = region(S * sr.fc2_elems * 4);
         }
@@ -273,7 +273,7 @@ public:
                     if (src == me && dst != me) out += n;
                     if (src != me && dst == me) in += n;
                 }
-            // Weights I push to other ranks' slots, and my slots' gradients their home ranks read (3x: fp32).
+            // Weights I push to other ranks' slots, and my slots' fp32 gradients (twice the bf16 bytes) their home ranks read.
             for (int64_t j = 0; j < J; ++j) {
                 if (slot[size_t(j)] < 0) continue;
                 const int64_t home_rank = slot[size_t(j)] / L, slot_rank = j / S;
