@@ -273,7 +273,8 @@ public:
                     if (src == me && dst != me) out += n;
                     if (src != me && dst == me) in += n;
                 }
-            // Weights I push to other ranks' slots, and my slots' fp32 gradients (twice the bf16 bytes) their home ranks read.
+            // Weights I push to other ranks' slots, and my slots' fp32 gradients (twice the bf16 bytes) that
+            // their home ranks read.
             for (int64_t j = 0; j < J; ++j) {
                 if (slot[size_t(j)] < 0) continue;
                 const int64_t home_rank = slot[size_t(j)] / L, slot_rank = j / S;
