@@ -1,4 +1,5 @@
-// ECHO on the GPU (issue 9): virtual ranks EP = 4 and 8 on one GPU with zipf-skewed routing. The budgeted
+// ECHO on the GPU (issue 9): virtual ranks EP = 2, 4 and 8 on one GPU with zipf-skewed routing (under
+// mpirun -np N, the N-rank cases on real GPUs over NCCL: scripts/device_ep_multi.sh). The budgeted
 // dispatcher with spare slots (src/cuda/dispatch_budgeted.cu + dispatch_echo.cu) against the alltoall
 // dispatcher without ECHO on the same micro-batches: outputs, input and router grads, probs and maps
 // bit for bit (every row meets the same weights and is summed by original expert in the same order),
@@ -82,7 +83,7 @@ void expect_echo_equals(const cuda::EpRankStep& a, const cuda::EpRankStep& e, in
 TEST(CudaEcho, EqualsDroplessAlltoallAndBalancesUnderZipfSkew) {
     SKIP_WITHOUT_GPU();
     std::mutex print;
-    for (int ranks : {4, 8})
+    for (int ranks : {2, 4, 8})
         for (const std::string algorithm : {"waterfill", "greedy"}) {
             on_ranks(ranks, [&](Communicator& world) {
                 const int r = world.rank();
@@ -107,8 +108,10 @@ TEST(CudaEcho, EqualsDroplessAlltoallAndBalancesUnderZipfSkew) {
                 EXPECT_EQ(e.echo_load_after, cpu.rank_load_after);
                 EXPECT_EQ(e.echo_clones, cpu.num_clones);
                 const double before = max_over_mean(e.echo_load_before), after = max_over_mean(e.echo_load_after);
-                EXPECT_GE(before, 1.3) << "the zipf skew should overload a rank";
-                EXPECT_LE(after, 1.05) << "ECHO should balance the ranks";
+                // EP = 2 (16 experts and 2 slots a rank, 128 tokens) is too coarse for 1.05: 1.35 -> 1.06 here.
+                EXPECT_GE(before, ranks >= 4 ? 1.3 : 1.2) << "the zipf skew should overload a rank";
+                EXPECT_LE(after, ranks >= 4 ? 1.05 : 1.1) << "ECHO should balance the ranks";
+                EXPECT_LT(after, before);
                 EXPECT_GT(e.bytes_sent, 0);
                 std::lock_guard<std::mutex> lock(print);
                 if (r == 0)
@@ -122,7 +125,7 @@ TEST(CudaEcho, EqualsDroplessAlltoallAndBalancesUnderZipfSkew) {
 // experts, empty shares): still the dropless results, and the device draws the CPU's plan.
 TEST(CudaEcho, ForcedRandomPlansEqualDropless) {
     SKIP_WITHOUT_GPU();
-    for (int ranks : {4, 8})
+    for (int ranks : {2, 4, 8})
         for (uint64_t plan_seed : {3ull, 17ull}) {
             on_ranks(ranks, [&](Communicator& world) {
                 const int r = world.rank();
@@ -149,7 +152,7 @@ TEST(CudaEcho, ForcedRandomPlansEqualDropless) {
 // rank overflows (flagged, re-run, equal to dropless); with ECHO every rank fits and nothing is re-run.
 TEST(CudaEcho, CapacityFactorHoldsWithEchoAndOverflowsWithout) {
     SKIP_WITHOUT_GPU();
-    for (int ranks : {4, 8}) {
+    for (int ranks : {2, 4, 8}) {
         on_ranks(ranks, [&](Communicator& world) {
             const int r = world.rank();
             MoeConfig c = echo_config(ranks);
