@@ -5,8 +5,8 @@
 #   sync-free dispatcher; budgeted = alltoall bit for bit; overflow re-run; the EP step in one CUDA graph; NCCL
 #   collectives); moekit layer --device cuda under mpirun vs --device cpu; the EP benchmark (weak scaling: T tokens
 #   per GPU, against EP=1 on each GPU; dsv3-e256 for the dispatch payload, dsv3-ep8 and qwen3-30b; alltoall vs
-#   budgeted; the transport's all-to-all of the same bytes; with N >= 4 ECHO under zipf 1.2); moekit train over
-#   NCCL vs virtual ranks. ECHO's GPU tests (test_cuda_echo) run their EP = 4 and 8 cases under mpirun -np 4 / 8.
+#   budgeted; the transport's all-to-all of the same bytes; ECHO under zipf 1.2 with and without); moekit train
+#   over NCCL vs virtual ranks. ECHO's GPU tests (test_cuda_echo) run their EP = N cases under mpirun -np N.
 # usage: N=2 MOEKIT_COMMIT=<sha> scripts/device_ep_multi.sh; results in $OUT/summary.txt.
 set -o pipefail
 N=${N:-2}
@@ -27,7 +27,7 @@ log "GPU EP tests under mpirun -np $N (NCCL)"
 timeout 300 $MPI $B/test_cuda_ep --gtest_filter="*_ep${N}_*:CudaEpBudgeted.*:NcclDeviceComm.*" >"$OUT/test_mpi.log" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 grep -E "^\[  (PASSED|FAILED) |Failure|first at" "$OUT/test_mpi.log" | head -20 | cut -c1-240 | tee -a "$OUT/summary.txt"
-if [ "$N" -ge 4 ]; then
+if [ "$N" -ge 2 ]; then
   log "GPU ECHO tests under mpirun -np $N (NCCL)"
   timeout 200 $MPI $B/test_cuda_echo >"$OUT/test_echo_mpi.log" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
