@@ -16,14 +16,14 @@
 #include <vector>
 
 #include "cuda/activation.cuh"
-#include "cuda/bench_expert_mlp.h"
-#include "cuda/bench_util.cuh"
 #include "cuda/device_buffer.h"
 #include "cuda/echo_plan.cuh"
 #include "cuda/grouped_gemm.h"
 #include "echo/planner.h"
 #include "echo/trace.h"
 #include "io/atomic_file.h"
+#include "lib/bench_expert_mlp.h"
+#include "lib/bench_util.cuh"
 #include "moekit/error.h"
 
 namespace {

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <string>
 
-#include "cuda/bench_expert_mlp.h"
+#include "lib/bench_expert_mlp.h"
 #include "moekit/error.h"
 
 int main(int argc, char** argv) {

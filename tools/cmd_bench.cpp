@@ -1,6 +1,6 @@
 // `moekit bench`: times one MoE layer step forward+backward on the GPU for a preset (mixtral, dsv3-ep8, dsv3-e256,
 // qwen3-30b): per-stage times, TFLOP/s, host syncs, ratios to the floor (dense cuBLAS GEMMs of the expert shapes)
-// and to the synchronous baseline. Compiles without CUDA (then it exits 2). Engine: src/cuda/bench_expert_mlp.cu.
+// and to the synchronous baseline. Compiles without CUDA (then it exits 2). Benchmarks: bench/lib (moekit_bench).
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -13,7 +13,7 @@
 #include "moekit/error.h"
 
 #ifdef MOEKIT_WITH_CUDA
-#include "cuda/bench_expert_mlp.h"
+#include "lib/bench_expert_mlp.h"
 #endif
 
 namespace {

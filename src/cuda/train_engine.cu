@@ -12,11 +12,13 @@
 #include <cstring>
 
 #include "core/bf16.h"
-#include "cuda/bench_util.cuh"
 #include "cuda/cuda_check.h"
+#include "cuda/dense_gemm.cuh"
 #include "cuda/device_buffer.h"
 #include "cuda/device_layer.h"
+#include "cuda/event_timing.h"
 #include "cuda/moe_layer.h"
+#include "cuda/random_fill.h"
 #include "cuda/train_engine.h"
 #include "cuda/train_kernels.cuh"
 #include "cuda/train_records.h"
@@ -328,7 +330,6 @@ train::EngineReport CudaTrainEngine::report(bool measure_speed) {
     r.layer_workspace_bytes = layers_[0]->memory().workspace_bytes;
     r.saved_bytes_per_token = layers_[0]->memory().saved_bytes_per_token();
     if (!train_graph_ || !measure_speed) return r;
-    using bench::time_ms;
     const int warm = 2, iters = 10;
     r.iteration_ms = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(train_graph_, stream_)); }, stream_, warm, iters);
     const double data_teacher = time_ms([&] {
@@ -363,13 +364,12 @@ train::EngineReport CudaTrainEngine::report(bool measure_speed) {
 
     // The dense floor: cuBLAS bf16 GEMMs of the expert shapes with all rows in one group.
     {
-        bench::DevBuf<bf16> a(size_t(rows * std::max(H_, F))), w1(size_t(F1 * H_)), w2(size_t(H_ * F));
-        bench::DevBuf<bf16> c1(size_t(rows * std::max(F1, H_)));
-        bench::fill_uniform(a.ptr, size_t(rows * std::max(H_, F)), 1.f, 5), bench::fill_uniform(w1.ptr, size_t(F1 * H_), 0.02f, 6);
-        bench::fill_uniform(w2.ptr, size_t(H_ * F), 0.02f, 7);
+        DeviceBuffer<bf16> a(rows * std::max(H_, F)), w1(F1 * H_), w2(H_ * F), c1(rows * std::max(F1, H_));
+        fill_uniform(a.get(), size_t(a.size()), 1.f, 5), fill_uniform(w1.get(), size_t(w1.size()), 0.02f, 6);
+        fill_uniform(w2.get(), size_t(w2.size()), 0.02f, 7);
         const double dense = time_ms([&] {
-            bench::dense_gemm(gemm_detail::Op::kNT, rows, F1, H_, a.ptr, w1.ptr, c1.ptr, stream_);
-            bench::dense_gemm(gemm_detail::Op::kNT, rows, H_, F, a.ptr, w2.ptr, c1.ptr, stream_);
+            dense_gemm(gemm_detail::Op::kNT, rows, F1, H_, a.get(), w1.get(), c1.get(), stream_);
+            dense_gemm(gemm_detail::Op::kNT, rows, H_, F, a.get(), w2.get(), c1.get(), stream_);
         }, stream_, warm, iters);
         r.dense_cublas_tflops = fwd_flops / (dense * 1e-3) / 1e12;
         MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());

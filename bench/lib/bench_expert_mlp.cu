@@ -5,11 +5,12 @@
 #include <cstdio>
 #include <numeric>
 
-#include "cuda/bench_expert_mlp.h"
+#include "lib/bench_expert_mlp.h"
+#include "core/rng.h"
 #include "cuda/activation.cuh"
-#include "cuda/bench_util.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_sync.h"
+#include "lib/bench_util.cuh"
 #include "moekit/error.h"
 
 namespace moekit::cuda::bench {

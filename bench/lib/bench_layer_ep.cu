@@ -13,9 +13,9 @@
 
 #include "comm/device_comm.h"
 #include "cuda/budget_step.h"
-#include "cuda/bench_expert_mlp.h"
-#include "cuda/bench_util.cuh"
 #include "cuda/moe_layer.h"
+#include "lib/bench_expert_mlp.h"
+#include "lib/bench_util.cuh"
 #include "moekit/comm.h"
 #include "moekit/error.h"
 

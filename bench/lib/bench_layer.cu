@@ -5,11 +5,11 @@
 #include <cmath>
 #include <cstdio>
 
-#include "cuda/bench_expert_mlp.h"
-#include "cuda/bench_util.cuh"
 #include "cuda/expert_gemm.h"
 #include "cuda/grouped_gemm_sync.h"
 #include "cuda/moe_layer.h"
+#include "lib/bench_expert_mlp.h"
+#include "lib/bench_util.cuh"
 #include "moekit/error.h"
 
 namespace moekit::cuda::bench {

@@ -1,0 +1,37 @@
+// time_ms: the median milliseconds of fn() on one stream over `iters` runs after `warmup` runs, each run timed
+// with a pair of CUDA events. Header-only because it takes any callable. Used by the training engine's speed
+// report (train_engine.cu, `moekit train --device cuda`, tests/gpu/test_cuda_train.cu) and the benchmarks
+// (bench/lib/bench_util.cuh).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+
+namespace moekit::cuda {
+
+template <typename Fn>
+double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) fn();
+    cudaEvent_t a, b;
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&a));
+    MOEKIT_CUDA_CHECK(cudaEventCreate(&b));
+    std::vector<float> t;
+    for (int i = 0; i < iters; ++i) {
+        MOEKIT_CUDA_CHECK(cudaEventRecord(a, stream));
+        fn();
+        MOEKIT_CUDA_CHECK(cudaEventRecord(b, stream));
+        MOEKIT_CUDA_CHECK(cudaEventSynchronize(b));
+        float ms = 0;
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(t.begin(), t.end());
+    return t.empty() ? 0.0 : t[t.size() / 2];
+}
+
+}  // namespace moekit::cuda
