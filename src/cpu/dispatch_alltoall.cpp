@@ -95,16 +95,9 @@ private:
         return back;
     }
 
-    // all-to-all-v of rows of `width` elements; splits in rows per peer.
     std::vector<T> exchange(const std::vector<T>& send, int64_t width, const std::vector<int64_t>& send_rows,
                             const std::vector<int64_t>& recv_rows) {
-        std::vector<int64_t> sc(send_rows.size()), rc(recv_rows.size());
-        int64_t total = 0;
-        for (size_t p = 0; p < sc.size(); ++p) sc[p] = send_rows[p] * width;
-        for (size_t p = 0; p < rc.size(); ++p) rc[p] = recv_rows[p] * width, total += rc[p];
-        std::vector<T> recv(static_cast<size_t>(total));
-        ep_.all_to_all_v(send.data(), sc, recv.data(), rc);
-        return recv;
+        return all_to_all_rows(ep_, send, width, send_rows, recv_rows);
     }
 
     EpLayout layout_;

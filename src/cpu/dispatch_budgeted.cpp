@@ -100,34 +100,11 @@ void BudgetedDispatcher<T>::put_to_receivers(const T* rows, const T* probs, cons
 template <typename T>
 Matrix<T> BudgetedDispatcher<T>::return_to_sources(const Matrix<T>& rows, const std::vector<T>* probs,
                                                    std::vector<T>* probs_back) {
-    const int EP = layout_.ep_size;
-    const int64_t L = layout_.num_local_experts, t = int64_t(sizeof(T)), N = plan_.num_rows();
     MOEKIT_CHECK(rows.rows == held_rows() && rows.cols == hidden_, "rows to return are [", rows.rows, ", ", rows.cols,
                  "], this rank holds [", held_rows(), ", ", hidden_, "]");
-    char* ret = reinterpret_cast<char*>(buf_.ret_words.data());
-    // Rows that were over a budget come back as zeros (the re-run replaces the whole step anyway).
-    std::memset(ret, 0, size_t(N * hidden_ * t));
-    if (probs_back) std::memset(ret + buf_.ret_probs_at, 0, size_t(N * t));
-    buf_.ret_win->fence();
-    for (int64_t c = 0; c < L * EP; ++c) {
-        const int64_t c0 = std::min(my_offsets_[size_t(c)], buf_.budget), c1 = std::min(my_offsets_[size_t(c + 1)], buf_.budget);
-        if (c1 <= c0) continue;
-        const int src = int(c % EP);
-        // A chunk is one expert's rows of one source: contiguous there, so one put per chunk.
-        const int64_t first = held_sources_[size_t(c0)];
-        for (int64_t r = c0; r < c1; ++r)
-            MOEKIT_CHECK(held_sources_[size_t(r)] == first + (r - c0), "source rows of chunk ", c, " not contiguous");
-        buf_.ret_win->put(src, first * hidden_ * t, rows.row(c0), (c1 - c0) * hidden_ * t);
-        if (probs) buf_.ret_win->put(src, buf_.ret_probs_at + first * t, probs->data() + c0, (c1 - c0) * t);
-    }
-    buf_.ret_win->fence();
-    Matrix<T> back(N, hidden_);
-    copy_bytes(back.data.data(), ret, N * hidden_ * t);
-    if (probs_back) {
-        probs_back->resize(size_t(N));
-        copy_bytes(probs_back->data(), ret + buf_.ret_probs_at, N * t);
-    }
-    return back;
+    return buf_.return_held_rows(rows, probs, probs_back, my_offsets_.data(),
+                                 layout_.num_local_experts * layout_.ep_size, layout_.ep_size, held_sources_,
+                                 plan_.num_rows());
 }
 
 template <typename T>
@@ -229,6 +206,41 @@ BudgetOverflowReport BudgetedDispatcher<T>::end_step(Communicator& step_group) {
     in_step_ = false;
     return r;
 }
+
+template <typename T>
+Matrix<T> BudgetBuffers::return_held_rows(const Matrix<T>& rows, const std::vector<T>* probs, std::vector<T>* probs_back,
+                                                          const int64_t* offsets, int64_t chunks, int ep_size,
+                                     const std::vector<int64_t>& sources, int64_t N) {
+    const int64_t H = rows.cols, t = int64_t(sizeof(T));
+    char* ret = reinterpret_cast<char*>(ret_words.data());
+    std::memset(ret, 0, size_t(N * H * t));
+    if (probs_back) std::memset(ret + ret_probs_at, 0, size_t(N * t));
+    ret_win->fence();
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t c0 = std::min(offsets[c], budget), c1 = std::min(offsets[c + 1], budget);
+        if (c1 <= c0) continue;
+        // A chunk is one expert's (or slot's) rows of one source: contiguous there, so one put per chunk.
+        const int64_t first = sources[size_t(c0)];
+        for (int64_t r = c0; r < c1; ++r)
+            MOEKIT_CHECK(sources[size_t(r)] == first + (r - c0), "source rows of chunk ", c, " not contiguous");
+        ret_win->put(int(c % ep_size), first * H * t, rows.row(c0), (c1 - c0) * H * t);
+        if (probs) ret_win->put(int(c % ep_size), ret_probs_at + first * t, probs->data() + c0, (c1 - c0) * t);
+    }
+    ret_win->fence();
+    Matrix<T> back(N, H);
+    copy_bytes(back.data.data(), ret, N * H * t);
+    if (probs_back) {
+        probs_back->resize(size_t(N));
+        copy_bytes(probs_back->data(), ret + ret_probs_at, N * t);
+    }
+    return back;
+}
+template Matrix<float> BudgetBuffers::return_held_rows(const Matrix<float>&, const std::vector<float>*,
+                                                       std::vector<float>*, const int64_t*, int64_t, int,
+                                                       const std::vector<int64_t>&, int64_t);
+template Matrix<double> BudgetBuffers::return_held_rows(const Matrix<double>&, const std::vector<double>*,
+                                                        std::vector<double>*, const int64_t*, int64_t, int,
+                                                        const std::vector<int64_t>&, int64_t);
 
 template class BudgetedDispatcher<float>;
 template class BudgetedDispatcher<double>;

@@ -42,6 +42,15 @@ struct BudgetBuffers {
     // `slack_byte` until a row lands there.
     void create(Communicator& ep, int ep_size, int64_t tokens, int64_t topk, int64_t hidden, double factor,
                 int64_t elem_bytes, unsigned char slack_byte);
+
+    // Collective: the held rows [held, H] (and their probs) back to their sources' permutation-1 positions by
+    // one put per chunk. offsets [chunks + 1]: this rank's chunk offsets (chunk c comes from source c % ep_size,
+    // unclipped); sources [held]: each held row's row at its source. Returns the [N, H] rows that came back
+    // here (rows over a budget come back as zeros: the re-run replaces the step), their probs in probs_back.
+    template <typename T>
+    Matrix<T> return_held_rows(const Matrix<T>& rows, const std::vector<T>* probs, std::vector<T>* probs_back,
+                          const int64_t* offsets, int64_t chunks, int ep_size, const std::vector<int64_t>& sources,
+                          int64_t N);
 };
 
 // The end-of-step verdict of a budgeted dispatcher, collective over `step_group`: one all-reduce (max) of

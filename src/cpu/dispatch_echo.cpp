@@ -197,13 +197,7 @@ void EchoDispatcher<T>::dispatch_backward(const Matrix<T>& grad_rows, const std:
 template <typename T>
 std::vector<T> EchoDispatcher<T>::exchange(const std::vector<T>& send, int64_t width,
                                            const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows) {
-    std::vector<int64_t> sc(send_rows.size()), rc(recv_rows.size());
-    int64_t total = 0;
-    for (size_t p = 0; p < sc.size(); ++p) sc[p] = send_rows[p] * width;
-    for (size_t p = 0; p < rc.size(); ++p) rc[p] = recv_rows[p] * width, total += rc[p];
-    std::vector<T> recv(static_cast<size_t>(total));
-    ep_.all_to_all_v(send.data(), sc, recv.data(), rc);
-    return recv;
+    return all_to_all_rows(ep_, send, width, send_rows, recv_rows);
 }
 
 template <typename T>
@@ -253,34 +247,11 @@ Matrix<T> EchoDispatcher<T>::held_matrix() const {
 template <typename T>
 Matrix<T> EchoDispatcher<T>::return_to_sources(const Matrix<T>& rows, const std::vector<T>* probs,
                                                std::vector<T>* probs_back) {
-    const int64_t EP = layout_.ep_size, me = layout_.ep_rank, t = int64_t(sizeof(T)), N = routing_.num_rows();
-    const int64_t chunks = (dims_.experts_per_rank() + dims_.slots_per_rank) * EP;
-    const int64_t* off = &all_offsets_[size_t(me) * size_t(chunks + 1)];
+    const int64_t EP = layout_.ep_size, chunks = (dims_.experts_per_rank() + dims_.slots_per_rank) * EP;
     MOEKIT_CHECK(rows.rows == held_rows() && rows.cols == hidden_, "rows to return are [", rows.rows, ", ", rows.cols,
                  "], this rank holds [", held_rows(), ", ", hidden_, "]");
-    char* ret = reinterpret_cast<char*>(buf_.ret_words.data());
-    // Rows that were over a budget come back as zeros (the re-run replaces the whole step anyway).
-    std::memset(ret, 0, size_t(N * hidden_ * t));
-    if (probs_back) std::memset(ret + buf_.ret_probs_at, 0, size_t(N * t));
-    buf_.ret_win->fence();
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t c0 = std::min(off[c], buf_.budget), c1 = std::min(off[c + 1], buf_.budget);
-        if (c1 <= c0) continue;
-        const int src = int(c % EP);
-        const int64_t first = held_sources_[size_t(c0)];  // a chunk is a contiguous segment at its source
-        for (int64_t r = c0; r < c1; ++r)
-            MOEKIT_CHECK(held_sources_[size_t(r)] == first + (r - c0), "source rows of chunk ", c, " not contiguous");
-        buf_.ret_win->put(src, first * hidden_ * t, rows.row(c0), (c1 - c0) * hidden_ * t);
-        if (probs) buf_.ret_win->put(src, buf_.ret_probs_at + first * t, probs->data() + c0, (c1 - c0) * t);
-    }
-    buf_.ret_win->fence();
-    Matrix<T> back(N, hidden_);
-    if (N > 0) std::memcpy(back.data.data(), ret, size_t(N * hidden_ * t));
-    if (probs_back) {
-        probs_back->resize(size_t(N));
-        if (N > 0) std::memcpy(probs_back->data(), ret + buf_.ret_probs_at, size_t(N * t));
-    }
-    return back;
+    return buf_.return_held_rows(rows, probs, probs_back, &all_offsets_[size_t(layout_.ep_rank) * size_t(chunks + 1)],
+                                 chunks, int(EP), held_sources_, routing_.num_rows());
 }
 
 template <typename T>

@@ -35,6 +35,20 @@ struct DispatchedRows {
     std::vector<int64_t> offsets;    // [L + 1] first row of each local expert
 };
 
+// All-to-all-v over `ep` of rows of `width` elements; the splits count rows per peer. Used by the alltoall
+// and ECHO dispatchers.
+template <typename T>
+std::vector<T> all_to_all_rows(Communicator& ep, const std::vector<T>& send, int64_t width,
+                               const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows) {
+    std::vector<int64_t> sc(send_rows.size()), rc(recv_rows.size());
+    int64_t total = 0;
+    for (size_t p = 0; p < sc.size(); ++p) sc[p] = send_rows[p] * width;
+    for (size_t p = 0; p < rc.size(); ++p) rc[p] = recv_rows[p] * width, total += rc[p];
+    std::vector<T> recv(static_cast<size_t>(total));
+    ep.all_to_all_v(send.data(), sc, recv.data(), rc);
+    return recv;
+}
+
 // One dispatcher per layer; dispatch() records the routing of the step (plans, split sizes) that
 // combine() and the backward calls reuse, as Megatron's dispatcher objects do.
 template <typename T>
