@@ -208,9 +208,9 @@ BudgetOverflowReport BudgetedDispatcher<T>::end_step(Communicator& step_group) {
 }
 
 template <typename T>
-Matrix<T> BudgetBuffers::return_held_rows(const Matrix<T>& rows, const std::vector<T>* probs, std::vector<T>* probs_back,
-                                                          const int64_t* offsets, int64_t chunks, int ep_size,
-                                     const std::vector<int64_t>& sources, int64_t N) {
+Matrix<T> BudgetBuffers::return_held_rows(const Matrix<T>& rows, const std::vector<T>* probs,
+                                          std::vector<T>* probs_back, const int64_t* offsets, int64_t chunks,
+                                          int ep_size, const std::vector<int64_t>& sources, int64_t N) {
     const int64_t H = rows.cols, t = int64_t(sizeof(T));
     char* ret = reinterpret_cast<char*>(ret_words.data());
     std::memset(ret, 0, size_t(N * H * t));
