@@ -6,15 +6,7 @@
 # usage: MOEKIT_COMMIT=<sha> [FULL=1] [EP_BENCH=0] scripts/device_echo_check.sh; results in $OUT (summary.txt
 # first). FULL=1 runs the whole GPU suite (ctest -L gpu) instead of the ECHO/budgeted list; EP_BENCH=0 skips
 # the EP benchmark.
-set -o pipefail
-OUT=${OUT:-/tmp/moekit-out}
-mkdir -p "$OUT/bench"
-export PATH=/usr/local/cuda/bin:$PATH MOEKIT_DEVICE_WAIT_S=${MOEKIT_DEVICE_WAIT_S:-10}
-B=build-dev
-LIMIT=${LIMIT:-570}
-log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
-left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
-echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
+. "$(dirname "$0")/device_lib.sh"
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
 targets="moekit test_cuda_echo test_cuda_ep"

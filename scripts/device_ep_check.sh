@@ -7,16 +7,7 @@
 # -np 1; compute-sanitizer memcheck/racecheck on the budgeted dispatch kernels
 # (phase barriers on the host: the sanitizer runs one kernel at a time, so device barriers could not meet).
 # usage: MOEKIT_COMMIT=<sha> scripts/device_ep_check.sh; results in $OUT (summary.txt first).
-set -o pipefail
-OUT=${OUT:-/tmp/moekit-out}
-mkdir -p "$OUT/bench"
-export PATH=/usr/local/cuda/bin:$PATH MOEKIT_DEVICE_WAIT_S=${MOEKIT_DEVICE_WAIT_S:-10}
-B=build-dev
-LIMIT=${LIMIT:-570}
-log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
-# left N: true when at least N seconds remain before LIMIT.
-left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
-echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
+. "$(dirname "$0")/device_lib.sh"
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
 timeout 280 cmake --build $B >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }

@@ -1,0 +1,13 @@
+# Shared preamble of the bounded device scripts (scripts/device_ep_check.sh, device_echo_check.sh): sourced,
+# not run. Results go to $OUT (summary.txt first); every stage checks the time left before the device's
+# 10-minute limit (LIMIT seconds, default 570) with `left N what`.
+set -o pipefail
+OUT=${OUT:-/tmp/moekit-out}
+mkdir -p "$OUT/bench"
+export PATH=/usr/local/cuda/bin:$PATH MOEKIT_DEVICE_WAIT_S=${MOEKIT_DEVICE_WAIT_S:-10}
+B=build-dev
+LIMIT=${LIMIT:-570}
+log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
+# left N: true when at least N seconds remain before LIMIT.
+left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
+echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
