@@ -54,9 +54,6 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--moe-num-echo-experts", &echo_experts, "S_TOTAL spare slots over all EP ranks, divisible by EP (with ECHO)");
     if (!p.parse(args)) return 0;  // --help was printed
     MOEKIT_REQUIRE(iters >= 1 && iters <= 1'000'000, "--iters=", iters, " must be a positive integer (at most 1000000)");
-#ifndef MOEKIT_WITH_CUDA
-    throw moekit::UsageError("moekit bench needs a CUDA build and a GPU (this build has no CUDA backend)");
-#endif
     MOEKIT_REQUIRE(!preset.empty(), "--preset is required (mixtral, dsv3-ep8, dsv3-e256 or qwen3-30b; --help lists the "
                    "flags)");
     MOEKIT_REQUIRE(device == "cuda", "--device=", device, ": moekit bench runs on cuda only");
@@ -79,6 +76,10 @@ int run_bench(const std::vector<std::string>& args) {
                    "--moe-num-echo-experts > 0 divisible by EP (got ", echo_experts, ")");
     MOEKIT_REQUIRE(enable_echo || echo_experts == 0, "--moe-num-echo-experts=", echo_experts,
                    " goes with --moe-enable-echo");
+// Bad flags are named on any build; only then does a build without CUDA say so.
+#ifndef MOEKIT_WITH_CUDA
+    throw moekit::UsageError("moekit bench needs a CUDA build and a GPU (this build has no CUDA backend)");
+#endif
 #ifdef MOEKIT_WITH_CUDA
     namespace b = moekit::cuda::bench;
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
