@@ -9,6 +9,7 @@
 #include "core/rng.h"
 #include "cuda/activation.cuh"
 #include "cuda/grouped_gemm.h"
+#include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_sync.h"
 #include "lib/bench_util.cuh"
 #include "moekit/error.h"
@@ -189,10 +190,16 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                          {"gflop", gemm_flops(q, c) / 1e9}};
         auto t = [&](auto&& fn) { return time_ms(fn, s, o.warmup, o.iters); };
         if (is_hopper()) {
-            set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
-            r["wgmma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
             set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
             r["tma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+            if (cutlass_grouped_gemm_built()) {
+                set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
+                set_cutlass_config(CutlassConfig::kCooperative);
+                r["cutlass_coop_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+                set_cutlass_config(CutlassConfig::kPingpong);
+                r["cutlass_pingpong_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+                set_cutlass_config(CutlassConfig::kAuto);
+            }
         }
         set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
         r["mma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
@@ -211,18 +218,20 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
                           r["zipf_s"].get<double>(), ") on ", r["device"].get<std::string>(), "\n");
     char line[256];
-    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s | %7s %7s | %6s\n", "gemm", "op", "GFLOP",
-                  "tma ms", "wgmma ms", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns");
+    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %7s %7s | %6s\n", "gemm", "op",
+                  "GFLOP", "tma ms", "cl-coop", "cl-pp", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense",
+                  "vs dns");
     out += line;
+    auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
         double best = g["mma_ms"].get<double>();
-        for (const char* key : {"wgmma_ms", "tma_ms"})
+        for (const char* key : {"tma_ms", "cutlass_coop_ms", "cutlass_pingpong_ms"})
             if (g.contains(key)) best = std::min(best, g[key].get<double>());
         double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
-        std::snprintf(line, sizeof line, "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f | %7.0f %7.0f | %5.2fx\n",
-                      g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf,
-                      g.contains("tma_ms") ? g["tma_ms"].get<double>() : NAN,
-                      g.contains("wgmma_ms") ? g["wgmma_ms"].get<double>() : NAN, g["mma_ms"].get<double>(),
+        std::snprintf(line, sizeof line,
+                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %7.0f %7.0f | %5.2fx\n",
+                      g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
+                      ms(g, "cutlass_coop_ms"), ms(g, "cutlass_pingpong_ms"), g["mma_ms"].get<double>(),
                       g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense);
         out += line;
     }
@@ -328,9 +337,7 @@ nlohmann::json bench_expert_mlp(const Preset& pr, const Options& o) {
     // mode: a host sync anywhere inside would make the capture fail) and timed by replays.
     nlohmann::json grouped = stage_times(kGrouped, q, dy.ptr, dact.ptr, dh.ptr, dx.ptr, o, s);
     const GroupedGemmKernel kernel = grouped_gemm_kernel();
-    grouped["kernel"] = kernel == GroupedGemmKernel::kTma     ? "tma+wgmma"
-                        : kernel == GroupedGemmKernel::kWgmma ? "cp.async+wgmma"
-                                                              : "mma.sync";
+    grouped["kernel"] = grouped_gemm_kernel_name(kernel);
     int64_t syncs0 = sync_baseline::host_sync_count();
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;

@@ -180,9 +180,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         return r;
     };
     out["grouped"] = run_backend(ExpertGemmKind::grouped, true);
-    out["grouped"]["kernel"] = grouped_gemm_kernel() == GroupedGemmKernel::kTma     ? "tma+wgmma"
-                               : grouped_gemm_kernel() == GroupedGemmKernel::kWgmma ? "cp.async+wgmma"
-                                                                                    : "mma.sync";
+    out["grouped"]["kernel"] = grouped_gemm_kernel_name(grouped_gemm_kernel());
     out["sync"] = run_backend(ExpertGemmKind::sync_baseline, false);
     auto counts = layer->read_tokens_per_expert();
     out["max_count"] = *std::max_element(counts.begin(), counts.end());

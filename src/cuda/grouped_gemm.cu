@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"
 
 namespace moekit::cuda {
@@ -29,6 +30,7 @@ GroupedGemmKernel resolve_kernel() {
             if (std::strcmp(env, "mma") == 0) return GroupedGemmKernel::kMmaSync;
             if (std::strcmp(env, "wgmma") == 0) chosen = GroupedGemmKernel::kWgmma;
             if (std::strcmp(env, "tma") == 0) chosen = GroupedGemmKernel::kTma;
+            if (std::strcmp(env, "cutlass") == 0) chosen = GroupedGemmKernel::kCutlass;
         }
     }
     int dev = 0, major = 0, minor = 0;
@@ -36,8 +38,13 @@ GroupedGemmKernel resolve_kernel() {
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     bool hopper = major == 9 && minor == 0;  // the wgmma kernel is built for sm_90a only
-    if (chosen == GroupedGemmKernel::kWgmma || chosen == GroupedGemmKernel::kTma)
+    if (chosen == GroupedGemmKernel::kWgmma || chosen == GroupedGemmKernel::kTma ||
+        chosen == GroupedGemmKernel::kCutlass)
         MOEKIT_CHECK(hopper, "the wgmma grouped GEMMs need an sm_90 device, this one is sm_", major, minor);
+    if (chosen == GroupedGemmKernel::kCutlass)
+        MOEKIT_CHECK(cutlass_grouped_gemm_built(),
+                     "the CUTLASS grouped GEMMs were not built (no CUTLASS wheel at configure time: "
+                     "scripts/prepare_third_party.sh)");
     if (chosen == GroupedGemmKernel::kAuto) chosen = hopper ? GroupedGemmKernel::kTma : GroupedGemmKernel::kMmaSync;
     return chosen;
 }
@@ -232,6 +239,16 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     p.accumulate = accumulate ? 1 : 0;
 
     const GroupedGemmKernel kernel = resolve_kernel();
+    if (kernel == GroupedGemmKernel::kCutlass) {
+        MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
+        if constexpr (kOp == Op::kNT)
+            cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream);
+        else if constexpr (kOp == Op::kNN)
+            cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream);
+        else
+            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream);
+        return;
+    }
     bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
     const int BM = 128, BN = wgmma ? 256 : 128;
     p.tiles_n = int(ceil_div(s.n, BN));
@@ -258,9 +275,36 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 
 }  // namespace
 
+#ifndef MOEKIT_WITH_CUTLASS
+// Built without the CUTLASS headers: resolve_kernel refuses kCutlass before any of these is reached.
+bool cutlass_grouped_gemm_built() { return false; }
+void set_cutlass_config(CutlassConfig) {}
+void cutlass_grouped_gemm_nt(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
+                             const int32_t*, cudaStream_t) {
+    MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
+}
+void cutlass_grouped_gemm_nn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
+                             const int32_t*, cudaStream_t) {
+    MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
+}
+void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*,
+                             const int32_t*, bool, cudaStream_t) {
+    MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
+}
+#endif
+
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
+const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
+    switch (kernel) {
+        case GroupedGemmKernel::kTma: return "tma+wgmma";
+        case GroupedGemmKernel::kWgmma: return "cp.async+wgmma";
+        case GroupedGemmKernel::kCutlass: return "cutlass";
+        case GroupedGemmKernel::kMmaSync: return "mma.sync";
+        default: return "auto";
+    }
+}
 
 void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                      const int32_t* d_offsets, cudaStream_t stream) {

@@ -12,10 +12,12 @@
 namespace moekit::cuda {
 // Which compute core grouped_gemm_* use. Default: kTma on sm_90 devices, mma.sync elsewhere; the environment
 // variable MOEKIT_GEMM_KERNEL=mma|wgmma|tma overrides it, and tests/benchmarks set it explicitly.
-// kWgmma: cp.async loads by all threads; kTma: warp-specialised TMA producer + 2 wgmma consumer warpgroups.
-enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma, kTma };
+// kWgmma: cp.async loads by all threads; kTma: warp-specialised TMA producer + 2 wgmma consumer warpgroups;
+// kCutlass: CUTLASS's SM90 pointer-array grouped GEMM (grouped_gemm_cutlass.h; MOEKIT_GEMM_KERNEL=cutlass).
+enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma, kTma, kCutlass };
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
 GroupedGemmKernel grouped_gemm_kernel();  // the one that will run on the current device (never kAuto)
+const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel);  // "tma+wgmma", "cutlass", ... (benchmark tables)
 // Cluster size of the kTma kernel: 2 (default: CTA pairs multicast their shared A tile) or 1 (one CTA per tile
 // job, no cluster); 0 = the environment variable MOEKIT_GEMM_CLUSTER=1|2, else 2.
 void set_grouped_gemm_cluster(int size);

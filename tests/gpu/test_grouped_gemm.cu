@@ -1,6 +1,7 @@
 // Grouped GEMMs (src/cuda/grouped_gemm.h) and their synchronous cuBLAS baseline (grouped_gemm_sync.h) against a CPU
 // float64 reference on bf16-rounded random inputs: nt / nn / tn, every compute core (mma.sync; on sm_90 also wgmma
-// with cp.async loads and the warp-specialised TMA + wgmma kernel, single CTAs and 2-CTA clusters),
+// with cp.async loads and the warp-specialised TMA + wgmma kernel, single CTAs and 2-CTA clusters, and CUTLASS's
+// pointer-array grouped GEMM in both tile configurations where it was built),
 // counts with zeros, one group taking all rows, sizes off the tile grid; rows past offsets[G] stay untouched.
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include "core/rng.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"
 #include "cuda/grouped_gemm_sync.h"
 
@@ -97,13 +99,15 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend { kMma, kWgmma, kTma, kTmaPair, kSync };
+enum class Backend { kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassPingpong, kSync };
 const char* name(Backend b) {
-    return b == Backend::kMma     ? "mma.sync"
-           : b == Backend::kWgmma ? "wgmma"
-           : b == Backend::kTma   ? "tma"
-           : b == Backend::kTmaPair ? "tma-cluster2"
-                                  : "sync-cublas";
+    return b == Backend::kMma              ? "mma.sync"
+           : b == Backend::kWgmma          ? "wgmma"
+           : b == Backend::kTma            ? "tma"
+           : b == Backend::kTmaPair        ? "tma-cluster2"
+           : b == Backend::kCutlassCoop    ? "cutlass-cooperative"
+           : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
+                                           : "sync-cublas";
 }
 
 std::vector<Backend> backends() {
@@ -116,6 +120,10 @@ std::vector<Backend> backends() {
         out.push_back(Backend::kWgmma);
         out.push_back(Backend::kTma);
         out.push_back(Backend::kTmaPair);
+        if (cutlass_grouped_gemm_built()) {
+            out.push_back(Backend::kCutlassCoop);
+            out.push_back(Backend::kCutlassPingpong);
+        }
     }
     return out;
 }
@@ -125,6 +133,15 @@ void select(Backend b) {
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
+    if (b == Backend::kCutlassCoop || b == Backend::kCutlassPingpong) {
+        set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
+        set_cutlass_config(b == Backend::kCutlassCoop ? CutlassConfig::kCooperative : CutlassConfig::kPingpong);
+    }
+}
+void reset_backend() {
+    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+    set_grouped_gemm_cluster(0);
+    set_cutlass_config(CutlassConfig::kAuto);
 }
 
 enum class Op { kNT, kNN };
@@ -172,8 +189,7 @@ void check_row_gemm(Op op, const std::vector<int>& counts, int slack_rows, int n
         for (size_t i = size_t(rows) * n; i < C.size(); ++i) touched += bits(C[i]) != bits(canary);
         EXPECT_EQ(touched, 0u) << "elements written past offsets[G]";
     }
-    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
-    set_grouped_gemm_cluster(0);
+    reset_backend();
 }
 
 // tn: C[g] (+)= A_gᵀ·B_g in fp32 over the group's rows (zero rows: zeroed, or unchanged with accumulate).
@@ -220,8 +236,7 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
             EXPECT_EQ(bad, 0u) << "empty group " << g << " not " << (accumulate ? "left unchanged" : "zeroed");
         }
     }
-    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
-    set_grouped_gemm_cluster(0);
+    reset_backend();
 }
 
 }  // namespace
@@ -296,6 +311,61 @@ TEST(GroupedGemm, SyncBaselineCountsHostSyncs) {
     sync_baseline::grouped_gemm_nt(shape, A.ptr, B.ptr, C.ptr, off.ptr, nullptr);
     sync_baseline::grouped_gemm_nn(shape, A.ptr, B.ptr, C.ptr, off.ptr, nullptr);
     EXPECT_EQ(sync_baseline::host_sync_count() - before, 2);
+}
+
+// Every sync-free backend captured in ONE graph (global capture mode: a host sync would fail it), then replayed
+// after the device offsets changed: the replay must follow the new counts (read on the device, never baked in).
+TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
+    SKIP_WITHOUT_GPU();
+    const int G = 6, n = 192, k = 128, max_rows = 900;
+    const std::vector<int> before{100, 0, 300, 7, 250, 143}, after{0, 420, 1, 0, 299, 180};
+    auto A = random_bf16(size_t(max_rows) * k, 81, size_t(max_rows) * k);
+    auto B = random_bf16(size_t(G) * n * k, 82, size_t(G) * n * k);
+    auto D = random_bf16(size_t(max_rows) * n, 83, size_t(max_rows) * n);
+    DeviceBuffer<bf16> dA(A), dB(B), dD(D);
+    DeviceBuffer<int32_t> dOff(offsets_of(before));
+    GroupedGemmShape row_shape{G, max_rows, n, k}, tn_shape{G, max_rows, n, k};
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (Backend b : backends()) {
+        if (b == Backend::kSync) continue;
+        SCOPED_TRACE(name(b));
+        select(b);
+        DeviceBuffer<bf16> dC(size_t(max_rows) * n), dCeager(size_t(max_rows) * n);
+        DeviceBuffer<float> dW(size_t(G) * k * n), dWeager(size_t(G) * k * n);
+        auto step = [&](bf16* C, float* W) {
+            grouped_gemm_nt(row_shape, dA.ptr, dB.ptr, C, dOff.ptr, stream);
+            grouped_gemm_tn(tn_shape, dA.ptr, dD.ptr, W, dOff.ptr, false, stream);
+        };
+        MOEKIT_CUDA_CHECK(cudaMemset(dC.ptr, 0, sizeof(bf16) * dC.len));
+        MOEKIT_CUDA_CHECK(cudaMemset(dCeager.ptr, 0, sizeof(bf16) * dC.len));
+        dOff.upload(offsets_of(before));
+        step(dC.ptr, dW.ptr);  // warm-up outside the capture (first-use set-up), with the old counts
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        step(dC.ptr, dW.ptr);
+        MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        MOEKIT_CUDA_CHECK(cudaMemset(dC.ptr, 0, sizeof(bf16) * dC.len));
+        dOff.upload(offsets_of(after));
+        MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        step(dCeager.ptr, dWeager.ptr);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        auto C = dC.download(), Ce = dCeager.download();
+        auto W = dW.download(), We = dWeager.download();
+        EXPECT_EQ(0, std::memcmp(C.data(), Ce.data(), sizeof(bf16) * C.size())) << "nt replay != eager";
+        EXPECT_EQ(0, std::memcmp(W.data(), We.data(), sizeof(float) * W.size())) << "tn replay != eager";
+        // and the new counts were used: group 1 (0 rows before, 420 after) has a non-zero gradient now
+        size_t nonzero = 0;
+        for (size_t i = size_t(1) * k * n; i < size_t(2) * k * n; ++i) nonzero += W[i] != 0.f;
+        EXPECT_GT(nonzero, size_t(k) * n / 2);
+        MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    reset_backend();
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 }  // namespace moekit::cuda

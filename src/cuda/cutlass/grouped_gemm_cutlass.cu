@@ -1,0 +1,85 @@
+// Host side shared by the CUTLASS grouped GEMMs (grouped_gemm_cutlass.h): the tile-configuration choice, the
+// per-stream argument/workspace buffers, and the zeroing of empty wgrad groups. The three products are
+// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu (one translation unit each: they compile in parallel).
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "cuda/cutlass/grouped_gemm_cutlass.cuh"
+
+namespace moekit::cuda {
+
+bool cutlass_grouped_gemm_built() { return true; }
+
+namespace {
+std::atomic<int> g_config{int(CutlassConfig::kAuto)};
+}
+
+void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
+
+namespace cutlass_detail {
+
+CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group) {
+    if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
+    if (requested == CutlassConfig::kAuto) {
+        if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
+            if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
+            if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
+        }
+        // Small groups: 128x128 tiles waste less of each group's last tile and give more tiles to the SMs.
+        return rows_per_group < 512 ? CutlassConfig::kPingpong : CutlassConfig::kCooperative;
+    }
+    return requested;
+}
+
+int device_sm_count() {
+    static std::atomic<int> cached[64] = {};
+    int dev = 0, n = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    if (dev < 64) n = cached[dev].load();
+    if (n == 0) {
+        MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        if (dev < 64) cached[dev] = n;
+    }
+    return n;
+}
+
+void* stream_workspace(cudaStream_t stream, size_t bytes) {
+    struct Buffer {
+        void* ptr = nullptr;
+        size_t bytes = 0;
+    };
+    static std::mutex mutex;
+    static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    std::lock_guard<std::mutex> lock(mutex);
+    Buffer& b = buffers[{dev, stream}];
+    if (b.bytes >= bytes) return b.ptr;
+    // Growing: the old buffer may still be referenced by a captured graph, so it is kept (never freed), and the
+    // allocation is allowed while this thread captures (cudaMalloc is not stream-ordered).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    MOEKIT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    void* ptr = nullptr;
+    const size_t want = std::max<size_t>(bytes, 2 * b.bytes);
+    const cudaError_t err = cudaMalloc(&ptr, want);
+    MOEKIT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    MOEKIT_CUDA_CHECK(err);
+    b.ptr = ptr;
+    b.bytes = want;
+    return ptr;
+}
+
+__global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems) {
+    const int g = blockIdx.y;
+    if (offsets[g + 1] != offsets[g]) return;
+    float4* dst = reinterpret_cast<float4*>(C + int64_t(g) * block_elems);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < block_elems / 4; i += int64_t(gridDim.x) * blockDim.x)
+        dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+}  // namespace cutlass_detail
+}  // namespace moekit::cuda

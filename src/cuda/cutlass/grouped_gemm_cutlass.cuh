@@ -1,0 +1,236 @@
+// CUTLASS SM90 pointer-array grouped GEMMs behind grouped_gemm_cutlass.h. One template per product (nt, nn, tn),
+// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu with two tile configurations each.
+// Sync-free: a one-block kernel turns the device offsets into CUTLASS's per-group problem shapes, pointers and
+// strides (in a per-stream argument buffer), and CUTLASS is given no host shapes: its persistent grid covers the
+// SMs and its group scheduler reads the shapes on the device. Empty groups get no tiles (M = 0); for wgrad without
+// accumulation their gradient block is zeroed by a separate kernel (CUTLASS would leave K = 0 accumulators unset).
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/cuda_check.h"
+#include "cuda/grouped_gemm_cutlass.h"
+
+namespace moekit::cuda::cutlass_detail {
+
+enum class Op { kNT, kNN, kTN };
+
+// Operand layouts in CUTLASS's terms (A is M x K, B is N x K, C/D are M x N):
+//   nt: C[rows, n] = A[rows, k] · W[n, k]ᵀ      A row-major, B column-major (both K-major), D bf16
+//   nn: C[rows, n] = A[rows, k] · W[k, n]       A row-major, B row-major (N-major), D bf16
+//   tn: C[m, n] (+)= A[rows, m]ᵀ · B[rows, n]   A column-major, B row-major (both MN-major), C/D fp32
+template <Op kOp>
+struct OpTraits {
+    using LayoutA = std::conditional_t<kOp == Op::kTN, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+    using LayoutB = std::conditional_t<kOp == Op::kNT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+    using ElementC = std::conditional_t<kOp == Op::kTN, float, void>;  // void: no source operand
+    using ElementD = std::conditional_t<kOp == Op::kTN, float, cutlass::bfloat16_t>;
+};
+
+struct Cooperative {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+    using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
+struct Pingpong {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+    using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
+
+template <Op kOp, class Config>
+struct GemmFor {
+    using Traits = OpTraits<kOp>;
+    using ElementAB = cutlass::bfloat16_t;
+    using ElementC = typename Traits::ElementC;
+    using ElementD = typename Traits::ElementD;
+    static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+    static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
+    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, cutlass::layout::RowMajor*, kAlignC,
+        ElementD, cutlass::layout::RowMajor*, kAlignD, typename Config::Epilogue,
+        cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+    using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Traits::LayoutA*, 8, ElementAB,
+        typename Traits::LayoutB*, 8, float, typename Config::Tile, typename Config::Cluster,
+        cutlass::gemm::collective::StageCountAutoCarveout<int(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+        typename Config::Kernel>::CollectiveOp;
+    using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+    using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+    using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+    using Shape = typename ProblemShape::UnderlyingProblemShape;
+    using StrideA = typename Kernel::InternalStrideA;
+    using StrideB = typename Kernel::InternalStrideB;
+    using StrideC = typename Kernel::InternalStrideC;
+    using StrideD = typename Kernel::InternalStrideD;
+    using NonVoidC = std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>;
+};
+
+// Per-group arguments in device memory (carved from one per-stream buffer).
+template <class G>
+struct GroupArgs {
+    typename G::Shape* shapes;
+    const typename G::ElementAB** ptr_a;
+    const typename G::ElementAB** ptr_b;
+    const typename G::NonVoidC** ptr_c;
+    typename G::ElementD** ptr_d;
+    typename G::StrideA* stride_a;
+    typename G::StrideB* stride_b;
+    typename G::StrideC* stride_c;
+    typename G::StrideD* stride_d;
+};
+
+// Every stride type here has exactly one dynamic mode among (M|N, K): the leading dimension.
+template <class Stride>
+__device__ Stride leading(int64_t ld) {
+    Stride s{};
+    if constexpr (std::is_same_v<std::decay_t<decltype(cute::get<0>(s))>, int64_t>)
+        cute::get<0>(s) = ld;
+    else
+        cute::get<1>(s) = ld;
+    return s;
+}
+
+// One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
+template <Op kOp, class G>
+__global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
+                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C) {
+    const auto* A_ = reinterpret_cast<const typename G::ElementAB*>(A);
+    const auto* B_ = reinterpret_cast<const typename G::ElementAB*>(B);
+    auto* D_ = static_cast<typename G::ElementD*>(C);
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+        const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+        if constexpr (kOp == Op::kTN) {
+            a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
+            a.ptr_a[g] = A_ + r0 * k;
+            a.ptr_b[g] = B_ + r0 * n;
+            a.ptr_c[g] = D_ + int64_t(g) * k * n;
+            a.ptr_d[g] = D_ + int64_t(g) * k * n;
+            a.stride_a[g] = leading<typename G::StrideA>(k);
+            a.stride_b[g] = leading<typename G::StrideB>(n);
+            a.stride_c[g] = leading<typename G::StrideC>(n);
+        } else {
+            a.shapes[g] = typename G::Shape(int(rows), n, k);
+            a.ptr_a[g] = A_ + r0 * k;
+            a.ptr_b[g] = B_ + int64_t(g) * n * k;
+            a.ptr_d[g] = D_ + r0 * n;
+            a.stride_a[g] = leading<typename G::StrideA>(k);
+            a.stride_b[g] = leading<typename G::StrideB>(kOp == Op::kNT ? k : n);
+        }
+        a.stride_d[g] = leading<typename G::StrideD>(n);
+    }
+}
+
+// tn without accumulation: a group with no rows gets a zero gradient block (grid: blocks x groups).
+__global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems);
+
+// Bytes of device memory for one call's per-group arguments and CUTLASS's own workspace, served per stream
+// (grouped_gemm_cutlass.cu): calls on one stream run in order, so one buffer a stream is never shared by two GEMMs
+// in flight, also inside captured graphs (the buffer outlives them; it is never freed or moved once handed out).
+void* stream_workspace(cudaStream_t stream, size_t bytes);
+int device_sm_count();
+CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group);
+
+template <class G>
+size_t group_args_bytes(int64_t groups) {
+    auto align = [](size_t b) { return (b + 255) & ~size_t(255); };
+    return align(groups * sizeof(typename G::Shape)) + 4 * align(groups * sizeof(void*)) +
+           align(groups * sizeof(typename G::StrideA)) + align(groups * sizeof(typename G::StrideB)) +
+           align(groups * sizeof(typename G::StrideC)) + align(groups * sizeof(typename G::StrideD));
+}
+
+template <class G>
+GroupArgs<G> carve_group_args(void* base, int64_t groups) {
+    auto align = [](size_t b) { return (b + 255) & ~size_t(255); };
+    char* p = static_cast<char*>(base);
+    auto take = [&](size_t bytes) {
+        void* r = p;
+        p += align(bytes);
+        return r;
+    };
+    GroupArgs<G> a{};
+    a.shapes = static_cast<typename G::Shape*>(take(groups * sizeof(typename G::Shape)));
+    a.ptr_a = static_cast<const typename G::ElementAB**>(take(groups * sizeof(void*)));
+    a.ptr_b = static_cast<const typename G::ElementAB**>(take(groups * sizeof(void*)));
+    a.ptr_c = static_cast<const typename G::NonVoidC**>(take(groups * sizeof(void*)));
+    a.ptr_d = static_cast<typename G::ElementD**>(take(groups * sizeof(void*)));
+    a.stride_a = static_cast<typename G::StrideA*>(take(groups * sizeof(typename G::StrideA)));
+    a.stride_b = static_cast<typename G::StrideB*>(take(groups * sizeof(typename G::StrideB)));
+    a.stride_c = static_cast<typename G::StrideC*>(take(groups * sizeof(typename G::StrideC)));
+    a.stride_d = static_cast<typename G::StrideD*>(take(groups * sizeof(typename G::StrideD)));
+    return a;
+}
+
+template <Op kOp, class Config>
+void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
+    using G = GemmFor<kOp, Config>;
+    typename G::Gemm gemm;
+    const int64_t groups = s.num_groups;
+    typename G::Gemm::Arguments args;
+    cutlass::KernelHardwareInfo hw;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
+    hw.sm_count = device_sm_count();
+    // The workspace size depends on the SM count and the groups only, not on the per-group shapes.
+    const size_t args_bytes = group_args_bytes<G>(groups);
+    auto make_args = [&](const GroupArgs<G>& a) {
+        typename G::Gemm::Arguments r;
+        r.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+        r.problem_shape = {int(groups), a.shapes, nullptr};
+        r.mainloop = {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b};
+        r.epilogue.ptr_C = std::is_void_v<typename G::ElementC> ? nullptr : reinterpret_cast<decltype(r.epilogue.ptr_C)>(a.ptr_c);
+        r.epilogue.dC = a.stride_c;
+        r.epilogue.ptr_D = a.ptr_d;
+        r.epilogue.dD = a.stride_d;
+        r.epilogue.thread.alpha = 1.f;
+        r.epilogue.thread.beta = kOp == Op::kTN && accumulate ? 1.f : 0.f;
+        r.hw_info = hw;
+        return r;
+    };
+    args = make_args(GroupArgs<G>{});
+    const size_t cutlass_bytes = (G::Gemm::get_workspace_size(args) + 255) & ~size_t(255);
+    char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
+    const GroupArgs<G> a = carve_group_args<G>(ws, groups);
+    args = make_args(a);
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+    if (kOp == Op::kTN && !accumulate) {
+        const int64_t block = s.k * s.n;
+        zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
+                            stream>>>(d_offsets, static_cast<float*>(C), block);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    }
+    cutlass::Status st = gemm.can_implement(args);
+    MOEKIT_CHECK(st == cutlass::Status::kSuccess, "CUTLASS grouped GEMM cannot run ", s.to_string(), ": ",
+                 cutlass::cutlassGetStatusString(st));
+    st = gemm.initialize(args, ws + args_bytes, stream);
+    MOEKIT_CHECK(st == cutlass::Status::kSuccess, "CUTLASS grouped GEMM initialize failed for ", s.to_string(), ": ",
+                 cutlass::cutlassGetStatusString(st));
+    st = gemm.run(stream);
+    MOEKIT_CHECK(st == cutlass::Status::kSuccess, "CUTLASS grouped GEMM launch failed for ", s.to_string(), ": ",
+                 cutlass::cutlassGetStatusString(st));
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+template <Op kOp>
+void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+         const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
+    const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
+    if (resolve_config(requested, rows_per_group) == CutlassConfig::kPingpong)
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
+    else
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream);
+}
+
+}  // namespace moekit::cuda::cutlass_detail

@@ -1,0 +1,32 @@
+// The second grouped-GEMM backend: CUTLASS's SM90 pointer-array grouped GEMM (TMA + wgmma, warp-specialised,
+// persistent) with the per-group shapes and pointers written ON THE DEVICE from the offsets, so it stays
+// sync-free and graph-capturable like the own kernels. Same contracts as grouped_gemm.h (it is reached through
+// grouped_gemm_nt/nn/tn when the kCutlass kernel is chosen). Built only where the CUTLASS headers were found at
+// configure time (the pinned nvidia-cutlass wheel, scripts/prepare_third_party.sh): cutlass_grouped_gemm_built().
+// Implementation: src/cuda/cutlass/; tests: tests/gpu/test_grouped_gemm.cu (every backend against the CPU oracle).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/grouped_gemm.h"
+
+namespace moekit::cuda {
+
+bool cutlass_grouped_gemm_built();
+
+// Tile configurations, chosen per call by cutlass_config_for (or forced: MOEKIT_CUTLASS_CONFIG=coop|pingpong).
+//   kCooperative: 128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (large groups).
+//   kPingpong:    128x128x64 tiles, two consumer warpgroups alternating tiles (small groups, many experts).
+enum class CutlassConfig { kAuto, kCooperative, kPingpong };
+void set_cutlass_config(CutlassConfig config);
+
+void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                             __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream);
+void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                             __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream);
+void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
+                             const int32_t* d_offsets, bool accumulate, cudaStream_t stream);
+
+}  // namespace moekit::cuda
