@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Grouped-GEMM backends side by side in one bounded device call (issue 10): build; the grouped-GEMM tests (every
+# backend incl. CUTLASS, graph replays with new device counts); per-GEMM A/B (bench_grouped_gemm: own TMA kernel,
+# CUTLASS cooperative / ping-pong, mma.sync, sync cuBLAS, dense floor); the whole layer with each backend
+# (moekit bench, MOEKIT_GEMM_KERNEL=tma|cutlass); the layer's GPU tests with CUTLASS; compute-sanitizer.
+# usage: MOEKIT_COMMIT=<sha> [PRESETS="mixtral dsv3-ep8 ..."] scripts/device_gemm_ab.sh; results in $OUT.
+. "$(dirname "$0")/device_lib.sh"
+PRESETS=${PRESETS:-"mixtral dsv3-ep8 qwen3-30b dsv3-e256"}
+log "build"
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
+grep -E "CUTLASS" "$OUT/build.log" | tee -a "$OUT/summary.txt"
+timeout 330 cmake --build $B --target moekit test_grouped_gemm bench_grouped_gemm test_cuda_layer test_cuda_graph \
+  >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
+log "test_grouped_gemm (all backends)"
+timeout 120 $B/test_grouped_gemm >"$OUT/test_grouped_gemm.log" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|Trace|cutlass|exception" "$OUT/test_grouped_gemm.log" | head -30 \
+  | cut -c1-240 | tee -a "$OUT/summary.txt"
+left 100 "bench_grouped_gemm" && {
+  log "bench_grouped_gemm (per GEMM, 10 iterations)"
+  for p in $PRESETS; do
+    left 40 "bench_grouped_gemm $p" || break
+    timeout 60 $B/bench_grouped_gemm --preset $p --iters 10 --json "$OUT/bench/gemm_$p.json" 2>&1 | tee -a "$OUT/summary.txt"
+  done
+}
+for p in $PRESETS "dsv3-ep8 --skew zipf:1.2"; do
+  for k in cutlass tma; do
+    left 40 "moekit bench $p $k" || break
+    log "moekit bench --preset $p (MOEKIT_GEMM_KERNEL=$k)"
+    MOEKIT_GEMM_KERNEL=$k timeout 60 $B/moekit bench --preset $p --iters 10 \
+      --json "$OUT/bench/layer_${p// /_}_$k.json" 2>&1 | tee -a "$OUT/summary.txt" | tail -25
+  done
+done
+left 80 "layer tests with CUTLASS" && {
+  log "test_cuda_layer + test_cuda_graph with MOEKIT_GEMM_KERNEL=cutlass"
+  for t in test_cuda_layer test_cuda_graph; do
+    MOEKIT_GEMM_KERNEL=cutlass timeout 70 $B/$t >"$OUT/$t.log" 2>&1
+    echo "$t exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/$t.log" | head -8 | cut -c1-200 | tee -a "$OUT/summary.txt"
+  done
+}
+left 60 "memcheck" && {
+  log "compute-sanitizer memcheck on the CUTLASS grouped GEMMs"
+  timeout 90 compute-sanitizer --error-exitcode 9 --tool memcheck $B/test_grouped_gemm \
+    --gtest_filter='*EmptyFirst*:*AllRows*:*SizesOff*:*GraphReplay*' >"$OUT/memcheck.log" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "PASSED|FAILED|SUMMARY" "$OUT/memcheck.log" | tail -3 | tee -a "$OUT/summary.txt"
+}
+log "done"
