@@ -16,10 +16,12 @@ namespace moekit::cuda {
 
 bool cutlass_grouped_gemm_built();
 
-// Tile configurations, chosen per call by cutlass_config_for (or forced: MOEKIT_CUTLASS_CONFIG=coop|pingpong).
-//   kCooperative: 128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (large groups).
-//   kPingpong:    128x128x64 tiles, two consumer warpgroups alternating tiles (small groups, many experts).
-enum class CutlassConfig { kAuto, kCooperative, kPingpong };
+// Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong).
+//   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
+//   kCooperativeTall: 256x128x64 tiles, 2x1 cluster (weight tile multicast to two row tiles).
+//   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
+enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong };
 void set_cutlass_config(CutlassConfig config);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,

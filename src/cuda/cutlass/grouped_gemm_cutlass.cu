@@ -28,11 +28,29 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
             if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
+            if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
         }
         // Small groups: 128x128 tiles waste less of each group's last tile and give more tiles to the SMs.
         return rows_per_group < 512 ? CutlassConfig::kPingpong : CutlassConfig::kCooperative;
     }
     return requested;
+}
+
+bool raster_along_n() {
+    static const bool n = [] {
+        const char* env = std::getenv("MOEKIT_CUTLASS_RASTER");
+        return env && std::strcmp(env, "n") == 0;
+    }();
+    return n;
+}
+
+int swizzle_size() {
+    static const int s = [] {
+        const char* env = std::getenv("MOEKIT_CUTLASS_SWIZZLE");
+        const int v = env ? std::atoi(env) : 1;
+        return v == 2 || v == 4 || v == 8 ? v : 1;
+    }();
+    return s;
 }
 
 int device_sm_count() {

@@ -41,6 +41,12 @@ struct Cooperative {
     using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+struct CooperativeTall {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+    using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
+    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
 struct Pingpong {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
@@ -141,6 +147,10 @@ __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t bloc
 void* stream_workspace(cudaStream_t stream, size_t bytes);
 int device_sm_count();
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group);
+// Tile order of the group scheduler (MOEKIT_CUTLASS_RASTER=n|m, default m: consecutive tiles walk a group's rows,
+// so one weight tile serves them back to back) and its swizzle (MOEKIT_CUTLASS_SWIZZLE=1|2|4|8, default 1).
+bool raster_along_n();
+int swizzle_size();
 
 template <class G>
 size_t group_args_bytes(int64_t groups) {
@@ -196,6 +206,9 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         r.epilogue.thread.alpha = 1.f;
         r.epilogue.thread.beta = kOp == Op::kTN && accumulate ? 1.f : 0.f;
         r.hw_info = hw;
+        r.scheduler.raster_order = raster_along_n() ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
+                                                    : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
+        r.scheduler.max_swizzle_size = swizzle_size();
         return r;
     };
     args = make_args(GroupArgs<G>{});
@@ -227,8 +240,11 @@ template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
          const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
-    if (resolve_config(requested, rows_per_group) == CutlassConfig::kPingpong)
+    const CutlassConfig config = resolve_config(requested, rows_per_group);
+    if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
+    else if (config == CutlassConfig::kCooperativeTall)
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, accumulate, stream);
     else
         run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream);
 }
