@@ -2,6 +2,8 @@
 // forward and backward) for a preset: per-stage times, the step captured in one CUDA graph (sync-free path),
 // the same layer with the synchronous cuBLAS expert GEMMs, and the floor (dense cuBLAS expert-shaped GEMMs).
 // Routing comes from the layer's own router on random inputs; --skew adds a zipf bias through one input feature.
+#include <nvtx3/nvToolsExt.h>
+
 #include <cmath>
 #include <cstdio>
 
@@ -118,6 +120,8 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
         const int64_t syncs0 = sync_baseline::host_sync_count();
         // Eager steps without stage timing give the total; stage timing adds events but no sync inside a step.
+        // NVTX ranges name the phases for profilers (nsys: kernel times per phase, graph replays vs eager steps).
+        nvtxRangePushA(kind == ExpertGemmKind::grouped ? "eager" : "eager sync baseline");
         for (int it = 0; it < o.warmup + o.iters; ++it) {
             MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
             layer->forward(s, true);
@@ -128,6 +132,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
             MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
             if (it >= o.warmup) total.push_back(ms);
         }
+        nvtxRangePop();
         r["host_syncs_per_step"] = double(sync_baseline::host_sync_count() - syncs0) / (o.warmup + o.iters);
         r["eager_fwd_bwd_ms"] = median_of(total);
         layer->enable_stage_timing(true);
@@ -162,36 +167,11 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
             layer->backward(s);
             MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
             MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+            nvtxRangePushA("graph");
             r["graph_fwd_bwd_ms"] = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(ge, s)); }, s, o.warmup, o.iters);
+            nvtxRangePop();
             r["captured_in_one_graph"] = true;
             r["fwd_bwd_ms"] = r["graph_fwd_bwd_ms"];
-            cudaGraphExecDestroy(ge);
-            cudaGraphDestroy(g);
-            // The same step captured WITH the stage events (event-record nodes), replayed: per-stage graph times
-            // next to the eager ones (the graph replays of big presets have run slower than eager steps).
-            layer->enable_stage_timing(true);
-            MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            layer->forward(s, true);
-            layer->backward(s);
-            MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-            std::vector<std::vector<double>> gf(size_t(LayerStage::count)), gb(size_t(LayerStage::count));
-            for (int it = 0; it < o.warmup + o.iters; ++it) {
-                MOEKIT_CUDA_CHECK(cudaGraphLaunch(ge, s));
-                MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
-                if (it < o.warmup) continue;
-                auto f = layer->forward_times_ms();
-                auto b = layer->backward_times_ms();
-                for (size_t i = 0; i < f.size(); ++i) {
-                    gf[i].push_back(f[i]);
-                    gb[i].push_back(b[i]);
-                }
-            }
-            layer->enable_stage_timing(false);
-            for (size_t i = 0; i < gf.size(); ++i) {
-                r["graph_fwd_stages_ms"][layer_stage_name(LayerStage(i))] = median_of(gf[i]);
-                r["graph_bwd_stages_ms"][layer_stage_name(LayerStage(i))] = median_of(gb[i]);
-            }
             cudaGraphExecDestroy(ge);
             cudaGraphDestroy(g);
             // Eager again after the replays: tells clock/thermal drift apart from a graph-vs-eager difference.
@@ -249,18 +229,13 @@ std::string format_layer_table(const nlohmann::json& r) {
                           ", tokens/expert ", r["min_count"].get<int64_t>(), "..", r["max_count"].get<int64_t>(),
                           ") on ", r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
     char line[256];
-    std::snprintf(line, sizeof line, "  %-16s %10s %10s   %10s %10s   %10s %10s\n", "stage (ms)", "fwd", "bwd",
-                  "graph fwd", "graph bwd", "sync fwd", "sync bwd");
+    std::snprintf(line, sizeof line, "  %-16s %10s %10s   %10s %10s\n", "stage (ms)", "fwd", "bwd", "sync fwd",
+                  "sync bwd");
     out += line;
-    const auto& gr = r["grouped"];
-    auto stage = [](const nlohmann::json& j, const char* key, const std::string& name) {
-        return j.contains(key) && j[key].contains(name) ? j[key][name].get<double>() : NAN;
-    };
-    for (auto& [name, v] : gr["fwd_stages_ms"].items()) {
-        std::snprintf(line, sizeof line, "  %-16s %10.3f %10.3f   %10.3f %10.3f   %10.3f %10.3f\n", name.c_str(),
-                      v.get<double>(), stage(gr, "bwd_stages_ms", name), stage(gr, "graph_fwd_stages_ms", name),
-                      stage(gr, "graph_bwd_stages_ms", name), stage(r["sync"], "fwd_stages_ms", name),
-                      stage(r["sync"], "bwd_stages_ms", name));
+    for (auto& [name, v] : r["grouped"]["fwd_stages_ms"].items()) {
+        std::snprintf(line, sizeof line, "  %-16s %10.3f %10.3f   %10.3f %10.3f\n", name.c_str(), v.get<double>(),
+                      r["grouped"]["bwd_stages_ms"][name].get<double>(), r["sync"]["fwd_stages_ms"][name].get<double>(),
+                      r["sync"]["bwd_stages_ms"][name].get<double>());
         out += line;
     }
     auto& g = r["grouped"];
