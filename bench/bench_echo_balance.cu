@@ -407,10 +407,7 @@ int main(int argc, char** argv) {
         const int64_t H = pr.hidden, F = pr.ffn, k = pr.topk;
         cudaDeviceProp prop{};
         MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-        const cuda::GroupedGemmKernel kernel = cuda::grouped_gemm_kernel();
-        const char* kernel_name = kernel == cuda::GroupedGemmKernel::kTma     ? "tma+wgmma"
-                                  : kernel == cuda::GroupedGemmKernel::kWgmma ? "cp.async+wgmma"
-                                                                              : "mma.sync";
+        const char* kernel_name = cuda::grouped_gemm_kernel_name(cuda::grouped_gemm_kernel());
         std::printf(
             "ECHO balance, simulated EP step on %s: preset %s (H %lld, F %lld, E %lld, top-%lld; SwiGLU), %lld tokens "
             "per rank (flag; the preset's T=%lld is not used), skew zipf:%g, planner %s, seed %llu\n"

@@ -2,7 +2,8 @@
 # Grouped-GEMM backends side by side in one bounded device call (issue 10): build; the grouped-GEMM tests (every
 # backend incl. CUTLASS, graph replays with new device counts); per-GEMM A/B (bench_grouped_gemm: own TMA kernel,
 # CUTLASS cooperative / ping-pong, mma.sync, sync cuBLAS, dense floor); the whole layer with each backend
-# (moekit bench, MOEKIT_GEMM_KERNEL=tma|cutlass); the layer's GPU tests with CUTLASS; compute-sanitizer.
+# (moekit bench: the default per-shape choice, and MOEKIT_GEMM_KERNEL=tma|cutlass forced); the layer's GPU tests
+# with CUTLASS forced; compute-sanitizer.
 # usage: MOEKIT_COMMIT=<sha> [PRESETS="mixtral dsv3-ep8 ..."] scripts/device_gemm_ab.sh; results in $OUT.
 . "$(dirname "$0")/device_lib.sh"
 PRESETS=${PRESETS:-"mixtral dsv3-ep8 qwen3-30b dsv3-e256"}
@@ -24,11 +25,11 @@ left 100 "bench_grouped_gemm" && {
   done
 }
 for p in $PRESETS "dsv3-ep8 --skew zipf:1.2"; do
-  for k in cutlass tma; do
+  for k in ${KERNELS:-auto tma}; do
     left 40 "moekit bench $p $k" || break
     log "moekit bench --preset $p (MOEKIT_GEMM_KERNEL=$k)"
-    MOEKIT_GEMM_KERNEL=$k timeout 60 $B/moekit bench --preset $p --iters 10 \
-      --json "$OUT/bench/layer_${p// /_}_$k.json" 2>&1 | tee -a "$OUT/summary.txt" | tail -25
+    env $([ $k != auto ] && echo MOEKIT_GEMM_KERNEL=$k) timeout 80 $B/moekit bench --preset $p --iters 10 \
+      --json "$OUT/bench/layer_${p// /_}_$k.json" 2>&1 | grep -vE "^  (shared_expert|router|permute|combine|activation) " | tee -a "$OUT/summary.txt" | tail -8
   done
 done
 left 80 "layer tests with CUTLASS" && {

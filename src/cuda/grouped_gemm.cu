@@ -45,8 +45,33 @@ GroupedGemmKernel resolve_kernel() {
         MOEKIT_CHECK(cutlass_grouped_gemm_built(),
                      "the CUTLASS grouped GEMMs were not built (no CUTLASS wheel at configure time: "
                      "scripts/prepare_third_party.sh)");
-    if (chosen == GroupedGemmKernel::kAuto) chosen = hopper ? GroupedGemmKernel::kTma : GroupedGemmKernel::kMmaSync;
-    return chosen;
+    if (chosen == GroupedGemmKernel::kAuto && !(hopper && cutlass_grouped_gemm_built()))
+        chosen = hopper ? GroupedGemmKernel::kTma : GroupedGemmKernel::kMmaSync;
+    return chosen;  // kAuto: Hopper with CUTLASS built, chosen per call by choose_for_shape
+}
+
+struct Choice {
+    GroupedGemmKernel kernel;
+    CutlassConfig config;
+};
+
+// Per-shape choice between the own TMA kernel and CUTLASS's configurations, from the per-GEMM A/B of
+// bench_grouped_gemm on an H100 (docs/perf.md, "Two grouped-GEMM backends"): rows per group = max_rows / G.
+//  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): CUTLASS cooperative 128x256 (5-10% faster);
+//  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
+//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b);
+//  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
+//    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);
+//  - otherwise the own TMA kernel.
+Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
+    using gemm_detail::Op;
+    const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
+    if (rows_per_group < 256) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
+    if (op == Op::kTN)
+        return rows_per_group < 1536 ? Choice{GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong}
+                                     : Choice{GroupedGemmKernel::kTma, CutlassConfig::kAuto};
+    if (rows_per_group >= 1536 && s.k >= 2 * s.n) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
+    return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
 }
 
 template <auto kKernel>
@@ -238,15 +263,22 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     p.k = int(s.k);
     p.accumulate = accumulate ? 1 : 0;
 
-    const GroupedGemmKernel kernel = resolve_kernel();
+    GroupedGemmKernel kernel = resolve_kernel();
+    CutlassConfig config = CutlassConfig::kAuto;
+    if (kernel == GroupedGemmKernel::kAuto) {
+        const Choice c = choose_for_shape(kOp, s);
+        kernel = c.kernel, config = c.config;
+        // CUTLASS's TMA stores need a 16-byte aligned C; the own kernel takes any 8-byte aligned one.
+        if (reinterpret_cast<uintptr_t>(C) % 16 != 0) kernel = GroupedGemmKernel::kTma;
+    }
     if (kernel == GroupedGemmKernel::kCutlass) {
         MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
         if constexpr (kOp == Op::kNT)
-            cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream);
+            cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else if constexpr (kOp == Op::kNN)
-            cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream);
+            cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else
-            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream);
+            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream, config);
         return;
     }
     bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
@@ -280,15 +312,15 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 bool cutlass_grouped_gemm_built() { return false; }
 void set_cutlass_config(CutlassConfig) {}
 void cutlass_grouped_gemm_nt(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
-                             const int32_t*, cudaStream_t) {
+                             const int32_t*, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 void cutlass_grouped_gemm_nn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
-                             const int32_t*, cudaStream_t) {
+                             const int32_t*, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*,
-                             const int32_t*, bool, cudaStream_t) {
+                             const int32_t*, bool, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif
@@ -302,7 +334,7 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
         case GroupedGemmKernel::kWgmma: return "cp.async+wgmma";
         case GroupedGemmKernel::kCutlass: return "cutlass";
         case GroupedGemmKernel::kMmaSync: return "mma.sync";
-        default: return "auto";
+        default: return "per shape: tma+wgmma | cutlass";
     }
 }
 

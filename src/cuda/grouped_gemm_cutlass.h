@@ -19,16 +19,19 @@ bool cutlass_grouped_gemm_built();
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
 // MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
-//   kCooperativeTall: 256x128x64 tiles, 2x1 cluster (weight tile multicast to two row tiles).
+//   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
 enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong };
 void set_cutlass_config(CutlassConfig config);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
-                             __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream);
+                             __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
+                             CutlassConfig config = CutlassConfig::kAuto);
 void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
-                             __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream);
+                             __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
+                             CutlassConfig config = CutlassConfig::kAuto);
 void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
-                             const int32_t* d_offsets, bool accumulate, cudaStream_t stream);
+                             const int32_t* d_offsets, bool accumulate, cudaStream_t stream,
+                             CutlassConfig config = CutlassConfig::kAuto);
 
 }  // namespace moekit::cuda

@@ -16,7 +16,9 @@ namespace moekit::cuda {
 // kCutlass: CUTLASS's SM90 pointer-array grouped GEMM (grouped_gemm_cutlass.h; MOEKIT_GEMM_KERNEL=cutlass).
 enum class GroupedGemmKernel { kAuto, kMmaSync, kWgmma, kTma, kCutlass };
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
-GroupedGemmKernel grouped_gemm_kernel();  // the one that will run on the current device (never kAuto)
+// The kernel that will run on the current device; kAuto = chosen per call from the shape (Hopper with CUTLASS
+// built: grouped_gemm.cu's choose_for_shape picks the own TMA kernel or a CUTLASS configuration).
+GroupedGemmKernel grouped_gemm_kernel();
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel);  // "tma+wgmma", "cutlass", ... (benchmark tables)
 // Cluster size of the kTma kernel: 2 (default: CTA pairs multicast their shared A tile) or 1 (one CTA per tile
 // job, no cluster); 0 = the environment variable MOEKIT_GEMM_CLUSTER=1|2, else 2.

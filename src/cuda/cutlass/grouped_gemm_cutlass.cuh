@@ -45,7 +45,7 @@ struct CooperativeTall {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
     using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
-    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
 struct Pingpong {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
