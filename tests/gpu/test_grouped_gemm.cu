@@ -99,13 +99,15 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend { kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassPingpong, kSync };
+enum class Backend { kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kAuto, kSync };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
            : b == Backend::kWgmma          ? "wgmma"
            : b == Backend::kTma            ? "tma"
            : b == Backend::kTmaPair        ? "tma-cluster2"
            : b == Backend::kCutlassCoop    ? "cutlass-cooperative"
+           : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
+           : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
                                            : "sync-cublas";
 }
@@ -122,7 +124,9 @@ std::vector<Backend> backends() {
         out.push_back(Backend::kTmaPair);
         if (cutlass_grouped_gemm_built()) {
             out.push_back(Backend::kCutlassCoop);
+            out.push_back(Backend::kCutlassTall);
             out.push_back(Backend::kCutlassPingpong);
+            out.push_back(Backend::kAuto);
         }
     }
     return out;
@@ -133,10 +137,13 @@ void select(Backend b) {
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
-    if (b == Backend::kCutlassCoop || b == Backend::kCutlassPingpong) {
+    if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
-        set_cutlass_config(b == Backend::kCutlassCoop ? CutlassConfig::kCooperative : CutlassConfig::kPingpong);
+        set_cutlass_config(b == Backend::kCutlassCoop   ? CutlassConfig::kCooperative
+                           : b == Backend::kCutlassTall ? CutlassConfig::kCooperativeTall
+                                                        : CutlassConfig::kPingpong);
     }
+    if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
 }
 void reset_backend() {
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
@@ -291,6 +298,16 @@ TEST(GroupedGemm, MoreTilesThanMultiprocessors) {
     check_row_gemm(Op::kNT, counts, 5, 768, 64, 72);
     check_row_gemm(Op::kNN, counts, 5, 768, 64, 73);
     check_tn(counts, 5, 384, 768, true, 74);
+}
+
+TEST(GroupedGemm, LargeGroupsLongReduction) {
+    SKIP_WITHOUT_GPU();
+    // >= 1536 rows per group and k >= 2n: the per-shape choice's CUTLASS-cooperative branch (nt/nn) and the own
+    // kernel's branch for tn; one group empty.
+    std::vector<int> counts{1700, 0, 1650};
+    check_row_gemm(Op::kNT, counts, 3, 64, 256, 91);
+    check_row_gemm(Op::kNN, counts, 3, 64, 256, 92);
+    check_tn(counts, 3, 64, 128, true, 93);
 }
 
 TEST(GroupedGemm, RejectsUnalignedSizes) {
