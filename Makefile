@@ -8,7 +8,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo test test-asan fuzz deps configure build clean
+.PHONY: all demo test test-asan fuzz deps cutlass-wheel configure build clean
 
 all: build
 
@@ -25,7 +25,17 @@ deps:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-configure: deps
+# The CUTLASS headers (second grouped-GEMM backend; CUDA builds only) come from the pinned nvidia-cutlass wheel on
+# PyPI, kept in .third_party/wheels (the GPU hosts get it carried there: they reach no registry).
+CUTLASS_WHEEL := .third_party/wheels/nvidia_cutlass-4.2.0.0-py3-none-any.whl
+cutlass-wheel:
+	@if [ ! -f $(CUTLASS_WHEEL) ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then \
+	  echo "moekit: fetching the CUTLASS headers (nvidia-cutlass==4.2.0.0 from PyPI)"; \
+	  python3 -m pip download --quiet --no-deps --only-binary=:all: nvidia-cutlass==4.2.0.0 -d .third_party/wheels \
+	    || echo "moekit: no CUTLASS wheel: the CUTLASS grouped GEMMs are not built"; \
+	fi
+
+configure: deps cutlass-wheel
 	@test -f $(BUILD)/CMakeCache.txt || cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 
 build: configure

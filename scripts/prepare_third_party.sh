@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 mkdir -p .third_party
 [ -d .third_party/googletest ] || cp -r /usr/src/googletest .third_party/googletest
 [ -d .third_party/nlohmann ] || cp -r /usr/include/nlohmann .third_party/nlohmann
+# The pinned CUTLASS wheel (headers for src/cuda/cutlass; 6.4 MB), unpacked by CMake at configure time.
+[ -f .third_party/wheels/nvidia_cutlass-4.2.0.0-py3-none-any.whl ] || \
+  python3 -m pip download --quiet --no-deps --only-binary=:all: nvidia-cutlass==4.2.0.0 -d .third_party/wheels
 echo "third-party sources in .third_party/"
