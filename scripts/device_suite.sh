@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU suite REPEAT times in one bounded device call (issue 10: "passes three times in a row"), then
+# compute-sanitizer memcheck and racecheck on the grouped GEMMs (every backend, CUTLASS included) and the
+# sinkhorn/fp64 layer cases repeated. Builds everything first unless BUILD=0 (a warm machine of the previous call).
+# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] scripts/device_suite.sh; results in $OUT (summary.txt first).
+. "$(dirname "$0")/device_lib.sh"
+if [ "${BUILD:-1}" = 1 ] || [ ! -f $B/build.ninja ]; then
+  log "build (all targets)"
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
+  timeout 330 cmake --build $B >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
+fi
+for i in $(seq 1 "${REPEAT:-3}"); do
+  left 170 "GPU suite run $i" || break
+  log "ctest -L gpu, run $i"
+  (cd $B && timeout 200 ctest -L gpu -j 4 --output-on-failure --timeout 150 2>&1) >"$OUT/ctest_gpu_$i.log"
+  grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Total Test time" "$OUT/ctest_gpu_$i.log" | tee -a "$OUT/summary.txt"
+done
+left 70 "racecheck" && {
+  log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
+  timeout 60 compute-sanitizer --error-exitcode 9 --tool racecheck $B/test_grouped_gemm \
+    --gtest_filter='*EmptyFirst*:*SizesOff*' >"$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "PASSED|FAILED|SUMMARY" "$OUT/racecheck.log" | tail -3 | tee -a "$OUT/summary.txt"
+}
+left 60 "memcheck" && {
+  timeout 55 compute-sanitizer --error-exitcode 9 --tool memcheck $B/test_grouped_gemm \
+    --gtest_filter='*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*' >"$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "PASSED|FAILED|SUMMARY" "$OUT/memcheck.log" | tail -3 | tee -a "$OUT/summary.txt"
+}
+left 40 "sinkhorn repeats" && {
+  log "sinkhorn / fp64 layer cases, 10 repeats"
+  timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \
+    | sed 's/^/OK runs: /' | tee -a "$OUT/summary.txt"
+}
+log "done"
