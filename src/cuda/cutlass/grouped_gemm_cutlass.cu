@@ -22,7 +22,7 @@ void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 
 namespace cutlass_detail {
 
-CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group) {
+CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
@@ -30,8 +30,10 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group) {
             if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
         }
-        // Small groups: 128x128 tiles waste less of each group's last tile and give more tiles to the SMs.
-        return rows_per_group < 512 ? CutlassConfig::kPingpong : CutlassConfig::kCooperative;
+        // The CUTLASS half of grouped_gemm.cu's per-shape choice (measured on an H100, docs/perf.md).
+        if (wgrad) return rows_per_group >= 256 && rows_per_group < 1536 ? CutlassConfig::kPingpong
+                                                                          : CutlassConfig::kCooperative;
+        return rows_per_group < 256 ? CutlassConfig::kCooperativeTall : CutlassConfig::kCooperative;
     }
     return requested;
 }

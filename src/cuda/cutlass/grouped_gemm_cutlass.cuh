@@ -146,7 +146,7 @@ __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t bloc
 // in flight, also inside captured graphs (the buffer outlives them; it is never freed or moved once handed out).
 void* stream_workspace(cudaStream_t stream, size_t bytes);
 int device_sm_count();
-CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group);
+CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad);
 // Tile order of the group scheduler (MOEKIT_CUTLASS_RASTER=n|m, default m: consecutive tiles walk a group's rows,
 // so one weight tile serves them back to back) and its swizzle (MOEKIT_CUTLASS_SWIZZLE=1|2|4|8, default 1).
 bool raster_along_n();
@@ -240,7 +240,7 @@ template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
          const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
-    const CutlassConfig config = resolve_config(requested, rows_per_group);
+    const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
     else if (config == CutlassConfig::kCooperativeTall)
