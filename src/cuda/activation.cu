@@ -3,6 +3,7 @@
 // bf16 fc1 output, the scalar formulas of src/core/activation_math.h; d(prob) is a fixed-order
 // block reduction, so it is bitwise reproducible.
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
@@ -13,9 +14,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// kPer columns per thread: 8 (16-byte vectors, F % 8 == 0) or 1.
+// kPer columns per thread: 8, 4 or 2 (16-, 8-, 4-byte vectors, F % kPer == 0) or 1.
 template <int kPer>
-struct alignas(kPer == 8 ? 16 : 2) Vec {
+struct alignas(2 * kPer) Vec {
     __nv_bfloat16 v[kPer];
 };
 
@@ -114,10 +115,22 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
                          const R* probs, const __nv_bfloat16* grad_out, __nv_bfloat16* grad_fc1, R* grad_probs,
                          cudaStream_t stream) {
     const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
-    // NOTE: the backward stays scalar: 8-wide it measured slower on an H100 (mixtral 2.13 vs 1.47 ms,
-    // dsv3-ep8 0.69 vs 0.45 ms), presumably from the register cost of five 8-float arrays per thread.
-    activation_backward_kernel<R, 1><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1,
-                                                                    grad_probs);
+    // NOTE: 8-wide the backward measured slower than scalar on an H100 (mixtral 2.13 vs 1.47 ms, dsv3-ep8 0.69 vs
+    // 0.45 ms), presumably from the register cost of five 8-float arrays per thread; scalar loads move half a
+    // cache line per warp. MOEKIT_ACT_BWD_VEC=1|2|4|8 picks the width for the A/B (default 1).
+    static const int vec = [] {
+        const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
+        const int v = env ? std::atoi(env) : 1;
+        return v == 2 || v == 4 || v == 8 ? v : 1;
+    }();
+    const int width = s.ffn % vec == 0 ? vec : 1;
+    auto launch = [&](auto kernel) {
+        kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
+    };
+    if (width == 8) launch(activation_backward_kernel<R, 8>);
+    else if (width == 4) launch(activation_backward_kernel<R, 4>);
+    else if (width == 2) launch(activation_backward_kernel<R, 2>);
+    else launch(activation_backward_kernel<R, 1>);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
