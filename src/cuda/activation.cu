@@ -115,13 +115,13 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
                          const R* probs, const __nv_bfloat16* grad_out, __nv_bfloat16* grad_fc1, R* grad_probs,
                          cudaStream_t stream) {
     const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
-    // NOTE: 8-wide the backward measured slower than scalar on an H100 (mixtral 2.13 vs 1.47 ms, dsv3-ep8 0.69 vs
-    // 0.45 ms), presumably from the register cost of five 8-float arrays per thread; scalar loads move half a
-    // cache line per warp. MOEKIT_ACT_BWD_VEC=1|2|4|8 picks the width for the A/B (default 1).
+    // Width of the backward's vectors (MOEKIT_ACT_BWD_VEC=1|2|4|8, default 2). H100, interleaved moekit bench:
+    // mixtral 1.465 / 1.338 / 1.349 / 2.221 ms, dsv3-ep8 0.490 / 0.425 / 0.436 / 0.704 ms for 1 / 2 / 4 / 8 (scalar
+    // loads move half a cache line per warp; 8-wide costs five 8-float arrays of registers per thread).
     static const int vec = [] {
         const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
-        const int v = env ? std::atoi(env) : 1;
-        return v == 2 || v == 4 || v == 8 ? v : 1;
+        const int v = env ? std::atoi(env) : 2;
+        return v == 1 || v == 4 || v == 8 ? v : 2;
     }();
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {

@@ -22,6 +22,7 @@ std::string GroupedGemmShape::to_string() const {
 namespace {
 
 std::atomic<int> g_kernel{int(GroupedGemmKernel::kAuto)};
+thread_local int t_own_kernel_only = 0;  // OwnGemmKernelScope nesting depth on this thread
 
 GroupedGemmKernel resolve_kernel() {
     auto chosen = GroupedGemmKernel(g_kernel.load());
@@ -268,6 +269,7 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 
     GroupedGemmKernel kernel = resolve_kernel();
     CutlassConfig config = CutlassConfig::kAuto;
+    if (kernel == GroupedGemmKernel::kAuto && t_own_kernel_only > 0) kernel = GroupedGemmKernel::kTma;
     if (kernel == GroupedGemmKernel::kAuto) {
         const Choice c = choose_for_shape(kOp, s);
         kernel = c.kernel, config = c.config;
@@ -327,6 +329,13 @@ void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, cons
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif
+
+OwnGemmKernelScope::OwnGemmKernelScope(bool on) : on_(on) {
+    if (on_) ++t_own_kernel_only;
+}
+OwnGemmKernelScope::~OwnGemmKernelScope() {
+    if (on_) --t_own_kernel_only;
+}
 
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }

@@ -37,4 +37,20 @@ void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                      const int32_t* d_offsets /*[G+1]*/, bool accumulate, cudaStream_t stream);
 
+// Several EP ranks on one GPU (virtual ranks) spin in device barriers while a peer still runs its GEMMs. CUTLASS's
+// kernels hold a whole SM per CTA (their register budget), so they cannot be scheduled beside the spinning blocks
+// and the step waits for the barrier's time-out (seen on an H100: EP=8 budgeted/ECHO tests). While an
+// OwnGemmKernelScope(true) lives on a thread, the per-shape choice there keeps to the own TMA kernel, which shares
+// an SM with a spinning block. A kernel forced with MOEKIT_GEMM_KERNEL is not overridden.
+class OwnGemmKernelScope {
+public:
+    explicit OwnGemmKernelScope(bool on);
+    ~OwnGemmKernelScope();
+    OwnGemmKernelScope(const OwnGemmKernelScope&) = delete;
+    OwnGemmKernelScope& operator=(const OwnGemmKernelScope&) = delete;
+
+private:
+    bool on_;
+};
+
 }  // namespace moekit::cuda

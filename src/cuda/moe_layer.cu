@@ -35,7 +35,9 @@ template <typename R>
 class LayerImpl final : public CudaMoeLayer {
 public:
     LayerImpl(const CudaLayerShape& shape, bool own_io, DeviceComm* ep)
-        : shape_(shape), gemm_(expert_gemm(default_gemm_kind())) {
+        : shape_(shape),
+          gemm_(expert_gemm(default_gemm_kind())),
+          shares_gpu_with_ranks_(ep && ep->size() > 1 && ep->transport() == "local-gpu") {
         const RouterShape& r = shape.router;
         const int64_t T = r.num_tokens, H = r.hidden, E = r.num_experts, K = r.topk, B = r.micro_batch_size;
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
@@ -120,6 +122,7 @@ public:
     StageTimesMs backward_times_ms() override { return times(1); }
 
     void forward(cudaStream_t stream, bool training) override {
+        const OwnGemmKernelScope own_kernels(shares_gpu_with_ranks_);  // virtual ranks: see grouped_gemm.h
         const RouterShape& r = shape_.router;
         const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
         training_ = training;
@@ -158,6 +161,7 @@ public:
     }
 
     void backward(cudaStream_t stream, const BackwardOptions& options) override {
+        const OwnGemmKernelScope own_kernels(shares_gpu_with_ranks_);
         const RouterShape& r = shape_.router;
         const bool acc = options.accumulate_param_grads;
         const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
@@ -340,6 +344,7 @@ private:
 
     CudaLayerShape shape_;
     ExpertGemm gemm_;
+    bool shares_gpu_with_ranks_;  // virtual ranks on one GPU: the expert GEMMs keep to the own kernel
     std::unique_ptr<CudaDispatcher<R>> dispatcher_;
     ExpertInput<R> experts_;  // what the last dispatch gave the experts (backward reads it)
     LayerBuffers buf_;
