@@ -42,9 +42,6 @@ left 80 "layer tests with CUTLASS" && {
 }
 left 60 "memcheck" && {
   log "compute-sanitizer memcheck on the CUTLASS grouped GEMMs"
-  timeout 90 compute-sanitizer --error-exitcode 9 --tool memcheck $B/test_grouped_gemm \
-    --gtest_filter='*EmptyFirst*:*AllRows*:*SizesOff*:*GraphReplay*' >"$OUT/memcheck.log" 2>&1
-  echo "exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "PASSED|FAILED|SUMMARY" "$OUT/memcheck.log" | tail -3 | tee -a "$OUT/summary.txt"
+  sanitize memcheck 90 $B/test_grouped_gemm '*EmptyFirst*:*AllRows*:*SizesOff*:*GraphReplay*'
 }
 log "done"

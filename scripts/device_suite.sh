@@ -17,17 +17,9 @@ for i in $(seq 1 "${REPEAT:-3}"); do
 done
 left 70 "racecheck" && {
   log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
-  timeout 60 compute-sanitizer --error-exitcode 9 --tool racecheck $B/test_grouped_gemm \
-    --gtest_filter='*EmptyFirst*:*SizesOff*' >"$OUT/racecheck.log" 2>&1
-  echo "racecheck exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "PASSED|FAILED|SUMMARY" "$OUT/racecheck.log" | tail -3 | tee -a "$OUT/summary.txt"
+  sanitize racecheck 60 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*'
 }
-left 60 "memcheck" && {
-  timeout 55 compute-sanitizer --error-exitcode 9 --tool memcheck $B/test_grouped_gemm \
-    --gtest_filter='*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*' >"$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "PASSED|FAILED|SUMMARY" "$OUT/memcheck.log" | tail -3 | tee -a "$OUT/summary.txt"
-}
+left 60 "memcheck" && sanitize memcheck 55 $B/test_grouped_gemm '*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*'
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \
