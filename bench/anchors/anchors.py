@@ -82,6 +82,11 @@ def run_peer(args, name):
         return plan(args)
     start = time.time()
     result = dict(peer=name, configs={}, in_progress=None, finished=False)
+    if args.skip_reason:  # the device script found a reason not to try (python version, wheels not carried)
+        result.update(finished=True, configs={c: {"error": args.skip_reason} for c in args.configs})
+        write_json(args.out, result)
+        print("anchors %s: %s" % (name, args.skip_reason))
+        return 0
     try:
         import torch
         if not torch.cuda.is_available():
@@ -151,7 +156,8 @@ def peer_results(spec, configs):
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    rc_note = " (exit %s%s)" % (rc, ", timed out" if rc in ("124", "137") else "") if rc and rc != "0" else ""
+    rc_note = "" if not rc or rc == "0" else " (too little time left to start it)" if rc == "skipped" else \
+        " (exit %s%s)" % (rc, ", timed out" if rc in ("124", "137") else "")
     out = {}
     for c in configs:
         entry = data.get("configs", {}).get(c)
@@ -216,6 +222,7 @@ def main(argv):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deadline-s", type=int, default=240, help="peers: start no config after this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="peers: print the plan, import nothing")
+    ap.add_argument("--skip-reason", help="peers: record this reason for every config and time nothing")
     ap.add_argument("--peer", action="append", default=[], help="report: NAME=FILE[:RC] (repeatable)")
     ap.add_argument("--json", help="report: write all rows as JSON here")
     ap.add_argument("--table", help="report: write the table here")
