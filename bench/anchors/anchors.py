@@ -192,9 +192,11 @@ def report(args):
         moekit = load_moekit(args.moekit_dir, c)
         moekit_all[c] = moekit
         rows += am.build_rows(c, moekit, per_config[c])
+    devices = [d.get("device") for d in peers_meta.values()] + \
+        [j.get("device") for m in moekit_all.values() for j in m.values() if j]
     title = [
         "moekit vs peers, one device call (%s). TFLOP/s: 6*T*k*H*F fwd, 18*T*k*H*F fwd+bwd (SwiGLU experts);"
-        % (next((d.get("device") for d in peers_meta.values() if d.get("device")), "device unknown")),
+        % next((d for d in devices if d), "device unknown"),
         "mk/x = x's time / moekit's time on the same scope (layer vs layer, mlp vs mlp; > 1: moekit faster).",
         "moekit fwd = sum of eager stage medians; fwd+bwd = one CUDA graph. torch._grouped_mm: moekit's counts",
         "(moekit's mlp JSON). SonicMoE 'layer': its own router (top-k then softmax: same top-k set as moekit's",
