@@ -117,6 +117,7 @@ def run_peer(args, name):
         moekit = load_moekit(args.moekit_dir, c)
         counts, source = counts_for(c, moekit, args.seed)
         entry = {}
+        import peer_timing
         try:
             if name == "torch":
                 import peer_torch
@@ -131,11 +132,12 @@ def run_peer(args, name):
                         entry[label] = fn()
                     except Exception as e:
                         traceback.print_exc()
-                        entry[label] = {"error": "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:200]),
-                                        "scope": "layer"}
+                        entry[label] = {"error": peer_timing.reason(e), "scope": "layer"}
+                    peer_timing.free()  # outside the except: its traceback holds the failed call's tensors
         except Exception as e:
             traceback.print_exc()
-            entry = {"error": "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:200])}
+            entry = {"error": peer_timing.reason(e)}
+        peer_timing.free()
         entry["counts_source"] = source
         result["configs"][c] = entry
         print("anchors %s %s (%.0f s): %s" % (name, c, time.time() - start, json.dumps(entry)[:400]), flush=True)
