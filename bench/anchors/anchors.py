@@ -106,42 +106,36 @@ def run_peer(args, name):
         write_json(args.out, result)
         print("anchors %s: %s" % (name, reason))
         return 0
-    for c in args.configs:
-        if time.time() - start > args.deadline_s:
-            result["configs"][c] = {"error": "skipped: the %d s time limit was reached" % args.deadline_s}
-            continue
-        result["in_progress"] = c
-        write_json(args.out, result)
-        preset, zipf_s = am.parse_config(c)
-        p = am.PRESETS[preset]
-        moekit = load_moekit(args.moekit_dir, c)
-        counts, source = counts_for(c, moekit, args.seed)
-        entry = {}
-        import peer_timing
-        try:
-            if name == "torch":
-                import peer_torch
-                entry["torch._grouped_mm"] = peer_torch.run(p, counts, args.iters, args.warmup, args.seed)
-            else:
-                import peer_sonic
-                for label, fn in (("sonic layer", lambda: peer_sonic.run_layer(p, zipf_s, args.iters, args.warmup,
-                                                                                 args.seed)),
-                                  ("sonic experts", lambda: peer_sonic.run_expert_path(p, counts, args.iters,
-                                                                                         args.warmup, args.seed))):
-                    try:
-                        entry[label] = fn()
-                    except Exception as e:
-                        traceback.print_exc()
-                        entry[label] = {"error": peer_timing.reason(e), "scope": "layer"}
-                    peer_timing.free()  # outside the except: its traceback holds the failed call's tensors
-        except Exception as e:
-            traceback.print_exc()
-            entry = {"error": peer_timing.reason(e)}
-        peer_timing.free()
-        entry["counts_source"] = source
-        result["configs"][c] = entry
-        print("anchors %s %s (%.0f s): %s" % (name, c, time.time() - start, json.dumps(entry)[:400]), flush=True)
-        write_json(args.out, result)
+    import peer_timing
+    if name == "torch":
+        import peer_torch
+        passes = [("torch._grouped_mm", lambda p, s, counts: peer_torch.run(p, counts, args.iters, args.warmup,
+                                                                            args.seed))]
+    else:  # the whole layer first on every config (the acceptance comparison), then the expert path
+        import peer_sonic
+        passes = [("sonic layer", lambda p, s, counts: peer_sonic.run_layer(p, s, args.iters, args.warmup, args.seed)),
+                  ("sonic experts", lambda p, s, counts: peer_sonic.run_expert_path(p, counts, args.iters, args.warmup,
+                                                                                    args.seed))]
+    result["labels"] = [label for label, _ in passes]
+    for label, fn in passes:
+        for c in args.configs:
+            entry = result["configs"].setdefault(c, {})
+            if time.time() - start > args.deadline_s:
+                entry[label] = {"error": "skipped: the %d s time limit was reached" % args.deadline_s}
+                continue
+            result["in_progress"] = [label, c]
+            write_json(args.out, result)
+            preset, zipf_s = am.parse_config(c)
+            counts, entry["counts_source"] = counts_for(c, load_moekit(args.moekit_dir, c), args.seed)
+            try:
+                entry[label] = fn(am.PRESETS[preset], zipf_s, counts)
+            except Exception as e:
+                traceback.print_exc()
+                entry[label] = {"error": peer_timing.reason(e)}
+            peer_timing.free()  # outside the except: its traceback holds the failed call's tensors
+            print("anchors %s %s %s (%.0f s): %s" % (name, label, c, time.time() - start, json.dumps(entry[label])[:300]),
+                  flush=True)
+            write_json(args.out, result)
     result["in_progress"] = None
     result["finished"] = True
     write_json(args.out, result)
@@ -160,24 +154,30 @@ def peer_results(spec, configs):
             data = json.load(f)
     rc_note = "" if not rc or rc == "0" else " (too little time left to start it)" if rc == "skipped" else \
         " (exit %s%s)" % (rc, ", timed out" if rc in ("124", "137") else "")
+    labels = data.get("labels") or sorted({k for e in data.get("configs", {}).values() for k, v in e.items()
+                                           if isinstance(v, dict)}) or [name]
     out = {}
     for c in configs:
-        entry = data.get("configs", {}).get(c)
-        if entry is None:
-            if not data:
-                why = "no result file%s" % rc_note
-            elif data.get("in_progress") == c:
-                why = "died or was stopped during this config%s" % rc_note
-            else:
-                why = "not reached%s" % rc_note
-            out[c] = {name: {"error": why, "scope": "layer" if name == "sonic" else "mlp"}}
-        elif "error" in entry and not any(isinstance(v, dict) for v in entry.values()):
-            out[c] = {name: {"error": entry["error"], "scope": "layer" if name == "sonic" else "mlp"}}
+        entry = data.get("configs", {}).get(c) or {}
+        rows = {}
+        if "error" in entry and not any(isinstance(v, dict) for v in entry.values()):
+            rows[name] = {"error": entry["error"]}
         else:
-            out[c] = {k: v for k, v in entry.items() if isinstance(v, dict)}
+            for label in labels:
+                v = entry.get(label)
+                if isinstance(v, dict):
+                    rows[label] = dict(v)
+                elif not data:
+                    rows[label] = {"error": "no result file%s" % rc_note}
+                elif data.get("in_progress") == [label, c]:
+                    rows[label] = {"error": "died or was stopped during this config%s" % rc_note}
+                else:
+                    rows[label] = {"error": "not reached%s" % rc_note}
+        for label, v in rows.items():
+            v.setdefault("scope", "layer" if label.startswith("sonic") else "mlp")
             if entry.get("counts_source"):
-                for v in out[c].values():
-                    v.setdefault("counts_source", entry["counts_source"])
+                v.setdefault("counts_source", entry["counts_source"])
+        out[c] = rows
     return out, data
 
 

@@ -88,7 +88,8 @@ def test_report(rng):
                    device="H"), open(os.path.join(d, "torch.json"), "w"))
     json.dump(dict(configs={"mixtral": {"sonic layer": dict(scope="layer", fwd_ms=1.0, fwd_bwd_ms=t["sl"]),
                                         "sonic experts": dict(scope="layer", error="RuntimeError: refused")}},
-                   in_progress="mixtral@zipf1.2"), open(os.path.join(d, "sonic.json"), "w"))
+                   labels=["sonic layer", "sonic experts"], in_progress=["sonic layer", "mixtral@zipf1.2"]),
+              open(os.path.join(d, "sonic.json"), "w"))
     out = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "report", "--moekit-dir", d,
                           "--configs", "mixtral", "mixtral@zipf1.2", "--peer", "torch=%s/torch.json:0" % d,
                           "--peer", "sonic=%s/sonic.json:139" % d, "--json", d + "/a.json", "--table", d + "/a.txt"],
@@ -105,6 +106,7 @@ def test_report(rng):
     table = open(d + "/a.txt").read()
     check("sonic: failed: RuntimeError: refused" in table, "a refused SonicMoE call is a line of the table")
     check("died or was stopped during this config (exit 139)" in table, "a crashed peer is named per config")
+    check("sonic: failed: not reached (exit 139)" in table, "rows a crashed peer never reached are named")
     check(("%.0f" % (f3 / (t["g"] * 1e-3) / 1e12)) in table, "moekit layer TFLOP/s printed")
     bad = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "plan", "--configs", "mixtral@zipf-1"],
                          capture_output=True, text=True)
