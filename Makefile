@@ -13,8 +13,8 @@ CMAKE_FLAGS ?=
 all: build
 
 # Debian packages the build needs; installed only when missing.
-# clang and libclang-rt-dev: the libFuzzer targets (make fuzz); OpenMPI: CPU ranks (mpirun).
-DEB_PACKAGES := cmake g++ make libgtest-dev nlohmann-json3-dev clang libclang-rt-dev libopenmpi-dev openmpi-bin
+# clang and libclang-rt-dev: the libFuzzer targets (make fuzz); OpenMPI: CPU ranks (mpirun); python3: bench/anchors' test.
+DEB_PACKAGES := cmake g++ make libgtest-dev nlohmann-json3-dev clang libclang-rt-dev libopenmpi-dev openmpi-bin python3
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \

@@ -1,0 +1,101 @@
+"""SonicMoE (PyPI `sonic-moe`, CuTe-DSL kernels compiled at run time) on a preset, bf16 SwiGLU, no biases; a
+measuring stick only. Two timings: its whole layer with its own router (top-k then softmax) on inputs skewed the
+way moekit bench skews (bench/lib/bench_util.cuh apply_zipf_skew), and its expert path (gather, grouped MLP,
+aggregate; no router) on a routing with moekit's exact per-expert counts (anchor_math.token_expert_pairs)."""
+import math
+
+import torch
+
+from anchor_math import token_expert_pairs
+from peer_timing import free, time_ms, uniform
+
+
+def import_sonic():
+    import sonicmoe  # noqa: F401  (an ImportError here is reported as "sonic: failed: import ...")
+    from sonicmoe import moe_general_routing_inputs, moe_TC_softmax_topk_layer
+    return moe_TC_softmax_topk_layer, moe_general_routing_inputs
+
+
+def _weights(p, gen):
+    H, Fd, E = p["H"], p["F"], p["E"]
+    w = 0.02 * 3 ** 0.5
+    # SonicMoE's layout: w1 (2F, H, E) and w2 (H, F, E) as permuted views of per-expert [2F, H] / [H, F].
+    w1 = uniform((E, 2 * Fd, H), w, gen).requires_grad_()
+    w2 = uniform((E, H, Fd), w, gen).requires_grad_()
+    return w1, w2
+
+
+def _fwd_bwd(step, leaves, dy):
+    def fb():
+        for t in leaves:
+            t.grad = None
+        step().backward(dy)
+    return fb
+
+
+def run_layer(p, zipf_s, iters, warmup, seed):
+    """Its layer (router included) with its own routing; counts range reported in the note."""
+    layer, _ = import_sonic()
+    H, E, T, k = p["H"], p["E"], p["T"], p["k"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = uniform((T, H), 1.0, gen)
+    router_w = uniform((E, H), 0.02 * 3 ** 0.5, gen)
+    if zipf_s > 0:  # moekit bench's skew: input column 0 = 1, router column 0 = -S*log(e+1)*noise
+        noise = math.sqrt(H / 3.0) * 0.02
+        x[:, 0] = 1.0
+        router_w[:, 0] = torch.tensor([-zipf_s * math.log(e + 1) * noise for e in range(E)], device="cuda")
+    x.requires_grad_()
+    router_w.requires_grad_()
+    w1, w2 = _weights(p, gen)
+    dy = uniform((T, H), 1.0, gen)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    last = {}
+
+    def step():
+        out, _, last["freq"] = layer(x, router_w, w1.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, k, stream,
+                                     "swiglu")
+        return out
+
+    fb = _fwd_bwd(step, (x, router_w, w1, w2), dy)
+    fb()  # first call compiles and autotunes
+    fwd_ms = time_ms(step, warmup, iters)
+    fb_ms = time_ms(fb, warmup, iters)
+    counts = last["freq"].tolist()
+    del x, router_w, w1, w2, dy
+    free()
+    return dict(scope="layer", fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+                note="own router (top-k, softmax); tokens/expert %d..%d" % (min(counts), max(counts)))
+
+
+def run_expert_path(p, counts, iters, warmup, seed):
+    """Its general-routing entry (no router) on moekit's per-expert counts, scores' gradient included."""
+    _, general = import_sonic()
+    H, E, T = p["H"], p["E"], p["T"]
+    pairs = token_expert_pairs(counts, T)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    tok = torch.tensor([t for t, _ in pairs], dtype=torch.int32, device="cuda")
+    exp = torch.tensor([e for _, e in pairs], dtype=torch.int32, device="cuda")
+    scores = (torch.rand(len(pairs), generator=gen, device="cuda") * 0.95 + 0.05).requires_grad_()
+    x = uniform((T, H), 1.0, gen).requires_grad_()
+    w1, w2 = _weights(p, gen)
+    dy = uniform((T, H), 1.0, gen)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def step():
+        return general(x, scores, tok, exp, w1.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, E, stream,
+                       _swiglu())[0]
+
+    fb = _fwd_bwd(step, (x, scores, w1, w2), dy)
+    fb()  # compile
+    fwd_ms = time_ms(step, warmup, iters)
+    fb_ms = time_ms(fb, warmup, iters)
+    del x, scores, w1, w2, dy
+    free()
+    return dict(scope="layer", fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+                note="no router: gather+MLP+aggregate on moekit's counts")
+
+
+def _swiglu():
+    from sonicmoe.enums import ActivationType
+    return ActivationType.SWIGLU

@@ -1,0 +1,125 @@
+"""CPU check of the side-by-side benchmark's arithmetic and formatting (ctest anchors_math, label cpu; no torch):
+FLOP counts against hand values, TFLOP/s and ratios, the presets against bench/lib/bench_expert_mlp.cu, the routing
+built from counts, and a full `anchors.py report` on synthetic moekit/peer JSON files (random times, printed seed)."""
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import anchor_math as am  # noqa: E402
+
+FAILS = []
+
+
+def check(cond, what):
+    if not cond:
+        FAILS.append(what)
+        print("FAIL:", what)
+
+
+def close(a, b, rel=1e-12):
+    return a is not None and abs(a - b) <= rel * abs(b)
+
+
+def test_flops_and_ratios(rng):
+    # mixtral: 6*8192*2*4096*14336 = 5.772e12 fwd, three times that fwd+bwd.
+    check(am.fwd_flops(8192, 2, 4096, 14336) == 5772436045824.0, "mixtral forward FLOPs")
+    check(am.fwd_bwd_flops(8192, 2, 4096, 14336) == 3 * 5772436045824.0, "mixtral fwd+bwd FLOPs")
+    T, k, H, F = rng.randint(1, 4096), rng.randint(1, 8), 16 * rng.randint(1, 64), 16 * rng.randint(1, 64)
+    ms = rng.uniform(0.1, 50)
+    # The definition: fc1 2*R*H*2F + fc2 2*R*F*H over the time in seconds.
+    want = (2 * T * k * H * 2 * F + 2 * T * k * F * H) / (ms / 1e3) / 1e12
+    check(close(am.tflops(am.fwd_flops(T, k, H, F), ms), want), "TFLOP/s of a random shape (T %d k %d H %d F %d)"
+          % (T, k, H, F))
+    check(am.tflops(1e12, 0) is None and am.tflops(1e12, None) is None, "no TFLOP/s without a time")
+    a, b = rng.uniform(1, 10), rng.uniform(1, 10)
+    check(close(am.speedup(a, b), a / b), "moekit/peer = peer time / moekit time")
+    check(am.speedup(None, b) is None, "no ratio without the peer's time")
+
+
+def test_presets_match_cpp():
+    src = open(os.path.join(HERE, "..", "lib", "bench_expert_mlp.cu")).read()
+    found = {m[0]: dict(H=int(m[1]), F=int(m[2]), E=int(m[3]), k=int(m[4]), T=int(m[5]))
+             for m in re.findall(r'\{"([\w-]+)", (\d+), (\d+), (\d+), (\d+), (\d+)\}', src)}
+    check(found == am.PRESETS, "PRESETS equal presets() in bench_expert_mlp.cu (%s)" % found)
+
+
+def test_routing(rng):
+    T, E, k = rng.randint(8, 64), rng.randint(4, 16), 0
+    k = rng.randint(1, min(4, E))
+    counts = [0] * E
+    for _ in range(T):  # random top-k routing -> counts (zeros allowed)
+        for e in rng.sample(range(min(E, k + 2)), k):
+            counts[e] += 1
+    pairs = am.token_expert_pairs(counts, T)
+    per_expert = [0] * E
+    per_token = {}
+    for t, e in pairs:
+        per_expert[e] += 1
+        per_token.setdefault(t, []).append(e)
+    check(per_expert == counts, "token_expert_pairs keeps the counts")
+    check(all(len(v) == k and len(set(v)) == k for v in per_token.values()) and len(per_token) == T,
+          "every token has k distinct experts")
+    check(pairs == sorted(pairs), "pairs sorted by token")
+    check(am.offsets_from_counts(counts)[-1] == T * k, "offsets end at T*k")
+    c = am.routing_counts("dsv3-ep8", 1.2, rng.randint(0, 1 << 30))
+    check(sum(c) == 4096 * 8 and c[0] > c[-1], "zipf routing counts: T*k rows, expert 0 busiest")
+
+
+def test_report(rng):
+    # Synthetic moekit JSON (layer, mlp) and peer JSON files with random times; the report's numbers must be the
+    # ones computed from them.
+    d = tempfile.mkdtemp()
+    T, k, H, F = 8192, 2, 4096, 14336
+    t = {n: rng.uniform(5, 60) for n in ("g", "s", "f", "gm", "tf", "tfb", "sl")}
+    layer = dict(grouped=dict(fwd_ms=t["g"] / 3, fwd_bwd_ms=t["g"]), sync=dict(fwd_ms=1, fwd_bwd_ms=t["s"],
+                 host_syncs_per_step=6), floor=dict(fwd_ms=t["f"] / 3, fwd_bwd_ms=t["f"]), counts=[2048] * 8,
+                 roofline=dict(roofline_ms=t["f"], bound="compute", memory_floor_ms=1.0))
+    mlp = dict(grouped=dict(fwd_ms=t["gm"] / 3, fwd_bwd_ms=t["gm"]), sync=dict(fwd_ms=1, fwd_bwd_ms=2),
+               floor=dict(fwd_ms=1, fwd_bwd_ms=3), counts=[2048] * 8)
+    json.dump(layer, open(os.path.join(d, "mixtral_layer.json"), "w"))
+    json.dump(mlp, open(os.path.join(d, "mixtral_mlp.json"), "w"))
+    json.dump(dict(configs={"mixtral": {"torch._grouped_mm": dict(scope="mlp", fwd_ms=t["tf"], fwd_bwd_ms=t["tfb"])}},
+                   device="H"), open(os.path.join(d, "torch.json"), "w"))
+    json.dump(dict(configs={"mixtral": {"sonic layer": dict(scope="layer", fwd_ms=1.0, fwd_bwd_ms=t["sl"]),
+                                        "sonic experts": dict(scope="layer", error="RuntimeError: refused")}},
+                   labels=["sonic layer", "sonic experts"], in_progress=["sonic layer", "mixtral@zipf1.2"]),
+              open(os.path.join(d, "sonic.json"), "w"))
+    out = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "report", "--moekit-dir", d,
+                          "--configs", "mixtral", "mixtral@zipf1.2", "--peer", "torch=%s/torch.json:0" % d,
+                          "--peer", "sonic=%s/sonic.json:139" % d, "--json", d + "/a.json", "--table", d + "/a.txt"],
+                         capture_output=True, text=True)
+    check(out.returncode == 0, "report exits 0 (%s)" % out.stderr[-300:])
+    rows = {(r["config"], r["name"], r["scope"]): r for r in json.load(open(d + "/a.json"))["rows"]}
+    f3 = am.fwd_bwd_flops(T, k, H, F)
+    r = rows[("mixtral", "torch._grouped_mm", "mlp")]
+    check(close(r["fwd_bwd_tflops"], f3 / (t["tfb"] * 1e-3) / 1e12), "torch TFLOP/s in the JSON")
+    check(close(r["moekit_over_fwd_bwd"], t["tfb"] / t["gm"]), "torch compared with moekit's mlp scope")
+    r = rows[("mixtral", "sonic layer", "layer")]
+    check(close(r["moekit_over_fwd_bwd"], t["sl"] / t["g"]), "sonic layer compared with moekit's layer")
+    check(close(rows[("mixtral", "sync cuBLAS/expert", "layer")]["moekit_over_fwd_bwd"], t["s"] / t["g"]), "sync ratio")
+    table = open(d + "/a.txt").read()
+    check("sonic: failed: RuntimeError: refused" in table, "a refused SonicMoE call is a line of the table")
+    check("died or was stopped during this config (exit 139)" in table, "a crashed peer is named per config")
+    check("sonic: failed: not reached (exit 139)" in table, "rows a crashed peer never reached are named")
+    check(("%.0f" % (f3 / (t["g"] * 1e-3) / 1e12)) in table, "moekit layer TFLOP/s printed")
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "plan", "--configs", "mixtral@zipf-1"],
+                         capture_output=True, text=True)
+    check(bad.returncode == 2 and "zipf exponent" in bad.stderr, "a bad config exits 2 naming the rule")
+
+
+if __name__ == "__main__":
+    seed = int(os.environ.get("SEED", random.randrange(1 << 30)))
+    print("seed", seed)
+    rng = random.Random(seed)
+    test_flops_and_ratios(rng)
+    test_presets_match_cpp()
+    test_routing(rng)
+    test_report(rng)
+    print("FAILED: %d check(s)" % len(FAILS) if FAILS else "all checks passed")
+    sys.exit(1 if FAILS else 0)

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Side by side on one GPU in one call (issue 10, point 4): builds `moekit`, times `moekit bench` (whole layer and
+# --scope mlp) on the four presets and on dsv3-ep8 / mixtral under --skew zipf:1.2, then torch._grouped_mm's expert
+# MLP on moekit's counts and SonicMoE's layer (bench/anchors/anchors.py), and prints one table with TFLOP/s and
+# moekit / peer ratios. Every step is bounded (LIMIT, default 540 s); a failing peer becomes a line of the table.
+# usage (device, repo root; carry .third_party and .anchors from scripts/prepare_third_party.sh, prepare_anchors.sh):
+#   bash scripts/device_anchors.sh    env: ITERS=10 CONFIGS="mixtral dsv3-ep8@zipf1.2 ..." PEERS="torch sonic"
+#                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
+# Results in $OUT: summary.txt, anchors.txt (the table), anchors.json, moekit/*.json|txt, torch.json, sonic.json, logs.
+LIMIT=${LIMIT:-540}
+. "$(dirname "$0")/device_lib.sh"
+ITERS=${ITERS:-10}
+CONFIGS=${CONFIGS:-mixtral dsv3-ep8 dsv3-e256 qwen3-30b dsv3-ep8@zipf1.2 mixtral@zipf1.2}
+PEERS=${PEERS:-torch sonic}
+SCOPES=${SCOPES:-layer mlp}
+PEER_RESERVE=${PEER_RESERVE:-200}
+export PYTHONUNBUFFERED=1
+M="$OUT/moekit"; mkdir -p "$M"
+A="python3 bench/anchors/anchors.py"
+# A build dir with the tests needs the carried GoogleTest; without it, a build dir of its own without tests.
+B=build-dev; TESTS=""
+[ -d .third_party/googletest ] || { B=build-anchors; TESTS="-DMOEKIT_TESTS=OFF"; }
+
+# SonicMoE's wheels are cp312: check the image's python first, install in the background during the build.
+PYV=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>&1)
+log "python3 $PYV ($(command -v python3)); torch $(python3 -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)"
+SONIC_SKIP=""; S=/tmp/anchors_site
+if [ "$PYV" != 3.12 ]; then SONIC_SKIP="python3 is $PYV, the carried wheels are for 3.12"
+elif [ ! -s .anchors/cutlass_dsl_libs.tar.xz ]; then SONIC_SKIP=".anchors not carried (scripts/prepare_anchors.sh)"
+else
+  ( rm -rf $S && mkdir -p $S && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $S \
+      .anchors/wheels/*.whl && tar -xJf .anchors/cutlass_dsl_libs.tar.xz -C $S && echo ok ) >"$OUT/sonic_install.log" 2>&1 &
+  INSTALL_PID=$!
+fi
+
+log "build moekit ($B)"
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a $TESTS >"$OUT/build.log" 2>&1 &&
+  timeout $((LIMIT - SECONDS - PEER_RESERVE - 60)) cmake --build $B --target moekit >>"$OUT/build.log" 2>&1
+BUILD_RC=$?
+[ $BUILD_RC = 0 ] || { log "build failed or timed out (rc $BUILD_RC): no moekit rows"; grep -E "error" "$OUT/build.log" | head -10 | tee -a "$OUT/summary.txt"; }
+
+if [ $BUILD_RC = 0 ]; then
+  for c in $CONFIGS; do
+    preset=${c%%@*}; skew=""
+    [ "$c" != "$preset" ] && skew="--skew zipf:${c##*@zipf}"
+    for scope in $SCOPES; do
+      f="$M/${c/@/_}_$scope"
+      left $((PEER_RESERVE + 30)) "moekit bench $c $scope" || continue
+      timeout $((LIMIT - SECONDS - PEER_RESERVE)) $B/moekit bench --preset $preset $skew --scope $scope \
+        --iters $ITERS --json "$f.json" >"$f.txt" 2>&1
+      rc=$?
+      echo "moekit bench $c --scope $scope: rc $rc, t=${SECONDS}s; $(grep -E 'fwd\+bwd' "$f.txt" | head -1 | cut -c1-150)" \
+        | tee -a "$OUT/summary.txt"
+      [ $rc = 0 ] || rm -f "$f.json"
+    done
+  done
+fi
+
+REPORT_PEERS=""
+for peer in $PEERS; do
+  left 20 "$peer" || { REPORT_PEERS="$REPORT_PEERS --peer $peer=$OUT/$peer.json:skipped"; continue; }
+  # torch gets what it needs (about a minute); sonic the rest, less 15 s for the report.
+  budget=$((LIMIT - SECONDS - 15)); [ $peer = torch ] && echo "$PEERS" | grep -q sonic && budget=$((budget / 3))
+  log "$peer ($budget s)"
+  extra=""; env=""
+  if [ $peer = sonic ]; then
+    [ -n "${INSTALL_PID:-}" ] && { wait $INSTALL_PID; tail -1 "$OUT/sonic_install.log" | grep -q ok ||
+      SONIC_SKIP="install: $(grep -v '^$' "$OUT/sonic_install.log" | tail -1 | cut -c1-150)"; }
+    [ -n "$SONIC_SKIP" ] && extra="--skip-reason"
+    env="PYTHONPATH=$S:$S/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # Start no config later than this: a SonicMoE config may spend 30+ s compiling, a torch one a few seconds.
+  margin=15; [ $peer = sonic ] && margin=45
+  env $env timeout $budget $A $peer --moekit-dir "$M" --configs $CONFIGS --iters $ITERS \
+    --deadline-s $((budget - margin > 10 ? budget - margin : 10)) --out "$OUT/$peer.json" ${extra:+$extra "$SONIC_SKIP"} \
+    >"$OUT/$peer.log" 2>&1
+  rc=$?
+  echo "$peer: rc $rc, t=${SECONDS}s" | tee -a "$OUT/summary.txt"
+  grep -E "^anchors " "$OUT/$peer.log" | cut -c1-200 | tee -a "$OUT/summary.txt"
+  REPORT_PEERS="$REPORT_PEERS --peer $peer=$OUT/$peer.json:$rc"
+done
+
+log "report"
+$A report --moekit-dir "$M" --configs $CONFIGS $REPORT_PEERS --json "$OUT/anchors.json" --table "$OUT/anchors.txt" \
+  2>&1 | tee -a "$OUT/summary.txt"
+log "done"
