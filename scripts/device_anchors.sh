@@ -3,7 +3,9 @@
 # --scope mlp) on the four presets and on dsv3-ep8 / mixtral under --skew zipf:1.2, then torch._grouped_mm's expert
 # MLP on moekit's counts and SonicMoE's layer (bench/anchors/anchors.py), and prints one table with TFLOP/s and
 # moekit / peer ratios. Every step is bounded (LIMIT, default 540 s); a failing peer becomes a line of the table.
-# usage (device, repo root; carry .third_party and .anchors from scripts/prepare_third_party.sh, prepare_anchors.sh):
+# usage (device, repo root; from scripts/prepare_third_party.sh and prepare_anchors.sh carry
+#   [".third_party/nlohmann", ".third_party/wheels", ".anchors"]: 62.5 MiB with the tree; GoogleTest would pass the
+#   64 MiB carry limit, so the build here has no tests):
 #   bash scripts/device_anchors.sh    env: ITERS=10 CONFIGS="mixtral dsv3-ep8@zipf1.2 ..." PEERS="torch sonic"
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 # Results in $OUT: summary.txt, anchors.txt (the table), anchors.json, moekit/*.json|txt, torch.json, sonic.json, logs.

@@ -2,7 +2,8 @@
 # Fetches SonicMoE's wheels (a measuring stick for scripts/device_anchors.sh; nothing of it enters the project)
 # into .anchors/ (git-ignored): the small wheels as they are, and the 78 MB nvidia-cutlass-dsl-libs-cu13 wheel
 # unpacked and repacked as .anchors/cutlass_dsl_libs.tar.xz (xz -9e: 50 MiB, about 3 minutes on one core) so that
-# .anchors (54 MiB) + .third_party (5 MiB) + the tree (3 MiB) stay under the device tool's 64 MiB carry.
+# .anchors (54 MiB) + .third_party/{nlohmann,wheels} (7 MiB) + the tree (2 MiB) stay under the device tool's
+# 64 MiB carry (scripts/device_anchors.sh names the carry list).
 # Idempotent (does nothing when everything is there). Versions: ../shared/docs/anchors.md. Needs pip + network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
