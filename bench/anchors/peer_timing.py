@@ -6,11 +6,16 @@ import statistics
 import torch
 
 
-def time_ms(fn, warmup, iters):
-    """Median milliseconds of fn() over `iters` calls after `warmup` untimed ones (events on the current stream)."""
-    for _ in range(warmup):
+def time_ms(fn, warmup, iters, min_warm_s=2.0):
+    """Median milliseconds of fn() over `iters` calls after `warmup` untimed ones (events on the current stream),
+    and at least `min_warm_s` seconds of them: the H100's 700 W cap pulls the SM clock from 1980 to 1.1-1.5 GHz
+    about a second into a heavy load, and moekit bench times in that steady state (docs/perf.md)."""
+    import time
+    start, done = time.monotonic(), 0
+    while done < warmup or time.monotonic() - start < min_warm_s:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        done += 1
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
