@@ -1,7 +1,7 @@
 // Host side of the sync-free grouped GEMMs (grouped_gemm.h): argument checks, launch geometry from static bounds
-// only (the real per-group row counts are read by the kernels from device offsets), kernel choice (TMA + wgmma on
-// Hopper, mma.sync otherwise). Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh; tests:
-// tests/gpu/test_grouped_gemm.cu.
+// only (the real per-group row counts are read by the kernels from device offsets), kernel choice (on Hopper per
+// shape between the own TMA + wgmma kernel and CUTLASS's grouped GEMM, grouped_gemm_cutlass.h; mma.sync elsewhere).
+// Kernels: grouped_gemm_kernels.cuh / grouped_gemm_mma.cuh / cutlass/; tests: tests/gpu/test_grouped_gemm.cu.
 #include <algorithm>
 #include <atomic>
 #include <cstdio>

@@ -152,21 +152,14 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
 bool raster_along_n();
 int swizzle_size();
 
+// The per-group arrays carved from `base` (256-byte aligned each); *bytes = the space they take. With a null base
+// it only measures.
 template <class G>
-size_t group_args_bytes(int64_t groups) {
-    auto align = [](size_t b) { return (b + 255) & ~size_t(255); };
-    return align(groups * sizeof(typename G::Shape)) + 4 * align(groups * sizeof(void*)) +
-           align(groups * sizeof(typename G::StrideA)) + align(groups * sizeof(typename G::StrideB)) +
-           align(groups * sizeof(typename G::StrideC)) + align(groups * sizeof(typename G::StrideD));
-}
-
-template <class G>
-GroupArgs<G> carve_group_args(void* base, int64_t groups) {
-    auto align = [](size_t b) { return (b + 255) & ~size_t(255); };
-    char* p = static_cast<char*>(base);
-    auto take = [&](size_t bytes) {
-        void* r = p;
-        p += align(bytes);
+GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
+    size_t used = 0;
+    auto take = [&](size_t n) {
+        void* r = base ? static_cast<char*>(base) + used : nullptr;
+        used += (n + 255) & ~size_t(255);
         return r;
     };
     GroupArgs<G> a{};
@@ -179,6 +172,7 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups) {
     a.stride_b = static_cast<typename G::StrideB*>(take(groups * sizeof(typename G::StrideB)));
     a.stride_c = static_cast<typename G::StrideC*>(take(groups * sizeof(typename G::StrideC)));
     a.stride_d = static_cast<typename G::StrideD*>(take(groups * sizeof(typename G::StrideD)));
+    *bytes = used;
     return a;
 }
 
@@ -188,12 +182,11 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
-    typename G::Gemm::Arguments args;
     cutlass::KernelHardwareInfo hw;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
     hw.sm_count = device_sm_count();
-    // The workspace size depends on the SM count and the groups only, not on the per-group shapes.
-    const size_t args_bytes = group_args_bytes<G>(groups);
+    size_t args_bytes = 0;
+    carve_group_args<G>(nullptr, groups, &args_bytes);
     auto make_args = [&](const GroupArgs<G>& a) {
         typename G::Gemm::Arguments r;
         r.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -211,11 +204,11 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         r.scheduler.max_swizzle_size = swizzle_size();
         return r;
     };
-    args = make_args(GroupArgs<G>{});
-    const size_t cutlass_bytes = (G::Gemm::get_workspace_size(args) + 255) & ~size_t(255);
+    // CUTLASS's workspace (per-SM tensor maps) depends on the SM count and the groups, not on the shapes.
+    const size_t cutlass_bytes = (G::Gemm::get_workspace_size(make_args(GroupArgs<G>{})) + 255) & ~size_t(255);
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
-    const GroupArgs<G> a = carve_group_args<G>(ws, groups);
-    args = make_args(a);
+    const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
+    const typename G::Gemm::Arguments args = make_args(a);
     fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C);
     MOEKIT_CUDA_LAUNCH_CHECK();
     if (kOp == Op::kTN && !accumulate) {
