@@ -4,23 +4,20 @@
 #include "cuda/dense_gemm.cuh"
 
 namespace moekit::cuda {
-namespace {
 
-cublasHandle_t dense_handle() {
-    static cublasHandle_t h = [] {
-        cublasHandle_t c = nullptr;
-        MOEKIT_CUBLAS_CHECK(cublasCreate(&c));
-        return c;
+cublasHandle_t thread_cublas_handle() {
+    thread_local cublasHandle_t h = [] {
+        cublasHandle_t created = nullptr;
+        MOEKIT_CUBLAS_CHECK(cublasCreate(&created));
+        return created;
     }();
     return h;
 }
 
-}  // namespace
-
 void dense_gemm(gemm_detail::Op op, int64_t rows, int64_t n, int64_t k, const __nv_bfloat16* A, const __nv_bfloat16* B,
                 void* C, cudaStream_t stream) {
     const float alpha = 1.f, beta = 0.f;
-    cublasHandle_t h = dense_handle();
+    cublasHandle_t h = thread_cublas_handle();
     MOEKIT_CUBLAS_CHECK(cublasSetStream(h, stream));
     using gemm_detail::Op;
     if (op == Op::kNT)

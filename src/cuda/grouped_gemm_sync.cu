@@ -5,22 +5,13 @@
 #include <vector>
 
 #include "cuda/cuda_check.h"
+#include "cuda/dense_gemm.cuh"
 #include "cuda/grouped_gemm_sync.h"
 
 namespace moekit::cuda::sync_baseline {
 namespace {
 
 std::atomic<int64_t> g_syncs{0};
-
-cublasHandle_t handle() {
-    // One handle per host thread (cuBLAS handles are not thread-safe); lives until process exit.
-    thread_local cublasHandle_t h = [] {
-        cublasHandle_t created = nullptr;
-        MOEKIT_CUBLAS_CHECK(cublasCreate(&created));
-        return created;
-    }();
-    return h;
-}
 
 // Offsets of the G groups on the host: the one blocking step that the sync-free path avoids.
 std::vector<int32_t> host_offsets(const GroupedGemmShape& s, const int32_t* d_offsets, cudaStream_t stream) {
@@ -44,8 +35,9 @@ std::vector<int32_t> host_offsets(const GroupedGemmShape& s, const int32_t* d_of
 void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda,
           const void* B, int64_t ldb, void* C, cudaDataType c_type, int64_t ldc, float beta, cudaStream_t stream) {
     const float alpha = 1.f;
-    MOEKIT_CUBLAS_CHECK(cublasSetStream(handle(), stream));
-    MOEKIT_CUBLAS_CHECK(cublasGemmEx(handle(), ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_16BF, int(lda), B,
+    cublasHandle_t h = thread_cublas_handle();
+    MOEKIT_CUBLAS_CHECK(cublasSetStream(h, stream));
+    MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_16BF, int(lda), B,
                                      CUDA_R_16BF, int(ldb), &beta, C, c_type, int(ldc), CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT));
 }
