@@ -8,6 +8,7 @@
 #   64 MiB carry limit, so the build here has no tests):
 #   bash scripts/device_anchors.sh    env: ITERS=10 CONFIGS="mixtral dsv3-ep8@zipf1.2 ..." PEERS="torch sonic"
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
+#                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
 # Results in $OUT: summary.txt, anchors.txt (the table), anchors.json, moekit/*.json|txt, torch.json, sonic.json, logs.
 LIMIT=${LIMIT:-540}
 . "$(dirname "$0")/device_lib.sh"
@@ -17,6 +18,9 @@ PEERS=${PEERS:-torch sonic}
 SCOPES=${SCOPES:-layer mlp}
 PEER_RESERVE=${PEER_RESERVE:-200}
 export PYTHONUNBUFFERED=1
+SONIC_PASSES=${SONIC_PASSES:-layer experts}
+# SonicMoE compiles its GEMM configurations in worker processes: one per core; its autotuning progress goes to the log.
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)} QUACK_PRINT_AUTOTUNING=${QUACK_PRINT_AUTOTUNING:-1}
 M="$OUT/moekit"; mkdir -p "$M"
 A="python3 bench/anchors/anchors.py"
 # A build dir with the tests needs the carried GoogleTest; without it, a build dir of its own without tests.
@@ -64,17 +68,18 @@ for peer in $PEERS; do
   # torch gets what it needs (about a minute); sonic the rest, less 15 s for the report.
   budget=$((LIMIT - SECONDS - 15)); [ $peer = torch ] && echo "$PEERS" | grep -q sonic && budget=$((budget / 3))
   log "$peer ($budget s)"
-  extra=""; env=""
+  extra=""; env=""; sonic_args=""
   if [ $peer = sonic ]; then
     [ -n "${INSTALL_PID:-}" ] && { wait $INSTALL_PID; tail -1 "$OUT/sonic_install.log" | grep -q ok ||
       SONIC_SKIP="install: $(grep -v '^$' "$OUT/sonic_install.log" | tail -1 | cut -c1-150)"; }
     [ -n "$SONIC_SKIP" ] && extra="--skip-reason"
+    sonic_args="--sonic-passes $SONIC_PASSES"
     env="PYTHONPATH=$S:$S/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
   fi
   # Start no config later than this: a SonicMoE config may spend 30+ s compiling, a torch one a few seconds.
   margin=15; [ $peer = sonic ] && margin=45
   env $env timeout $budget $A $peer --moekit-dir "$M" --configs $CONFIGS --iters $ITERS \
-    --deadline-s $((budget - margin > 10 ? budget - margin : 10)) --out "$OUT/$peer.json" ${extra:+$extra "$SONIC_SKIP"} \
+    --deadline-s $((budget - margin > 10 ? budget - margin : 10)) --out "$OUT/$peer.json" ${sonic_args:-} ${extra:+$extra "$SONIC_SKIP"} \
     >"$OUT/$peer.log" 2>&1
   rc=$?
   echo "$peer: rc $rc, t=${SECONDS}s" | tee -a "$OUT/summary.txt"
@@ -85,4 +90,6 @@ done
 log "report"
 $A report --moekit-dir "$M" --configs $CONFIGS $REPORT_PEERS --json "$OUT/anchors.json" --table "$OUT/anchors.txt" \
   2>&1 | tee -a "$OUT/summary.txt"
+# The device tool returns a limited number of files: moekit's per-config JSON and text travel as one archive.
+tar -czf "$OUT/moekit.tar.gz" -C "$OUT" moekit && rm -rf "$M"
 log "done"

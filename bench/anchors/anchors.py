@@ -8,6 +8,7 @@ SonicMoE timed in the same device call (scripts/device_anchors.sh runs it).
 Configs: PRESET or PRESET@zipfS. moekit files: D/<config>_layer.json, D/<config>_mlp.json (config with '@'
 replaced by '_'). Peers write their JSON after every config, so a crash or timeout keeps what was done."""
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -107,6 +108,8 @@ def run_peer(args, name):
         print("anchors %s: %s" % (name, reason))
         return 0
     import peer_timing
+    # A config that neither finishes nor fails (compiling, autotuning, a hang) leaves its stacks in the log.
+    faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True, file=sys.stderr)
     if name == "torch":
         import peer_torch
         passes = [("torch._grouped_mm", lambda p, s, counts: peer_torch.run(p, counts, args.iters, args.warmup,
@@ -116,6 +119,7 @@ def run_peer(args, name):
         passes = [("sonic layer", lambda p, s, counts: peer_sonic.run_layer(p, s, args.iters, args.warmup, args.seed)),
                   ("sonic experts", lambda p, s, counts: peer_sonic.run_expert_path(p, counts, args.iters, args.warmup,
                                                                                     args.seed))]
+        passes = [(label, fn) for label, fn in passes if label.split()[-1] in args.sonic_passes]
     result["labels"] = [label for label, _ in passes]
     for label, fn in passes:
         for c in args.configs:
@@ -225,6 +229,9 @@ def main(argv):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deadline-s", type=int, default=240, help="peers: start no config after this many seconds")
+    ap.add_argument("--sonic-passes", nargs="+", choices=["layer", "experts"], default=["layer", "experts"],
+                    help="sonic: its whole layer, its expert path on moekit's counts, or both")
+    ap.add_argument("--stack-dump-s", type=int, default=120, help="peers: dump all stacks to stderr this often")
     ap.add_argument("--dry-run", action="store_true", help="peers: print the plan, import nothing")
     ap.add_argument("--skip-reason", help="peers: record this reason for every config and time nothing")
     ap.add_argument("--peer", action="append", default=[], help="report: NAME=FILE[:RC] (repeatable)")

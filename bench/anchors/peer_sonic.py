@@ -3,6 +3,7 @@ measuring stick only. Two timings: its whole layer with its own router (top-k th
 way moekit bench skews (bench/lib/bench_util.cuh apply_zipf_skew), and its expert path (gather, grouped MLP,
 aggregate; no router) on a routing with moekit's exact per-expert counts (anchor_math.token_expert_pairs)."""
 import math
+import os
 
 import torch
 
@@ -10,7 +11,39 @@ from anchor_math import token_expert_pairs
 from peer_timing import free, time_ms, uniform
 
 
+# Its GEMMs autotune over 44 SM90 configurations per GEMM kind and shape, each compiled at run time (the first
+# device call spent > 330 s on mixtral alone). SONIC_TUNE=narrow (default) keeps four configurations that cover its
+# tile families (128x192 / 128x128 ping-pong, 256x128 / 128x256 cooperative); "default" its single default; "full" all.
+_NARROW = {(128, 192, True, 2, 1), (128, 128, True, 2, 1), (256, 128, False, 2, 1), (128, 256, False, 1, 2)}
+TUNE = os.environ.get("SONIC_TUNE", "narrow")
+
+
+def _restrict_autotune():
+    """Must run before sonicmoe imports quack.gemm_interface (its decorators read the configuration list)."""
+    if TUNE == "full":
+        return
+    import quack.gemm_config as gc
+    full = gc._get_sm90_configs
+    default = gc.GemmConfig()
+
+    def narrowed(epilogue=None, tune_coop=True):
+        cs = full(epilogue, tune_coop)
+        key = (lambda c: (c.tile_m, c.tile_n, c.pingpong, c.cluster_m, c.cluster_n, c.swap_ab))
+        want = {k + (False,) for k in _NARROW} if TUNE == "narrow" else \
+            {(default.tile_m, default.tile_n, default.pingpong, default.cluster_m, default.cluster_n, False)}
+        return [c for c in cs if key(c) in want] or cs[:1]
+    gc._get_sm90_configs = narrowed
+
+
+def tune_note():
+    return {"narrow": "autotune over 4 SM90 configs", "default": "its default config, no autotune",
+            "full": "full autotune"}.get(TUNE, "SONIC_TUNE=%s" % TUNE)
+
+
 def import_sonic():
+    if TUNE not in ("narrow", "default", "full"):
+        raise ValueError("SONIC_TUNE=%s must be narrow, default or full" % TUNE)
+    _restrict_autotune()
     import sonicmoe  # noqa: F401  (an ImportError here is reported as "sonic: failed: import ...")
     from sonicmoe import moe_general_routing_inputs, moe_TC_softmax_topk_layer
     return moe_TC_softmax_topk_layer, moe_general_routing_inputs
@@ -65,7 +98,7 @@ def run_layer(p, zipf_s, iters, warmup, seed):
     del x, router_w, w1, w2, dy
     free()
     return dict(scope="layer", fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
-                note="own router (top-k, softmax); tokens/expert %d..%d" % (min(counts), max(counts)))
+                note="own router (top-k, softmax); tokens/expert %d..%d; %s" % (min(counts), max(counts), tune_note()))
 
 
 def run_expert_path(p, counts, iters, warmup, seed):
@@ -93,7 +126,7 @@ def run_expert_path(p, counts, iters, warmup, seed):
     del x, scores, w1, w2, dy
     free()
     return dict(scope="layer", fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
-                note="no router: gather+MLP+aggregate on moekit's counts")
+                note="no router: gather+MLP+aggregate on moekit's counts; %s" % tune_note())
 
 
 def _swiglu():
