@@ -137,14 +137,42 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         r["host_syncs_per_step"] = double(sync_baseline::host_sync_count() - syncs0) / (o.warmup + o.iters);
         r["eager_fwd_bwd_ms"] = median_of(total);
         layer->enable_stage_timing(true);
-        for (int it = 0; it < o.iters; ++it) {
+        // Stage times of graph replays too (the events are nodes of the graph), in the same rounds as the eager
+        // steps': tells which stage a graph-vs-eager difference lives in.
+        std::vector<std::vector<double>> gfwd(size_t(LayerStage::count)), gbwd(size_t(LayerStage::count));
+        cudaGraphExec_t timed = nullptr;
+        if (graph) {
+            cudaGraph_t g = nullptr;
+            MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
             layer->forward(s, true);
             layer->backward(s);
+            MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&timed, g, 0));
+            MOEKIT_CUDA_CHECK(cudaGraphDestroy(g));
+        }
+        auto collect = [&](std::vector<std::vector<double>>& fv, std::vector<std::vector<double>>& bv) {
             auto f = layer->forward_times_ms();
             auto g = layer->backward_times_ms();
             for (size_t i = 0; i < f.size(); ++i) {
-                fwd[i].push_back(f[i]);
-                bwd[i].push_back(g[i]);
+                fv[i].push_back(f[i]);
+                bv[i].push_back(g[i]);
+            }
+        };
+        for (int it = 0; it < o.iters; ++it) {
+            layer->forward(s, true);
+            layer->backward(s);
+            collect(fwd, bwd);
+            if (timed) {
+                MOEKIT_CUDA_CHECK(cudaGraphLaunch(timed, s));
+                collect(gfwd, gbwd);
+            }
+        }
+        if (timed) {
+            MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(timed));
+            for (size_t i = 0; i < gfwd.size(); ++i) {
+                const char* name = layer_stage_name(LayerStage(i));
+                r["graph_fwd_stages_ms"][name] = median_of(gfwd[i]);
+                r["graph_bwd_stages_ms"][name] = median_of(gbwd[i]);
             }
         }
         layer->enable_stage_timing(false);
@@ -293,14 +321,21 @@ std::string format_layer_table(const nlohmann::json& r) {
                           ", tokens/expert ", r["min_count"].get<int64_t>(), "..", r["max_count"].get<int64_t>(),
                           ") on ", r["device"].get<std::string>(), "\n  scope: ", r["scope"].get<std::string>(), "\n");
     char line[256];
-    std::snprintf(line, sizeof line, "  %-16s %10s %10s   %10s %10s\n", "stage (ms)", "fwd", "bwd", "sync fwd",
-                  "sync bwd");
+    const bool graph_stages = r["grouped"].contains("graph_fwd_stages_ms");
+    std::snprintf(line, sizeof line, "  %-16s %10s %10s   %10s %10s%s\n", "stage (ms)", "fwd", "bwd", "sync fwd",
+                  "sync bwd", graph_stages ? "   graph fwd  graph bwd" : "");
     out += line;
     for (auto& [name, v] : r["grouped"]["fwd_stages_ms"].items()) {
-        std::snprintf(line, sizeof line, "  %-16s %10.3f %10.3f   %10.3f %10.3f\n", name.c_str(), v.get<double>(),
+        std::snprintf(line, sizeof line, "  %-16s %10.3f %10.3f   %10.3f %10.3f", name.c_str(), v.get<double>(),
                       r["grouped"]["bwd_stages_ms"][name].get<double>(), r["sync"]["fwd_stages_ms"][name].get<double>(),
                       r["sync"]["bwd_stages_ms"][name].get<double>());
         out += line;
+        if (graph_stages) {
+            std::snprintf(line, sizeof line, "   %10.3f %10.3f", r["grouped"]["graph_fwd_stages_ms"][name].get<double>(),
+                          r["grouped"]["graph_bwd_stages_ms"][name].get<double>());
+            out += line;
+        }
+        out += "\n";
     }
     auto& g = r["grouped"];
     auto& sb = r["sync"];

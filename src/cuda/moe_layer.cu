@@ -325,7 +325,9 @@ private:
     // Stage timing: events [pass][stage][begin/end]; recorded only when enabled.
     void mark(cudaStream_t stream, int pass, LayerStage stage, bool begin) {
         if (!timing_) return;
-        MOEKIT_CUDA_CHECK(cudaEventRecord(event(pass, stage, begin), stream));
+        // External: under stream capture the record becomes an event node of the graph (a plain record would only
+        // mark a dependency), so stage times can be read from graph replays too.
+        MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(event(pass, stage, begin), stream, cudaEventRecordExternal));
         recorded_[pass][size_t(stage)] = true;
     }
     cudaEvent_t event(int pass, LayerStage stage, bool begin) {
