@@ -325,9 +325,13 @@ private:
     // Stage timing: events [pass][stage][begin/end]; recorded only when enabled.
     void mark(cudaStream_t stream, int pass, LayerStage stage, bool begin) {
         if (!timing_) return;
-        // External: under stream capture the record becomes an event node of the graph (a plain record would only
-        // mark a dependency), so stage times can be read from graph replays too.
-        MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(event(pass, stage, begin), stream, cudaEventRecordExternal));
+        // Under stream capture an External record becomes an event node of the graph (a plain one would only mark
+        // a dependency), so stage times can be read from graph replays too; eager streams refuse the flag.
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+        MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(event(pass, stage, begin), stream,
+                                                   capturing == cudaStreamCaptureStatusActive ? cudaEventRecordExternal
+                                                                                               : cudaEventRecordDefault));
         recorded_[pass][size_t(stage)] = true;
     }
     cudaEvent_t event(int pass, LayerStage stage, bool begin) {
