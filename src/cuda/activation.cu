@@ -4,7 +4,6 @@
 // block reduction, so it is bitwise reproducible.
 #include <algorithm>
 #include <cstdlib>
-#include <type_traits>
 
 #include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
@@ -53,7 +52,7 @@ __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __re
     }
 }
 
-template <typename R, int kPer, int kUnroll>
+template <typename R, int kPer>
 __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
                                            const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
                                            const __nv_bfloat16* __restrict__ grad_out,
@@ -61,41 +60,28 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
     __shared__ float red[kThreads];
     const int64_t n = num_rows ? min(int64_t(*num_rows), s.max_rows) : s.max_rows;
     const int64_t F = s.ffn, in_cols = s.gated ? 2 * F : F;
-    constexpr int kStep = kThreads * kPer;
     for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
         const __nv_bfloat16* row = fc1 + r * in_cols;
         __nv_bfloat16* grow = grad_fc1 + r * in_cols;
         const float p = probs ? float(probs[r]) : 1.0f;
         float dp = 0.0f;
-        // kUnroll vectors per thread in flight: all loads of a round are issued before the first use.
-        for (int64_t f0 = threadIdx.x * kPer; f0 < F; f0 += int64_t(kStep) * kUnroll) {
-            float go[kUnroll][kPer], g[kUnroll][kPer], u[kUnroll][kPer];
-#pragma unroll
-            for (int j = 0; j < kUnroll; ++j) {
-                const int64_t f = f0 + j * kStep;
-                if (f >= F) continue;
-                load<kPer>(grad_out + r * F + f, go[j]);
-                load<kPer>(row + f, g[j]);
-                if (s.gated) load<kPer>(row + F + f, u[j]);
-            }
-#pragma unroll
-            for (int j = 0; j < kUnroll; ++j) {
-                const int64_t f = f0 + j * kStep;
-                if (f >= F) continue;
-                float dg[kPer], du[kPer];
-                for (int i = 0; i < kPer; ++i) {
-                    const float da = go[j][i] * p;
-                    if (s.gated) {
-                        glu_backward(s.act, g[j][i], u[j][i], da, &dg[i], &du[i]);
-                        dp += glu_forward(s.act, g[j][i], u[j][i]) * go[j][i];
-                    } else {
-                        dg[i] = da * activation_grad(s.act, g[j][i]);
-                        dp += activation_forward(s.act, g[j][i]) * go[j][i];
-                    }
+        for (int64_t f = threadIdx.x * kPer; f < F; f += blockDim.x * kPer) {
+            float go[kPer], g[kPer], u[kPer], dg[kPer], du[kPer];
+            load<kPer>(grad_out + r * F + f, go);
+            load<kPer>(row + f, g);
+            if (s.gated) load<kPer>(row + F + f, u);
+            for (int i = 0; i < kPer; ++i) {
+                const float da = go[i] * p;
+                if (s.gated) {
+                    glu_backward(s.act, g[i], u[i], da, &dg[i], &du[i]);
+                    dp += glu_forward(s.act, g[i], u[i]) * go[i];
+                } else {
+                    dg[i] = da * activation_grad(s.act, g[i]);
+                    dp += activation_forward(s.act, g[i]) * go[i];
                 }
-                store<kPer>(grow + f, dg);
-                if (s.gated) store<kPer>(grow + F + f, du);
             }
+            store<kPer>(grow + f, dg);
+            if (s.gated) store<kPer>(grow + F + f, du);
         }
         if (grad_probs) {
             red[threadIdx.x] = dp;
@@ -131,32 +117,22 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
     // Width of the backward's vectors (MOEKIT_ACT_BWD_VEC=1|2|4|8, default 2). H100, interleaved moekit bench:
     // mixtral 1.465 / 1.338 / 1.349 / 2.221 ms, dsv3-ep8 0.490 / 0.425 / 0.436 / 0.704 ms for 1 / 2 / 4 / 8 (scalar
-    // loads move half a cache line per warp; 8-wide costs five 8-float arrays of registers per thread).
+    // loads move half a cache line per warp; 8-wide costs five 8-float arrays of registers per thread). Two or four
+    // 2-wide vectors in flight per thread (all loads of a round before the first use) measured slower again: mixtral
+    // 1.26 -> 1.68 / 1.63 ms, dsv3-ep8 0.41 -> 0.56 (H100, 2026-11-23, scripts/device_bench_ab.sh).
     static const int vec = [] {
         const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
         const int v = env ? std::atoi(env) : 2;
         return v == 1 || v == 4 || v == 8 ? v : 2;
     }();
-    // Vectors in flight per thread (MOEKIT_ACT_BWD_UNROLL=1|2|4, default 1).
-    static const int unroll = [] {
-        const char* env = std::getenv("MOEKIT_ACT_BWD_UNROLL");
-        const int u = env ? std::atoi(env) : 1;
-        return u == 2 || u == 4 ? u : 1;
-    }();
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
     };
-    auto with_unroll = [&](auto per) {
-        constexpr int kPer = decltype(per)::value;
-        if (unroll == 4) launch(activation_backward_kernel<R, kPer, 4>);
-        else if (unroll == 2) launch(activation_backward_kernel<R, kPer, 2>);
-        else launch(activation_backward_kernel<R, kPer, 1>);
-    };
-    if (width == 8) with_unroll(std::integral_constant<int, 8>{});
-    else if (width == 4) with_unroll(std::integral_constant<int, 4>{});
-    else if (width == 2) with_unroll(std::integral_constant<int, 2>{});
-    else with_unroll(std::integral_constant<int, 1>{});
+    if (width == 8) launch(activation_backward_kernel<R, 8>);
+    else if (width == 4) launch(activation_backward_kernel<R, 4>);
+    else if (width == 2) launch(activation_backward_kernel<R, 2>);
+    else launch(activation_backward_kernel<R, 1>);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
