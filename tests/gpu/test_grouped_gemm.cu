@@ -302,12 +302,14 @@ TEST(GroupedGemm, MoreTilesThanMultiprocessors) {
 
 TEST(GroupedGemm, LargeGroupsLongReduction) {
     SKIP_WITHOUT_GPU();
-    // >= 1536 rows per group and k >= 2n: the per-shape choice's CUTLASS-cooperative branch (nt/nn) and the own
-    // kernel's branch for tn; one group empty.
+    // >= 1536 rows per group and k >= 2n: the per-shape choice's CUTLASS-cooperative branch (nt/nn); tn both of
+    // its large-group branches (gradient twice as wide as tall: CUTLASS cooperative; else the own kernel); one
+    // group empty.
     std::vector<int> counts{1700, 0, 3000};  // max_rows / G = 1567
     check_row_gemm(Op::kNT, counts, 3, 64, 256, 91);
     check_row_gemm(Op::kNN, counts, 3, 64, 256, 92);
     check_tn(counts, 3, 64, 128, true, 93);
+    check_tn(counts, 3, 256, 128, true, 94);
 }
 
 TEST(GroupedGemm, RejectsUnalignedSizes) {
