@@ -131,6 +131,7 @@ struct Config {
     std::string key, label;
     std::vector<RankWork> ranks;
     std::vector<double> rank_ms;  // median per rank, filled by the timing
+    std::vector<std::vector<double>> rank_stage_ms;  // [rank][stage] medians (kStageNames), same replays
 };
 
 // One EP's input, plan and configurations (built before any buffer is sized, so the buffers fit all of them).
@@ -276,28 +277,43 @@ struct Buffers {
 
 // One rank's expert MLP forward and backward in the layer's order (src/cuda/moe_layer.cu): fc1 nt, SwiGLU x probs,
 // fc2 nt; fc2 dgrad nn, fc2 wgrad tn, SwiGLU backward, fc1 dgrad nn, fc1 wgrad tn (fresh fp32 grads).
-void expert_step(Buffers& b, int64_t G, int64_t max_rows, const int32_t* d_off, cudaStream_t s) {
+constexpr int kStages = 8;
+constexpr const char* kStageNames[kStages] = {"fc1_fwd",   "swiglu_fwd", "fc2_fwd",   "fc2_dgrad",
+                                              "fc2_wgrad", "swiglu_bwd", "fc1_dgrad", "fc1_wgrad"};
+// marks (kStages + 1 events, or null): recorded around every stage as event nodes of the graph being captured.
+void expert_step(Buffers& b, int64_t G, int64_t max_rows, const int32_t* d_off, cudaStream_t s,
+                 const cudaEvent_t* marks = nullptr) {
     const int64_t H = b.H, F = b.F;
     const cuda::ActivationShape act{max_rows, F, true, Activation::silu};
     const int32_t* num_rows = d_off + G;  // offsets[G], read on the device
-    cuda::grouped_gemm_nt({G, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr, b.h.ptr, d_off, s);
-    cuda::activation_forward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.act.ptr, s);
-    cuda::grouped_gemm_nt({G, max_rows, H, F}, b.act.ptr, b.w2.ptr, b.y.ptr, d_off, s);
-    cuda::grouped_gemm_nn({G, max_rows, F, H}, b.dy.ptr, b.w2.ptr, b.dact.ptr, d_off, s);
-    cuda::grouped_gemm_tn({G, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr, d_off, false, s);
-    cuda::activation_backward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.dact.ptr, b.dh.ptr, nullptr, s);
-    cuda::grouped_gemm_nn({G, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr, b.dx.ptr, d_off, s);
-    cuda::grouped_gemm_tn({G, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr, d_off, false, s);
+    int stage = 0;
+    auto mark = [&] {
+        if (marks) MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(marks[stage], s, cudaEventRecordExternal));
+        ++stage;
+    };
+    mark(), cuda::grouped_gemm_nt({G, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr, b.h.ptr, d_off, s);
+    mark(), cuda::activation_forward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.act.ptr, s);
+    mark(), cuda::grouped_gemm_nt({G, max_rows, H, F}, b.act.ptr, b.w2.ptr, b.y.ptr, d_off, s);
+    mark(), cuda::grouped_gemm_nn({G, max_rows, F, H}, b.dy.ptr, b.w2.ptr, b.dact.ptr, d_off, s);
+    mark(), cuda::grouped_gemm_tn({G, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr, d_off, false, s);
+    mark(), cuda::activation_backward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.dact.ptr, b.dh.ptr, nullptr, s);
+    mark(), cuda::grouped_gemm_nn({G, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr, b.dx.ptr, d_off, s);
+    mark(), cuda::grouped_gemm_tn({G, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr, d_off, false, s);
+    mark();
 }
 
 struct Graph {
     cudaGraphExec_t exec = nullptr;
     cuda::DeviceBuffer<int32_t> offsets;
-    Graph() = default;
+    cudaEvent_t marks[kStages + 1] = {};  // stage boundaries, event nodes of the graph
+    Graph() {
+        for (cudaEvent_t& e : marks) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+    }
     Graph(const Graph&) = delete;
     Graph& operator=(const Graph&) = delete;
     ~Graph() {
         if (exec) cudaGraphExecDestroy(exec);
+        for (cudaEvent_t e : marks) cudaEventDestroy(e);
     }
 };
 
@@ -324,7 +340,7 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
             MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
             cudaGraph_t graph = nullptr;
             MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            expert_step(b, G, max_rows, g->offsets.get(), s);
+            expert_step(b, G, max_rows, g->offsets.get(), s, g->marks);
             MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
             const cudaError_t inst = cudaGraphInstantiate(&g->exec, graph, 0);
             cudaGraphDestroy(graph);
@@ -337,6 +353,10 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
     MOEKIT_CUDA_CHECK(cudaEventCreate(&t1));
     std::vector<std::vector<std::vector<float>>> ms(c.configs.size(),
                                                     std::vector<std::vector<float>>(size_t(c.dims.ep)));
+    // [config][rank][stage] -> replays: where a rank's time goes (the graph's own event nodes)
+    std::vector<std::vector<std::vector<std::vector<float>>>> stage_ms(
+        c.configs.size(), std::vector<std::vector<std::vector<float>>>(
+                              size_t(c.dims.ep), std::vector<std::vector<float>>(kStages)));
     for (int it = 0; it < o.warmup + o.iters; ++it)
         for (size_t ci = 0; ci < c.configs.size(); ++ci)
             for (int64_t r = 0; r < c.dims.ep; ++r) {
@@ -346,15 +366,28 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
                 MOEKIT_CUDA_CHECK(cudaEventSynchronize(t1));
                 float t = 0;
                 MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&t, t0, t1));
-                if (it >= o.warmup) ms[ci][r].push_back(t);
+                if (it < o.warmup) continue;
+                ms[ci][r].push_back(t);
+                for (int st = 0; st < kStages; ++st) {
+                    float m = 0;
+                    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&m, graphs[ci][r]->marks[st], graphs[ci][r]->marks[st + 1]));
+                    stage_ms[ci][r][size_t(st)].push_back(m);
+                }
             }
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
+    auto median = [](std::vector<float> v) {
+        std::sort(v.begin(), v.end());
+        return double(v[v.size() / 2]);
+    };
     for (size_t ci = 0; ci < c.configs.size(); ++ci) {
         c.configs[ci].rank_ms.clear();
-        for (auto& v : ms[ci]) {
-            std::sort(v.begin(), v.end());
-            c.configs[ci].rank_ms.push_back(double(v[v.size() / 2]));
+        c.configs[ci].rank_stage_ms.clear();
+        for (size_t r = 0; r < ms[ci].size(); ++r) {
+            c.configs[ci].rank_ms.push_back(median(ms[ci][r]));
+            std::vector<double> st;
+            for (const auto& v : stage_ms[ci][r]) st.push_back(median(v));
+            c.configs[ci].rank_stage_ms.push_back(st);
         }
     }
 }
@@ -374,6 +407,9 @@ nlohmann::json config_json(const Config& cfg) {
         groups.push_back(w.group_rows);
     }
     const auto busiest = std::max_element(cfg.rank_ms.begin(), cfg.rank_ms.end());
+    nlohmann::json stages = nlohmann::json::object();
+    const auto& busiest_stages = cfg.rank_stage_ms[size_t(busiest - cfg.rank_ms.begin())];
+    for (int st = 0; st < kStages; ++st) stages[kStageNames[st]] = busiest_stages[size_t(st)];
     const double mean = std::accumulate(cfg.rank_ms.begin(), cfg.rank_ms.end(), 0.0) / double(cfg.rank_ms.size());
     return {{"label", cfg.label},
             {"groups_per_rank", cfg.ranks.empty() ? 0 : cfg.ranks[0].group_rows.size()},
@@ -384,6 +420,7 @@ nlohmann::json config_json(const Config& cfg) {
             {"rank_ms", cfg.rank_ms},
             {"busiest_ms", *busiest},
             {"busiest_rank", busiest - cfg.rank_ms.begin()},
+            {"busiest_stage_ms", stages},
             {"mean_ms", mean},
             {"ms_max_over_mean", max_over_mean(cfg.rank_ms)}};
 }
@@ -511,6 +548,15 @@ int main(int argc, char** argv) {
                             (long long)cfg.ranks[br].padded_rows(), (long long)br, j["busiest_ms"].get<double>(),
                             j["mean_ms"].get<double>(), j["ms_max_over_mean"].get<double>(),
                             j["busiest_ms"].get<double>() / forced);
+            }
+            std::printf("  busiest rank by stage (ms):");
+            for (int st = 0; st < kStages; ++st) std::printf(" %10s", kStageNames[st]);
+            std::printf("\n");
+            for (const Config& cfg : c.configs) {
+                std::printf("  %-18s         ", cfg.label.c_str());
+                for (int st = 0; st < kStages; ++st)
+                    std::printf(" %10.3f", cfgs[cfg.key]["busiest_stage_ms"][kStageNames[st]].get<double>());
+                std::printf("\n");
             }
             std::printf(
                 "  acceptance: loads max/mean after %.4f <= 1.05: %s; busiest ECHO / busiest forced balance "
