@@ -132,6 +132,7 @@ TEST(CudaLayerApi, FirstCallInsideAGlobalCapture) {
     const auto y_graph = d.y.download();
     const auto gx_graph = d.gx.download();
     MOEKIT_CUDA_CHECK(cudaMemset(d.g_fc1.get(), 0, d.g_fc1.bytes()));
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());  // the memset went on the legacy stream; s does not wait
     layer->forward(d.params(), d.fwd(), Stream{s});
     layer->backward(d.params(), d.grads(), d.bwd(false), Stream{s});
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -149,6 +150,7 @@ TEST(CudaLayerApi, MisuseIsRefusedBeforeAnyKernel) {
     auto layer = Layer::create(d.c, LayerBounds{d.c.seq_length, d.c.micro_batch_size}, Backend::cuda);
     std::vector<bf16> host_x(size_t(d.T * d.H));
     MOEKIT_CUDA_CHECK(cudaMemset(d.y.get(), 0x7f, d.y.bytes()));
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());  // the memset went on the legacy stream; s does not wait
     const auto y_before = d.y.download();
     auto refused = [&](const std::string& what, const std::string& name, auto&& call) {
         try {
@@ -180,6 +182,7 @@ TEST(CudaLayerApi, MisuseIsRefusedBeforeAnyKernel) {
     layer->forward(d.params(), d.fwd(), Stream{});  // backward needs a forward; y is reset below
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     MOEKIT_CUDA_CHECK(cudaMemset(d.y.get(), 0x7f, d.y.bytes()));
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());  // the memset went on the legacy stream; s does not wait
     refused("a null gradient buffer", "grad fc1", [&] {
         LayerGrads g = d.grads();
         g.fc1 = TensorView();

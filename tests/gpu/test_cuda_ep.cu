@@ -282,6 +282,7 @@ TEST(CudaEpBudgeted, ReceiveBufferHoldsTheAlltoallRowsAndSlackIsUntouched) {
                     (void)layer->end_dispatch_step();
                     world.barrier();  // nobody writes into a receive buffer any more
                     ASSERT_EQ(cudaMemset(b.rows, 0xFF, size_t(budget * H * 2)), cudaSuccess);
+                    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // legacy-stream memset: s would not wait
                     world.barrier();
                 }
                 layer->forward(s, true);

@@ -34,8 +34,11 @@ struct DeviceBuffer {
     explicit DeviceBuffer(size_t n) : len(n) { MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, sizeof(T) * (n ? n : 1))); }
     explicit DeviceBuffer(const std::vector<T>& v) : DeviceBuffer(v.size()) { upload(v); }
     ~DeviceBuffer() { cudaFree(ptr); }
+    // A pageable cudaMemcpy may return before its DMA lands, and a non-blocking stream does not wait for the
+    // legacy stream it went on: wait here (as the engine's copy_to_device does).
     void upload(const std::vector<T>& v) {
         MOEKIT_CUDA_CHECK(cudaMemcpy(ptr, v.data(), sizeof(T) * v.size(), cudaMemcpyHostToDevice));
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     }
     std::vector<T> download() const {
         std::vector<T> v(len);
@@ -356,8 +359,10 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
             grouped_gemm_nt(row_shape, dA.ptr, dB.ptr, C, dOff.ptr, stream);
             grouped_gemm_tn(tn_shape, dA.ptr, dD.ptr, W, dOff.ptr, false, stream);
         };
-        MOEKIT_CUDA_CHECK(cudaMemset(dC.ptr, 0, sizeof(bf16) * dC.len));
-        MOEKIT_CUDA_CHECK(cudaMemset(dCeager.ptr, 0, sizeof(bf16) * dC.len));
+        // Memsets on `stream` itself: a cudaMemset goes on the legacy stream, which `stream` (non-blocking) would
+        // not wait for (it raced the replay's writes: 1 failure in 2 suite runs, H100, 2026-11-23).
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(dC.ptr, 0, sizeof(bf16) * dC.len, stream));
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(dCeager.ptr, 0, sizeof(bf16) * dC.len, stream));
         dOff.upload(offsets_of(before));
         step(dC.ptr, dW.ptr);  // warm-up outside the capture (first-use set-up), with the old counts
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -367,7 +372,8 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
         step(dC.ptr, dW.ptr);
         MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
         MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        MOEKIT_CUDA_CHECK(cudaMemset(dC.ptr, 0, sizeof(bf16) * dC.len));
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(dC.ptr, 0, sizeof(bf16) * dC.len, stream));
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));  // the replay must not start before the new counts land
         dOff.upload(offsets_of(after));
         MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
         step(dCeager.ptr, dWeager.ptr);
