@@ -130,7 +130,7 @@ struct RankWork {
 struct Config {
     std::string key, label;
     std::vector<RankWork> ranks;
-    std::vector<double> rank_ms;  // median per rank, filled by the timing
+    std::vector<double> rank_ms;                     // median per rank, filled by the timing
     std::vector<std::vector<double>> rank_stage_ms;  // [rank][stage] medians (kStageNames), same replays
 };
 
@@ -355,8 +355,8 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
                                                     std::vector<std::vector<float>>(size_t(c.dims.ep)));
     // [config][rank][stage] -> replays: where a rank's time goes (the graph's own event nodes)
     std::vector<std::vector<std::vector<std::vector<float>>>> stage_ms(
-        c.configs.size(), std::vector<std::vector<std::vector<float>>>(
-                              size_t(c.dims.ep), std::vector<std::vector<float>>(kStages)));
+        c.configs.size(),
+        std::vector<std::vector<std::vector<float>>>(size_t(c.dims.ep), std::vector<std::vector<float>>(kStages)));
     for (int it = 0; it < o.warmup + o.iters; ++it)
         for (size_t ci = 0; ci < c.configs.size(); ++ci)
             for (int64_t r = 0; r < c.dims.ep; ++r) {

@@ -51,6 +51,8 @@ GroupedGemmKernel resolve_kernel() {
     return chosen;  // kAuto: Hopper with CUTLASS built, chosen per call by choose_for_shape
 }
 
+int tn_hot_rows();  // set_tn_interleave's value, or MOEKIT_WGRAD_HOT_ROWS
+
 struct Choice {
     GroupedGemmKernel kernel;
     CutlassConfig config;
@@ -70,6 +72,8 @@ struct Choice {
 //  - otherwise the own TMA kernel (mixtral fc1 wgrad, 28672 x 4096: 6.19 vs 6.79 ms cooperative).
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
+    // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
+    if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     if (rows_per_group < 256)
         return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : CutlassConfig::kCooperativeTall};
@@ -142,6 +146,16 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
 }
 
 std::atomic<int> g_cluster{0};
+std::atomic<int> g_tn_hot_rows{-1};
+
+int tn_hot_rows() {
+    int h = g_tn_hot_rows.load();
+    if (h < 0) {
+        const char* env = std::getenv("MOEKIT_WGRAD_HOT_ROWS");
+        h = env ? std::max(0, std::atoi(env)) : 0;
+    }
+    return h;
+}
 
 int tma_cluster() {
     int c = g_cluster.load();
@@ -221,6 +235,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? G : 1);
     q.total_tiles = int(jobs);
     q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
+    q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
         const int64_t ctas = std::min<int64_t>(jobs, sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b);
@@ -343,6 +358,7 @@ OwnGemmKernelScope::~OwnGemmKernelScope() {
 
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
+void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {

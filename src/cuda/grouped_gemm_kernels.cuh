@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/tile_interleave_math.h"
 #include "cuda/grouped_gemm_wgmma.cuh"
 
 namespace moekit::cuda {
@@ -23,6 +24,11 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel);  // "tma+wgmma",
 // Cluster size of the kTma kernel: 2 (default: CTA pairs multicast their shared A tile) or 1 (one CTA per tile
 // job, no cluster); 0 = the environment variable MOEKIT_GEMM_CLUSTER=1|2, else 2.
 void set_grouped_gemm_cluster(int size);
+// wgrad (tn) on the kTma kernel: groups of >= hot_rows rows (math-bound tiles) interleaved with the smaller ones
+// (write-bound: each tile still stores its whole fp32 gradient tile) instead of walked in group order, so stores and
+// math overlap on uneven groups (ECHO's ranks: docs/perf.md). 0 = group order; -1 (default) = the environment
+// variable MOEKIT_WGRAD_HOT_ROWS=N, else 0. Not yet measured on a GPU: off unless asked for.
+void set_tn_interleave(int hot_rows);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {
@@ -48,6 +54,8 @@ struct Params {
     int accumulate;
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
     int staged_epilogue;  // TMA kernel, nt/nn: bf16 results leave through shared memory as full-line stores
+    int tn_hot_rows;      // TMA kernel, tn: > 0 = groups of >= this many rows interleaved with the others
+                          // (tn_interleaved_job); 0 = the groups in order
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -232,6 +240,54 @@ __device__ __forceinline__ TileJob find_job_warp(const Params& p, int pid, int r
         job.row_end = p.offsets[found_g + 1];
     }
     job.n0 = pn * BN;
+    return job;
+}
+
+// TN, hot/cold interleave: the i-th job of CTA (pair) `first` of `stride`, or inactive past its last. Groups of at
+// least p.tn_hot_rows rows are "hot" (their tiles math-bound: long reductions), the others "cold" (each tile still
+// writes its whole fp32 gradient tile: write-bound). Walking the groups in order, the whole GPU would be write-bound
+// through the cold groups, then math-bound through the hot ones; here every CTA alternates between its share of the
+// hot tiles and of the cold ones (core/tile_interleave_math.h), so at any time about half the GPU stores while the
+// other half computes; one wave's tiles of a list stay neighbours (L2). Within a list: groups in order, raster inside.
+template <int BM, int BN, int kCluster>
+__device__ __forceinline__ TileJob tn_interleaved_job(const Params& p, int first, int stride, int i, int rank) {
+    TileJob job{};
+    const int tiles_n = (p.tiles_n + kCluster - 1) / kCluster, per_group = p.tiles_m * tiles_n;
+    const int lane = threadIdx.x & 31;
+    int hot_groups = 0;
+    for (int base = 0; base < p.G; base += 32) {
+        const int g = base + lane;
+        const bool hot = g < p.G && p.offsets[g + 1] - p.offsets[g] >= p.tn_hot_rows;
+        hot_groups += __popc(__ballot_sync(0xffffffffu, hot));
+    }
+    const InterleavedSlot slot =
+        interleaved_slot(first, stride, i, hot_groups * per_group, (p.G - hot_groups) * per_group);
+    if (!slot.valid) return job;  // inactive
+    const bool hot = slot.list == 0;
+    const int j = slot.tile;            // the j-th tile of the list
+    const int ordinal = j / per_group;  // the ordinal-th group of the kind
+    int seen = 0, found = -1;
+    for (int base = 0; base < p.G && found < 0; base += 32) {
+        const int g = base + lane;
+        const bool kind = g < p.G && (p.offsets[g + 1] - p.offsets[g] >= p.tn_hot_rows) == hot;
+        const unsigned mask = __ballot_sync(0xffffffffu, kind);
+        const int count = __popc(mask);
+        if (ordinal < seen + count) {
+            unsigned m = mask;
+            for (int skip = ordinal - seen; skip > 0; --skip) m &= m - 1;  // drop the lowest set bits
+            found = base + __ffs(m) - 1;
+        }
+        seen += count;
+    }
+    if (found < 0) return job;  // (no such group: cannot happen with offsets that hold still)
+    int pm, pn;
+    raster(j - ordinal * per_group, p.tiles_m, tiles_n, pm, pn);
+    job.group = found;
+    job.m0 = pm * BM;
+    job.n0 = (pn * kCluster + rank) * BN;
+    job.row0 = p.offsets[found];
+    job.row_end = p.offsets[found + 1];
+    job.active = true;
     return job;
 }
 

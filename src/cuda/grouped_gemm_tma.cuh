@@ -130,6 +130,20 @@ __global__ void __launch_bounds__(384, 1)
     // carry over from one tile to the next and the producer fills the next tile's first stages while the consumers
     // run the epilogue of the current one. Both CTAs of a cluster see the same jobs except n0, hence the same k-steps.
     const int first = blockIdx.x / kCluster, stride = gridDim.x / kCluster;
+    // The i-th job of this CTA (pair): tile pid = first + i * stride, or (tn with p.tn_hot_rows) the hot/cold
+    // interleave. Returns false past the last one; job.active is false for a tile with nothing to do.
+    auto job_at = [&](int i, TileJob& job) {
+        if constexpr (kOp == Op::kTN) {
+            if (p.tn_hot_rows > 0) {
+                job = tn_interleaved_job<BM, BN, kCluster>(p, first, stride, i, rank);
+                return job.active;
+            }
+        }
+        const int pid = first + i * stride;
+        if (pid >= p.total_tiles) return false;
+        job = find_job_warp<kOp, BM, BN, kCluster>(p, pid, rank);
+        return true;
+    };
 
     if (wg == 0) {                 // producer warpgroup: warp 0 finds the jobs, its lane 0 issues every copy
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG  // (sanitizer builds: instrumented code may not fit in 40 registers)
@@ -137,8 +151,8 @@ __global__ void __launch_bounds__(384, 1)
 #endif
         if (tid >= 32) return;
         int it = 0;
-        for (int pid = first; pid < p.total_tiles; pid += stride) {
-            const TileJob job = find_job_warp<kOp, BM, BN, kCluster>(p, pid, rank);
+        TileJob job;
+        for (int i = 0; job_at(i, job); ++i) {
             if (!job.active) continue;
             const int nk = num_ktiles<kOp>(p, job);
             // Boxes entirely past n (or m, or max_rows) would only feed outputs that are never stored: skip them,
@@ -212,8 +226,8 @@ __global__ void __launch_bounds__(384, 1)
     };
     int it = 0;
     float d[128];
-    for (int pid = first; pid < p.total_tiles; pid += stride) {
-        const TileJob job = find_job_warp<kOp, BM, BN, kCluster>(p, pid, rank);
+    TileJob job;
+    for (int i = 0; job_at(i, job); ++i) {
         if (!job.active) continue;
         const int nk = num_ktiles<kOp>(p, job);
 #pragma unroll

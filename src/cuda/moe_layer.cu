@@ -329,9 +329,9 @@ private:
         // a dependency), so stage times can be read from graph replays too; eager streams refuse the flag.
         cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
         MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-        MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(event(pass, stage, begin), stream,
-                                                   capturing == cudaStreamCaptureStatusActive ? cudaEventRecordExternal
-                                                                                               : cudaEventRecordDefault));
+        MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(
+            event(pass, stage, begin), stream,
+            capturing == cudaStreamCaptureStatusActive ? cudaEventRecordExternal : cudaEventRecordDefault));
         recorded_[pass][size_t(stage)] = true;
     }
     cudaEvent_t event(int pass, LayerStage stage, bool begin) {

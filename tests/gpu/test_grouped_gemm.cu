@@ -315,6 +315,24 @@ TEST(GroupedGemm, LargeGroupsLongReduction) {
     check_tn(counts, 3, 256, 128, true, 94);
 }
 
+TEST(GroupedGemm, WgradHotColdInterleave) {
+    SKIP_WITHOUT_GPU();
+    // tn with a few large groups among many small and some empty ones (an ECHO rank's groups) through the own
+    // kernel's hot/cold interleave (set_tn_interleave) at three thresholds: every group cold, a mix, every non-empty
+    // group hot; more tiles than CTAs, so CTAs walk several of each kind. (Other backends ignore the setting.)
+    std::vector<int> counts;  // 40 groups: 4 of 600..900 rows, 4 empty, 32 of 1..120
+    Rng rng(97);
+    for (int g = 0; g < 40; ++g)
+        counts.push_back(g % 10 == 3 ? 600 + int(rng.uniform() * 300) : g % 7 == 5 ? 0 : 1 + int(rng.uniform() * 120));
+    for (int hot : {1 << 20, 500, 1}) {
+        SCOPED_TRACE(::testing::Message() << "hot rows " << hot);
+        set_tn_interleave(hot);
+        check_tn(counts, 5, 256, 512, false, 98);
+        check_tn(counts, 5, 384, 256, true, 99);
+    }
+    set_tn_interleave(-1);
+}
+
 TEST(GroupedGemm, RejectsUnalignedSizes) {
     SKIP_WITHOUT_GPU();
     GroupedGemmShape shape{2, 16, 60, 64};
