@@ -376,17 +376,13 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
             }
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
-    auto median = [](std::vector<float> v) {
-        std::sort(v.begin(), v.end());
-        return double(v[v.size() / 2]);
-    };
     for (size_t ci = 0; ci < c.configs.size(); ++ci) {
         c.configs[ci].rank_ms.clear();
         c.configs[ci].rank_stage_ms.clear();
         for (size_t r = 0; r < ms[ci].size(); ++r) {
-            c.configs[ci].rank_ms.push_back(median(ms[ci][r]));
+            c.configs[ci].rank_ms.push_back(cuda::bench::median(ms[ci][r]));
             std::vector<double> st;
-            for (const auto& v : stage_ms[ci][r]) st.push_back(median(v));
+            for (const auto& v : stage_ms[ci][r]) st.push_back(cuda::bench::median(v));
             c.configs[ci].rank_stage_ms.push_back(st);
         }
     }

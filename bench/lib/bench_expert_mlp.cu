@@ -278,11 +278,6 @@ void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16
     mark(8);
 }
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 // Per-stage medians (ms) of eager steps, plus the median of the whole step.
 nlohmann::json stage_times(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx, const Options& o,
                            cudaStream_t s) {

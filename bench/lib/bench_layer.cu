@@ -53,11 +53,6 @@ nlohmann::json roofline(const Preset& p, double compute_floor_ms, cudaStream_t s
             {"bound", memory_ms > compute_floor_ms ? "memory" : "compute"}};
 }
 
-double median_of(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 }  // namespace
 
 MoeConfig preset_config(const Preset& p) {
@@ -135,7 +130,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         }
         nvtxRangePop();
         r["host_syncs_per_step"] = double(sync_baseline::host_sync_count() - syncs0) / (o.warmup + o.iters);
-        r["eager_fwd_bwd_ms"] = median_of(total);
+        r["eager_fwd_bwd_ms"] = median(total);
         layer->enable_stage_timing(true);
         // Stage times of graph replays too (the events are nodes of the graph), in the same rounds as the eager
         // steps': tells which stage a graph-vs-eager difference lives in.
@@ -171,18 +166,18 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
             MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(timed));
             for (size_t i = 0; i < gfwd.size(); ++i) {
                 const char* name = layer_stage_name(LayerStage(i));
-                r["graph_fwd_stages_ms"][name] = median_of(gfwd[i]);
-                r["graph_bwd_stages_ms"][name] = median_of(gbwd[i]);
+                r["graph_fwd_stages_ms"][name] = median(gfwd[i]);
+                r["graph_bwd_stages_ms"][name] = median(gbwd[i]);
             }
         }
         layer->enable_stage_timing(false);
         double fsum = 0, bsum = 0;
         for (size_t i = 0; i < fwd.size(); ++i) {
             const char* name = layer_stage_name(LayerStage(i));
-            r["fwd_stages_ms"][name] = median_of(fwd[i]);
-            r["bwd_stages_ms"][name] = median_of(bwd[i]);
-            fsum += median_of(fwd[i]);
-            bsum += median_of(bwd[i]);
+            r["fwd_stages_ms"][name] = median(fwd[i]);
+            r["bwd_stages_ms"][name] = median(bwd[i]);
+            fsum += median(fwd[i]);
+            bsum += median(bwd[i]);
         }
         r["fwd_ms"] = fsum;
         r["bwd_ms"] = bsum;
@@ -277,10 +272,10 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         layer->set_expert_gemm(expert_gemm(ExpertGemmKind::grouped));
         MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
         MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
-        out["interleaved"] = {{"eager_ms", median_of(eager)},
-                              {"graph_ms", median_of(replay)},
-                              {"sync_ms", median_of(sync)},
-                              {"floor_ms", median_of(dense)}};
+        out["interleaved"] = {{"eager_ms", median(eager)},
+                              {"graph_ms", median(replay)},
+                              {"sync_ms", median(sync)},
+                              {"floor_ms", median(dense)}};
     }
     const auto& il = out["interleaved"];
     // The interleaved totals are the headline ones (what the table, the ratios and bench/anchors read); the

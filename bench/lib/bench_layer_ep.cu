@@ -22,11 +22,6 @@
 namespace moekit::cuda::bench {
 namespace {
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 // Router rows identical on every rank (one seed); each rank its own tokens and its local experts' weights.
 void fill_layer(CudaMoeLayer& layer, int64_t T, const Preset& p, const Options& o, int rank) {
     const LayerBuffers& b = layer.buffers();

@@ -25,6 +25,13 @@ using cuda::time_ms;
 // Internal linkage: this header is included by more than one benchmark .cu of the same library.
 namespace {
 
+// The median of timed samples (the upper one of an even count; 0 for none).
+template <typename T>
+double median(std::vector<T> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : double(v[v.size() / 2]);
+}
+
 template <typename T>
 struct DevBuf {
     T* ptr = nullptr;

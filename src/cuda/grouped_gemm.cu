@@ -97,17 +97,6 @@ void ensure_smem(int bytes) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int sm_count() {
-    static std::atomic<int> cached[64] = {};
-    int dev = 0;
-    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
-    int n = dev < 64 ? cached[dev].load() : 0;
-    if (n == 0) {
-        MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-        if (dev < 64) cached[dev] = n;
-    }
-    return n;
-}
 
 // cuTensorMapEncodeTiled from the driver, found at run time (no link against libcuda).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -188,7 +177,7 @@ int max_clusters(int smem) {
     attr.val.clusterDim.x = kCluster;
     attr.val.clusterDim.y = 1;
     attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(unsigned(kCluster * sm_count()));
+    cfg.gridDim = dim3(unsigned(kCluster * grouped_gemm_sm_count()));
     cfg.blockDim = dim3(384);
     cfg.dynamicSmemBytes = size_t(smem);
     cfg.attrs = &attr;
@@ -237,7 +226,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
-        const int64_t ctas = std::min<int64_t>(jobs, sm_count());
+        const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b);
     } else {
         const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
@@ -354,6 +343,18 @@ OwnGemmKernelScope::OwnGemmKernelScope(bool on) : on_(on) {
 }
 OwnGemmKernelScope::~OwnGemmKernelScope() {
     if (on_) --t_own_kernel_only;
+}
+
+int grouped_gemm_sm_count() {
+    static std::atomic<int> cached[64] = {};
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    int n = dev < 64 ? cached[dev].load() : 0;
+    if (n == 0) {
+        MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        if (dev < 64) cached[dev] = n;
+    }
+    return n;
 }
 
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }

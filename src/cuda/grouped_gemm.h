@@ -37,6 +37,9 @@ void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                      const int32_t* d_offsets /*[G+1]*/, bool accumulate, cudaStream_t stream);
 
+// Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
+int grouped_gemm_sm_count();
+
 // Several EP ranks on one GPU (virtual ranks) spin in device barriers while a peer still runs its GEMMs. CUTLASS's
 // kernels hold a whole SM per CTA (their register budget), so they cannot be scheduled beside the spinning blocks
 // and the step waits for the barrier's time-out (seen on an H100: EP=8 budgeted/ECHO tests). While an

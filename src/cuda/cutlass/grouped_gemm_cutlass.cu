@@ -55,18 +55,6 @@ int swizzle_size() {
     return s;
 }
 
-int device_sm_count() {
-    static std::atomic<int> cached[64] = {};
-    int dev = 0, n = 0;
-    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
-    if (dev < 64) n = cached[dev].load();
-    if (n == 0) {
-        MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-        if (dev < 64) cached[dev] = n;
-    }
-    return n;
-}
-
 void* stream_workspace(cudaStream_t stream, size_t bytes) {
     struct Buffer {
         void* ptr = nullptr;

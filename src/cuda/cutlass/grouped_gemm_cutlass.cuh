@@ -1,5 +1,5 @@
 // CUTLASS SM90 pointer-array grouped GEMMs behind grouped_gemm_cutlass.h. One template per product (nt, nn, tn),
-// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu with two tile configurations each.
+// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu with the three tile configurations each.
 // Sync-free: a one-block kernel turns the device offsets into CUTLASS's per-group problem shapes, pointers and
 // strides (in a per-stream argument buffer), and CUTLASS is given no host shapes: its persistent grid covers the
 // SMs and its group scheduler reads the shapes on the device. Empty groups get no tiles (M = 0); for wgrad without
@@ -145,7 +145,6 @@ __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t bloc
 // (grouped_gemm_cutlass.cu): calls on one stream run in order, so one buffer a stream is never shared by two GEMMs
 // in flight, also inside captured graphs (the buffer outlives them; it is never freed or moved once handed out).
 void* stream_workspace(cudaStream_t stream, size_t bytes);
-int device_sm_count();
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad);
 // Tile order of the group scheduler (MOEKIT_CUTLASS_RASTER=n|m, default m: consecutive tiles walk a group's rows,
 // so one weight tile serves them back to back) and its swizzle (MOEKIT_CUTLASS_SWIZZLE=1|2|4|8, default 1).
@@ -184,7 +183,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-    hw.sm_count = device_sm_count();
+    hw.sm_count = grouped_gemm_sm_count();
     size_t args_bytes = 0;
     carve_group_args<G>(nullptr, groups, &args_bytes);
     auto make_args = [&](const GroupArgs<G>& a) {
