@@ -75,14 +75,14 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
     if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
-    if (rows_per_group < 256)
+    if (rows_per_group < kSmallGroupRows)
         return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : CutlassConfig::kCooperativeTall};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
-        if (rows_per_group < 1536) return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
+        if (rows_per_group < kLargeGroupRows) return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
         if (s.n >= 2 * s.k) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
         return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     }
-    if (rows_per_group >= 1536 && s.k >= 2 * s.n) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
+    if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
 }
 

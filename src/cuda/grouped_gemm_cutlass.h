@@ -22,6 +22,9 @@ bool cutlass_grouped_gemm_built();
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
 enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong };
+// The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
+// below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
+constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
 void set_cutlass_config(CutlassConfig config);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,

@@ -31,9 +31,9 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
         }
         // The CUTLASS half of grouped_gemm.cu's per-shape choice (measured on an H100, docs/perf.md).
-        if (wgrad) return rows_per_group >= 256 && rows_per_group < 1536 ? CutlassConfig::kPingpong
+        if (wgrad) return rows_per_group >= kSmallGroupRows && rows_per_group < kLargeGroupRows ? CutlassConfig::kPingpong
                                                                           : CutlassConfig::kCooperative;
-        return rows_per_group < 256 ? CutlassConfig::kCooperativeTall : CutlassConfig::kCooperative;
+        return rows_per_group < kSmallGroupRows ? CutlassConfig::kCooperativeTall : CutlassConfig::kCooperative;
     }
     return requested;
 }
