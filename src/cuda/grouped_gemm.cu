@@ -72,6 +72,8 @@ struct Choice {
 //  - otherwise the own TMA kernel (mixtral fc1 wgrad, 28672 x 4096: 6.19 vs 6.79 ms cooperative).
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
+    // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
+    if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     if (rows_per_group < kSmallGroupRows)
         return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : CutlassConfig::kCooperativeTall};
@@ -289,7 +291,7 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         else if constexpr (kOp == Op::kNN)
             cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else
-            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream, config, tn_hot_rows());
+            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream, config);
         return;
     }
     bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
@@ -331,7 +333,7 @@ void cutlass_grouped_gemm_nn(const GroupedGemmShape&, const __nv_bfloat16*, cons
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*,
-                             const int32_t*, bool, cudaStream_t, CutlassConfig, int) {
+                             const int32_t*, bool, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif

@@ -33,10 +33,8 @@ void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16*
 void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
                              CutlassConfig config = CutlassConfig::kAuto);
-// hot_rows > 0: the wgrad's hot/cold interleave (groups of >= hot_rows rows spread among the others, each gradient
-// cut into pieces: cutlass/grouped_gemm_cutlass.cuh fill_tn_pieces); 0: the groups in order.
 void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                              const int32_t* d_offsets, bool accumulate, cudaStream_t stream,
-                             CutlassConfig config = CutlassConfig::kAuto, int hot_rows = 0);
+                             CutlassConfig config = CutlassConfig::kAuto);
 
 }  // namespace moekit::cuda

@@ -24,11 +24,10 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel);  // "tma+wgmma",
 // Cluster size of the kTma kernel: 2 (default: CTA pairs multicast their shared A tile) or 1 (one CTA per tile
 // job, no cluster); 0 = the environment variable MOEKIT_GEMM_CLUSTER=1|2, else 2.
 void set_grouped_gemm_cluster(int size);
-// wgrad (tn): groups of >= hot_rows rows (math-bound tiles) interleaved with the smaller ones (write-bound: each
-// tile still stores its whole fp32 gradient tile) instead of walked in group order, so stores and math overlap on
-// uneven groups (ECHO's ranks: docs/perf.md). The own kernel interleaves tiles (tn_interleaved_job), CUTLASS
-// interleaves pieces of the gradients (cutlass/grouped_gemm_cutlass.cuh fill_tn_pieces). 0 = group order; -1
-// (default) = the environment variable MOEKIT_WGRAD_HOT_ROWS=N, else 0.
+// wgrad (tn) on the kTma kernel: groups of >= hot_rows rows (math-bound tiles) interleaved with the smaller ones
+// (write-bound: each tile still stores its whole fp32 gradient tile) instead of walked in group order, so stores and
+// math overlap on uneven groups (ECHO's ranks: docs/perf.md). 0 = group order; -1 (default) = the environment
+// variable MOEKIT_WGRAD_HOT_ROWS=N, else 0. Not yet measured on a GPU: off unless asked for.
 void set_tn_interleave(int hot_rows);
 }  // namespace moekit::cuda
 

@@ -72,49 +72,5 @@ TEST(TileInterleave, StartsWithTheListOfItsParity) {
     }
 }
 
-// merged_position: the two lists together fill 0..n0+n1-1 once each, both keep their order, and the shorter list's
-// items are spread evenly (the gaps between its consecutive items differ by at most one).
-void check_merge(int64_t n0, int64_t n1) {
-    SCOPED_TRACE(::testing::Message() << "merge " << n0 << " + " << n1);
-    std::vector<int> at(size_t(n0 + n1), -1);
-    for (int list = 0; list < 2; ++list) {
-        const int64_t n = list == 0 ? n0 : n1;
-        int64_t last = -1;
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t p = merged_position(list, i, n0, n1);
-            ASSERT_GE(p, 0);
-            ASSERT_LT(p, n0 + n1);
-            ASSERT_EQ(at[size_t(p)], -1) << "position " << p << " taken twice";
-            at[size_t(p)] = list;
-            EXPECT_GT(p, last) << "list " << list << " out of order";
-            last = p;
-        }
-    }
-    const int shorter = n0 <= n1 ? 0 : 1;
-    std::vector<int64_t> gaps;
-    int64_t run = 0;
-    bool seen = false;
-    for (int l : at) {
-        if (l == shorter) {
-            if (seen) gaps.push_back(run);
-            seen = true, run = 0;
-        } else {
-            ++run;
-        }
-    }
-    if (!gaps.empty()) EXPECT_LE(*std::max_element(gaps.begin(), gaps.end()) - *std::min_element(gaps.begin(), gaps.end()), 1);
-}
-
-TEST(TileInterleave, MergedPositionsSpreadTheShorterList) {
-    check_merge(0, 0);
-    check_merge(0, 17);
-    check_merge(9, 0);
-    check_merge(7 * 56, 59 * 56);  // an ECHO rank's fc1 wgrad: 7 hot and 59 cold groups of 56 pieces
-    check_merge(5, 5);
-    check_merge(1, 1000);
-    Rng rng(77);
-    for (int trial = 0; trial < 300; ++trial) check_merge(int64_t(rng.uniform() * 800), int64_t(rng.uniform() * 800));
-}
-
 }  // namespace
 }  // namespace moekit

@@ -317,10 +317,9 @@ TEST(GroupedGemm, LargeGroupsLongReduction) {
 
 TEST(GroupedGemm, WgradHotColdInterleave) {
     SKIP_WITHOUT_GPU();
-    // tn with a few large groups among many small and some empty ones (an ECHO rank's groups) through the hot/cold
-    // interleave (set_tn_interleave) at three thresholds: every group cold, a mix, every non-empty group hot; more
-    // tiles than CTAs, so CTAs walk several of each kind. The own kernel interleaves tiles; CUTLASS cuts every
-    // gradient into pieces of 512 x 1024, so the mix also runs a gradient of 2 x 2 pieces with short last ones.
+    // tn with a few large groups among many small and some empty ones (an ECHO rank's groups) through the own
+    // kernel's hot/cold interleave (set_tn_interleave) at three thresholds: every group cold, a mix, every non-empty
+    // group hot; more tiles than CTAs, so CTAs walk several of each kind. (Other backends ignore the setting.)
     std::vector<int> counts;  // 40 groups: 4 of 600..900 rows, 4 empty, 32 of 1..120
     Rng rng(97);
     for (int g = 0; g < 40; ++g)
@@ -330,7 +329,6 @@ TEST(GroupedGemm, WgradHotColdInterleave) {
         set_tn_interleave(hot);
         check_tn(counts, 5, 256, 512, false, 98);
         check_tn(counts, 5, 384, 256, true, 99);
-        if (hot == 500) check_tn(counts, 5, 640, 1152, true, 100);
     }
     set_tn_interleave(-1);
 }

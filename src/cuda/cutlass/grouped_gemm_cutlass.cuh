@@ -5,7 +5,6 @@
 // SMs and its group scheduler reads the shapes on the device. Empty groups get no tiles (M = 0); for wgrad without
 // accumulation their gradient block is zeroed by a separate kernel (CUTLASS would leave K = 0 accumulators unset).
 #pragma once
-#include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -17,7 +16,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/tile_interleave_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_cutlass.h"
 
@@ -140,62 +138,6 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     }
 }
 
-// tn with the hot/cold interleave: every group's gradient is cut into pieces of piece_m x piece_n (pieces_m x
-// pieces_n of them, the last row and column of pieces cut short), each a problem of its own, and the problems are
-// ordered so that the pieces of the hot groups (>= hot_rows rows: long reductions, math-bound tiles) are spread
-// evenly among those of the cold ones (short reductions: their tiles mostly store the fp32 gradient). CUTLASS's
-// persistent CTAs stride through the problems in this order, so at any time some SMs store while others multiply,
-// instead of the whole GPU being store-bound through a run of cold groups and math-bound through a hot one (ECHO's
-// ranks: docs/perf.md). Inside a list the pieces keep group order, a group's pieces consecutive.
-struct TnPieces {
-    int hot_rows;
-    int piece_m, piece_n, pieces_m, pieces_n;
-};
-constexpr int kTnPieceThreads = 1024;
-
-template <class G>
-__global__ void __launch_bounds__(kTnPieceThreads)
-    fill_tn_pieces(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k, const __nv_bfloat16* A,
-                   const __nv_bfloat16* B, void* C, TnPieces pc) {
-    using Scan = cub::BlockScan<int, kTnPieceThreads>;
-    __shared__ typename Scan::TempStorage scan_storage;
-    extern __shared__ int rank[];  // per group: its index among the hot groups | kHot, or among the cold ones
-    constexpr int kHot = 1 << 30;
-    int hot_groups = 0;
-    for (int base = 0; base < groups; base += kTnPieceThreads) {
-        const int g = base + int(threadIdx.x);
-        const bool hot = g < groups && offsets[g + 1] - offsets[g] >= pc.hot_rows;
-        int before = 0, in_chunk = 0;
-        Scan(scan_storage).ExclusiveSum(int(hot), before, in_chunk);
-        if (g < groups) rank[g] = hot ? (hot_groups + before) | kHot : g - (hot_groups + before);
-        hot_groups += in_chunk;
-        __syncthreads();  // scan_storage is reused by the next chunk
-    }
-    const int64_t per_group = int64_t(pc.pieces_m) * pc.pieces_n;
-    const int64_t n_hot = hot_groups * per_group, n_cold = (groups - hot_groups) * per_group;
-    const auto* A_ = reinterpret_cast<const typename G::ElementAB*>(A);
-    const auto* B_ = reinterpret_cast<const typename G::ElementAB*>(B);
-    auto* D_ = static_cast<typename G::ElementD*>(C);
-    for (int64_t t = threadIdx.x; t < groups * per_group; t += kTnPieceThreads) {
-        const int g = int(t / per_group), piece = int(t % per_group);
-        const int code = rank[g];
-        const bool hot = code & kHot;
-        const int64_t at = merged_position(hot ? 0 : 1, (code & ~kHot) * per_group + piece, n_hot, n_cold);
-        const int64_t m0 = int64_t(piece / pc.pieces_n) * pc.piece_m, n0 = int64_t(piece % pc.pieces_n) * pc.piece_n;
-        const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
-        const int pm = int(min(int64_t(pc.piece_m), k - m0)), pn = int(min(int64_t(pc.piece_n), n - n0));
-        a.shapes[at] = typename G::Shape(rows > 0 ? pm : 0, pn, int(rows));
-        a.ptr_a[at] = A_ + r0 * k + m0;
-        a.ptr_b[at] = B_ + r0 * n + n0;
-        a.ptr_c[at] = D_ + int64_t(g) * k * n + m0 * n + n0;
-        a.ptr_d[at] = D_ + int64_t(g) * k * n + m0 * n + n0;
-        a.stride_a[at] = leading<typename G::StrideA>(k);
-        a.stride_b[at] = leading<typename G::StrideB>(n);
-        a.stride_c[at] = leading<typename G::StrideC>(n);
-        a.stride_d[at] = leading<typename G::StrideD>(n);
-    }
-}
-
 // tn without accumulation: a group with no rows gets a zero gradient block (grid: blocks x groups).
 __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems);
 
@@ -233,38 +175,21 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
     return a;
 }
 
-// The pieces of the tn interleave for a [k, n] gradient per group (hot_rows > 0), or none (hot_rows = 0: one problem
-// a group). About 32 tiles of 128 x 128 a piece: small next to the ~132 tiles in flight, so every wave mixes kinds.
-inline TnPieces tn_pieces(int hot_rows, int64_t groups, int64_t k, int64_t n) {
-    constexpr int kPieceM = 512, kPieceN = 1024;
-    TnPieces pc{hot_rows, int(k), int(n), 1, 1};
-    // The builder keeps one int a group in shared memory (48 KB).
-    if (hot_rows <= 0 || groups > 12 * 1024) return TnPieces{0, int(k), int(n), 1, 1};
-    pc.piece_m = int(std::min<int64_t>(k, kPieceM));
-    pc.piece_n = int(std::min<int64_t>(n, kPieceN));
-    pc.pieces_m = int((k + pc.piece_m - 1) / pc.piece_m);
-    pc.pieces_n = int((n + pc.piece_n - 1) / pc.piece_n);
-    return pc;
-}
-
 template <Op kOp, class Config>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, bool accumulate, int hot_rows, cudaStream_t stream) {
+                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
     using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
-    const TnPieces pieces = tn_pieces(kOp == Op::kTN ? hot_rows : 0, s.num_groups, s.k, s.n);
-    const bool interleave = pieces.hot_rows > 0;
-    const int64_t problems = s.num_groups * pieces.pieces_m * pieces.pieces_n;  // CUTLASS's groups
-    MOEKIT_CHECK(problems < (int64_t(1) << 31), "too many CUTLASS problems for ", s.to_string());
+    const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
     hw.sm_count = grouped_gemm_sm_count();
     size_t args_bytes = 0;
-    carve_group_args<G>(nullptr, problems, &args_bytes);
+    carve_group_args<G>(nullptr, groups, &args_bytes);
     auto make_args = [&](const GroupArgs<G>& a) {
         typename G::Gemm::Arguments r;
         r.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-        r.problem_shape = {int(problems), a.shapes, nullptr};
+        r.problem_shape = {int(groups), a.shapes, nullptr};
         r.mainloop = {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b};
         r.epilogue.ptr_C = std::is_void_v<typename G::ElementC> ? nullptr : reinterpret_cast<decltype(r.epilogue.ptr_C)>(a.ptr_c);
         r.epilogue.dC = a.stride_c;
@@ -281,17 +206,13 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     // CUTLASS's workspace (per-SM tensor maps) depends on the SM count and the groups, not on the shapes.
     const size_t cutlass_bytes = (G::Gemm::get_workspace_size(make_args(GroupArgs<G>{})) + 255) & ~size_t(255);
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
-    const GroupArgs<G> a = carve_group_args<G>(ws, problems, &args_bytes);
+    const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    if (interleave)
-        fill_tn_pieces<G><<<1, kTnPieceThreads, size_t(s.num_groups) * sizeof(int), stream>>>(
-            a, d_offsets, int(s.num_groups), int(s.n), int(s.k), A, B, C, pieces);
-    else
-        fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(s.num_groups), int(s.n), int(s.k), A, B, C);
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C);
     MOEKIT_CUDA_LAUNCH_CHECK();
     if (kOp == Op::kTN && !accumulate) {
         const int64_t block = s.k * s.n;
-        zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(s.num_groups)), 256, 0,
+        zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
@@ -309,15 +230,15 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-         const int32_t* d_offsets, bool accumulate, CutlassConfig requested, int hot_rows, cudaStream_t stream) {
+         const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if (config == CutlassConfig::kPingpong)
-        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, hot_rows, stream);
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
     else if (config == CutlassConfig::kCooperativeTall)
-        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, accumulate, hot_rows, stream);
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, accumulate, stream);
     else
-        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, hot_rows, stream);
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail
