@@ -26,10 +26,6 @@ enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong };
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
 void set_cutlass_config(CutlassConfig config);
-// Wgrad (tn) split between two concurrent grouped GEMMs, a side one on side_sms SMs taking the smallest groups and
-// the main one on the rest (cutlass/grouped_gemm_cutlass.cuh split_wgrad_groups): on skewed groups the small groups'
-// gradient stores overlap the large groups' math. 0 = one GEMM; -1 (default) = MOEKIT_WGRAD_SPLIT_SMS=N, else 0.
-void set_wgrad_split(int side_sms);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,

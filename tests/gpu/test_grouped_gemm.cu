@@ -333,29 +333,6 @@ TEST(GroupedGemm, WgradHotColdInterleave) {
     set_tn_interleave(-1);
 }
 
-TEST(GroupedGemm, WgradSplitBetweenTwoGemms) {
-    SKIP_WITHOUT_GPU();
-    // tn shared between a main and a side grouped GEMM (set_wgrad_split; CUTLASS backends): an ECHO rank's mix of a
-    // few large, many small and some empty groups, then evenly sized groups (shared by SM count), then one group
-    // taking every row; side GEMMs of 8 SMs, about a third, and all SMs but one.
-    std::vector<int> mix;
-    Rng rng(101);
-    for (int g = 0; g < 40; ++g)
-        mix.push_back(g % 10 == 3 ? 600 + int(rng.uniform() * 300) : g % 7 == 5 ? 0 : 1 + int(rng.uniform() * 120));
-    const std::vector<int> even(24, 130), one{0, 0, 1500, 0};
-    int sms = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    for (int side : {8, sms / 3, sms - 1}) {
-        SCOPED_TRACE(::testing::Message() << "side SMs " << side);
-        set_wgrad_split(side);
-        check_tn(mix, 5, 256, 512, false, 102);
-        check_tn(mix, 5, 384, 256, true, 103);
-        check_tn(even, 3, 128, 256, false, 104);
-        check_tn(one, 0, 128, 128, false, 105);
-    }
-    set_wgrad_split(-1);
-}
-
 TEST(GroupedGemm, RejectsUnalignedSizes) {
     SKIP_WITHOUT_GPU();
     GroupedGemmShape shape{2, 16, 60, 64};
@@ -390,14 +367,10 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
     GroupedGemmShape row_shape{G, max_rows, n, k}, tn_shape{G, max_rows, n, k};
     cudaStream_t stream;
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    // Also with the wgrad split in two concurrent GEMMs (set_wgrad_split): its side stream forks from and joins
-    // back into the captured stream.
-    for (int split : {0, 24})
     for (Backend b : backends()) {
         if (b == Backend::kSync) continue;
-        SCOPED_TRACE(::testing::Message() << name(b) << " wgrad split " << split);
+        SCOPED_TRACE(name(b));
         select(b);
-        set_wgrad_split(split);
         DeviceBuffer<bf16> dC(size_t(max_rows) * n), dCeager(size_t(max_rows) * n);
         DeviceBuffer<float> dW(size_t(G) * k * n), dWeager(size_t(G) * k * n);
         auto step = [&](bf16* C, float* W) {
@@ -434,7 +407,6 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
         MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
         MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
     }
-    set_wgrad_split(-1);
     reset_backend();
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }

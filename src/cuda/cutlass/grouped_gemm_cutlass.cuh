@@ -109,19 +109,16 @@ __device__ Stride leading(int64_t ld) {
 }
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
-// tn with `side` (the split wgrad, split_wgrad_groups): only the groups with side[g] == which get tiles.
 template <Op kOp, class G>
 __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
-                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                                const uint8_t* side = nullptr, int which = 0) {
+                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C) {
     const auto* A_ = reinterpret_cast<const typename G::ElementAB*>(A);
     const auto* B_ = reinterpret_cast<const typename G::ElementAB*>(B);
     auto* D_ = static_cast<typename G::ElementD*>(C);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
         if constexpr (kOp == Op::kTN) {
-            const bool mine = side == nullptr || side[g] == which;
-            a.shapes[g] = typename G::Shape(rows > 0 && mine ? k : 0, n, int(rows));
+            a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
             a.ptr_a[g] = A_ + r0 * k;
             a.ptr_b[g] = B_ + r0 * n;
             a.ptr_c[g] = D_ + int64_t(g) * k * n;
@@ -140,16 +137,6 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
         a.stride_d[g] = leading<typename G::StrideD>(n);
     }
 }
-
-// Split wgrad (set_wgrad_split): the groups are shared between two concurrent grouped GEMMs, a main one on most SMs
-// and a side one on `side_sms` of them, so that the small groups' tiles (short reductions: they mostly store their
-// fp32 gradient) run beside the large groups' (long reductions, math-bound) instead of in turn, and the large
-// groups' tiles still run side by side (each streams its group's rows once through L2 for all of them). The side
-// takes the groups in ascending row order while its share of the work, sum of max(rows, kSplitFloorRows) per group
-// (a group's gradient store costs about that many rows of math), stays within side_sms / sm_count: evenly shared
-// groups split by SM count, skewed ones leave the small groups to the side. side[g] = 1: the side GEMM's group.
-constexpr int kSplitFloorRows = 128;
-__global__ void split_wgrad_groups(const int32_t* offsets, int groups, int side_sms, int sm_count, uint8_t* side);
 
 // tn without accumulation: a group with no rows gets a zero gradient block (grid: blocks x groups).
 __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems);
@@ -188,30 +175,15 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
     return a;
 }
 
-// A side stream, the two events that fork and join it, and a plan buffer of at least plan_bytes for each stream
-// that runs split wgrads, made once and kept (graphs captured from the stream refer to them; a plan buffer that
-// grows leaves the old one allocated, as stream_workspace).
-struct SideStream {
-    cudaStream_t stream;
-    cudaEvent_t fork, join;
-    uint8_t* plan;
-};
-SideStream side_stream_for(cudaStream_t stream, size_t plan_bytes);
-// The SMs a split wgrad's side GEMM gets (set_wgrad_split / MOEKIT_WGRAD_SPLIT_SMS); 0 = no split.
-int wgrad_split_sms();
-
-// One grouped GEMM on `sm_count` SMs (CUTLASS's persistent grid); with `side`, tn only over the groups it selects
-// (`which`), the empty-group zeroing left to the caller.
 template <Op kOp, class Config>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream, int sm_count,
-                 const uint8_t* side = nullptr, int which = 0) {
+                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
     using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-    hw.sm_count = sm_count;
+    hw.sm_count = grouped_gemm_sm_count();
     size_t args_bytes = 0;
     carve_group_args<G>(nullptr, groups, &args_bytes);
     auto make_args = [&](const GroupArgs<G>& a) {
@@ -236,9 +208,9 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, side, which);
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    if (kOp == Op::kTN && !accumulate && side == nullptr) {
+    if (kOp == Op::kTN && !accumulate) {
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block);
@@ -256,56 +228,17 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// The wgrad split in two concurrent grouped GEMMs (split_wgrad_groups): the plan and the zeroing of empty groups on
-// `stream`, the main GEMM there, the side GEMM on the side stream forked from and joined back into `stream`
-// (graph-capturable: the fork and join become edges of the captured graph).
-template <class Config>
-void run_split_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                  const int32_t* d_offsets, bool accumulate, cudaStream_t stream, int side_sms) {
-    const int sms = grouped_gemm_sm_count();
-    const SideStream side = side_stream_for(stream, size_t(s.num_groups));
-    uint8_t* plan = side.plan;  // rewritten by the next split on this stream only after this one's join
-    split_wgrad_groups<<<1, 1024, size_t(s.num_groups) * sizeof(int64_t), stream>>>(d_offsets, int(s.num_groups),
-                                                                                   side_sms, sms, plan);
-    MOEKIT_CUDA_LAUNCH_CHECK();
-    if (!accumulate) {
-        const int64_t block = s.k * s.n;
-        zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(s.num_groups)),
-                            256, 0, stream>>>(d_offsets, static_cast<float*>(C), block);
-        MOEKIT_CUDA_LAUNCH_CHECK();
-    }
-    MOEKIT_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-    MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-    run_grouped<Op::kTN, Config>(s, A, B, C, d_offsets, accumulate, side.stream, side_sms, plan, 1);
-    run_grouped<Op::kTN, Config>(s, A, B, C, d_offsets, accumulate, stream, sms - side_sms, plan, 0);
-    MOEKIT_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
-    MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
-}
-
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
          const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
-    const int sms = grouped_gemm_sm_count();
-    if constexpr (kOp == Op::kTN) {
-        const int side_sms = wgrad_split_sms();
-        if (side_sms > 0 && side_sms < sms && s.num_groups > 1) {
-            if (config == CutlassConfig::kPingpong)
-                run_split_tn<Pingpong>(s, A, B, C, d_offsets, accumulate, stream, side_sms);
-            else if (config == CutlassConfig::kCooperativeTall)
-                run_split_tn<CooperativeTall>(s, A, B, C, d_offsets, accumulate, stream, side_sms);
-            else
-                run_split_tn<Cooperative>(s, A, B, C, d_offsets, accumulate, stream, side_sms);
-            return;
-        }
-    }
     if (config == CutlassConfig::kPingpong)
-        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, sms);
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
     else if (config == CutlassConfig::kCooperativeTall)
-        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, accumulate, stream, sms);
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, accumulate, stream);
     else
-        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, sms);
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail
