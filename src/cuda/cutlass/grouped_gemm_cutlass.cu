@@ -81,37 +81,6 @@ void* stream_workspace(cudaStream_t stream, size_t bytes) {
     return ptr;
 }
 
-int tn_epilogue_variant() {
-    static const int v = [] {
-        const char* env = std::getenv("MOEKIT_CUTLASS_TN_EPI");
-        if (!env) return 0;
-        const char* names[] = {"64x64", "64x128", "direct", "voidc"};
-        for (int i = 0; i < 4; ++i)
-            if (std::strcmp(env, names[i]) == 0) return i + 1;
-        return 0;
-    }();
-    return v;
-}
-
-void run_tn_epi_64x64(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, void*, const int32_t*, bool,
-                      cudaStream_t);
-void run_tn_epi_64x128(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, void*, const int32_t*,
-                       bool, cudaStream_t);
-void run_tn_epi_direct(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, void*, const int32_t*,
-                       bool, cudaStream_t);
-void run_tn_epi_voidc(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, void*, const int32_t*, bool,
-                      cudaStream_t);
-
-void run_tn_variant(int variant, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
-    switch (variant) {
-        case 1: return run_tn_epi_64x64(s, A, B, C, d_offsets, accumulate, stream);
-        case 2: return run_tn_epi_64x128(s, A, B, C, d_offsets, accumulate, stream);
-        case 3: return run_tn_epi_direct(s, A, B, C, d_offsets, accumulate, stream);
-        default: return run_tn_epi_voidc(s, A, B, C, d_offsets, accumulate, stream);
-    }
-}
-
 __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems) {
     const int g = blockIdx.y;
     if (offsets[g + 1] != offsets[g]) return;

@@ -54,45 +54,17 @@ struct Pingpong {
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
 
-// Wgrad epilogue variants of the ping-pong configuration (A/B: MOEKIT_CUTLASS_TN_EPI=64x64|64x128|direct|voidc):
-// wider epilogue sub-tiles (fewer register -> shared -> TMA store rounds per tile), stores straight from registers,
-// and no source operand (beta = 0 only: the shared memory of C's stages goes to the main loop).
-struct PingpongEpi64x64 : Pingpong {
-    using EpiTile = cute::Shape<cute::_64, cute::_64>;
-};
-struct PingpongEpi64x128 : Pingpong {
-    using EpiTile = cute::Shape<cute::_64, cute::_128>;
-};
-struct PingpongDirect : Pingpong {
-    using Epilogue = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-};
-struct PingpongVoidC : Pingpong {
-    static constexpr bool kVoidC = true;
-};
-template <class Config, class = void>
-struct EpiTileOf {
-    using type = cutlass::epilogue::collective::EpilogueTileAuto;
-};
-template <class Config>
-struct EpiTileOf<Config, std::void_t<typename Config::EpiTile>> {
-    using type = typename Config::EpiTile;
-};
-template <class Config, class = void>
-struct VoidCOf : std::false_type {};
-template <class Config>
-struct VoidCOf<Config, std::void_t<decltype(Config::kVoidC)>> : std::bool_constant<Config::kVoidC> {};
-
 template <Op kOp, class Config>
 struct GemmFor {
     using Traits = OpTraits<kOp>;
     using ElementAB = cutlass::bfloat16_t;
-    using ElementC = std::conditional_t<VoidCOf<Config>::value, void, typename Traits::ElementC>;
+    using ElementC = typename Traits::ElementC;
     using ElementD = typename Traits::ElementD;
     static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
     static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
     using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-        typename EpiTileOf<Config>::type, float, float, ElementC, cutlass::layout::RowMajor*, kAlignC,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, cutlass::layout::RowMajor*, kAlignC,
         ElementD, cutlass::layout::RowMajor*, kAlignD, typename Config::Epilogue,
         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -256,23 +228,11 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// The wgrad epilogue variants, one translation unit each (grouped_gemm_cutlass_tn_epi_*.cu); 0 = none asked for.
-int tn_epilogue_variant();  // MOEKIT_CUTLASS_TN_EPI: 1 = 64x64, 2 = 64x128, 3 = direct, 4 = voidc
-void run_tn_variant(int variant, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, bool accumulate, cudaStream_t stream);
-
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
          const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
-    if constexpr (kOp == Op::kTN) {
-        const int variant = tn_epilogue_variant();
-        if (config == CutlassConfig::kPingpong && variant > 0 && !(variant == 4 && accumulate)) {
-            run_tn_variant(variant, s, A, B, C, d_offsets, accumulate, stream);
-            return;
-        }
-    }
     if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
     else if (config == CutlassConfig::kCooperativeTall)
