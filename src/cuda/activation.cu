@@ -136,6 +136,27 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+// One thread a row: the tiles' partials in tile order (fixed, so reproducible).
+__global__ void probs_from_partials_kernel(int64_t max_rows, const int32_t* __restrict__ num_rows,
+                                           const float* __restrict__ partials, int64_t tiles,
+                                           float* __restrict__ grad_probs) {
+    const int64_t n = num_rows ? min(int64_t(*num_rows), max_rows) : max_rows;
+    for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < n; r += int64_t(gridDim.x) * blockDim.x) {
+        float s = 0.0f;
+        for (int64_t t = 0; t < tiles; ++t) s += partials[r * tiles + t];
+        grad_probs[r] = s;
+    }
+}
+}  // namespace
+
+void activation_backward_probs_from_partials(int64_t max_rows, const int32_t* num_rows, const float* partials,
+                                             int64_t tiles, float* grad_probs, cudaStream_t stream) {
+    const int grid = int(std::min<int64_t>(std::max<int64_t>((max_rows + kThreads - 1) / kThreads, 1), 4096));
+    probs_from_partials_kernel<<<grid, kThreads, 0, stream>>>(max_rows, num_rows, partials, tiles, grad_probs);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
 #define MOEKIT_INSTANTIATE_ACTIVATION(R)                                                                       \
     template void activation_forward<R>(const ActivationShape&, const int32_t*, const __nv_bfloat16*, const R*, \
                                         __nv_bfloat16*, cudaStream_t);                                         \

@@ -32,4 +32,9 @@ void activation_backward(const ActivationShape& shape, const int32_t* num_rows, 
                          const R* probs, const __nv_bfloat16* grad_out, __nv_bfloat16* grad_fc1, R* grad_probs,
                          cudaStream_t stream);
 
+// grad_probs[r] = sum over t of partials[r * tiles + t], in t order, for r < *num_rows: the d(prob) of the fused
+// dgrad + activation backward (grouped_gemm_nn_glu_backward), whose epilogue leaves one partial a column tile.
+void activation_backward_probs_from_partials(int64_t max_rows, const int32_t* num_rows, const float* partials,
+                                             int64_t tiles, float* grad_probs, cudaStream_t stream);
+
 }  // namespace moekit::cuda

@@ -11,11 +11,13 @@ namespace moekit::cuda {
 
 ExpertGemm expert_gemm(ExpertGemmKind kind) {
     switch (kind) {
-        case ExpertGemmKind::grouped: return ExpertGemm{&grouped_gemm_nt, &grouped_gemm_nn, &grouped_gemm_tn, "grouped"};
+        case ExpertGemmKind::grouped:
+            return ExpertGemm{&grouped_gemm_nt, &grouped_gemm_nn, &grouped_gemm_tn, &grouped_gemm_nn_glu_backward,
+                              "grouped"};
         case ExpertGemmKind::sync_baseline:
 #ifdef MOEKIT_HAVE_SYNC_BASELINE
             return ExpertGemm{&sync_baseline::grouped_gemm_nt, &sync_baseline::grouped_gemm_nn,
-                              &sync_baseline::grouped_gemm_tn, "sync_baseline"};
+                              &sync_baseline::grouped_gemm_tn, nullptr, "sync_baseline"};
 #else
             throw UsageError("expert GEMM backend sync_baseline: not built in this moekit (supported: grouped)");
 #endif

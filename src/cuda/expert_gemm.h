@@ -11,9 +11,12 @@ struct ExpertGemm {
                         const int32_t*, cudaStream_t);
     using Tn = void (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*, const int32_t*,
                         bool, cudaStream_t);
+    using NnGlu = bool (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*,
+                           const GluBackwardEpilogue&, cudaStream_t);
     Nt nt = nullptr;  // C = A · B[g]ᵀ   (forward)
     Nt nn = nullptr;  // C = A · B[g]    (dgrad)
     Tn tn = nullptr;  // C[g] = A_gᵀ B_g (wgrad, fp32)
+    NnGlu nn_glu_backward = nullptr;  // fc2 dgrad + the gated activation's backward, where the backend fuses it
     const char* name = "";
 };
 

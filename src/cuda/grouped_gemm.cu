@@ -246,9 +246,25 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     }
 }
 
+// Whether the gated activation's backward may ride in the dgrad's epilogue (set_glu_backward_fusion, else
+// MOEKIT_FUSE_GLU_BACKWARD=0: never, for A/B runs).
+std::atomic<int> g_glu_fusion{-1};
+bool glu_fusion_allowed() {
+    const int set = g_glu_fusion.load();
+    if (set >= 0) return set > 0;
+    static const bool on = [] {
+        const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
+        return !(env && std::strcmp(env, "0") == 0);
+    }();
+    return on;
+}
+
+// With `glu` (nn only): the fused dgrad + gated-activation backward, launched only where the kernel chosen for this
+// shape is the own TMA kernel with its staged epilogue; returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
-void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-            const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
+bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+            const int32_t* d_offsets, bool accumulate, cudaStream_t stream,
+            const GluBackwardEpilogue* glu = nullptr) {
     using namespace gemm_detail;
     MOEKIT_CHECK(s.num_groups >= 0 && s.max_rows >= 0 && s.n >= 0 && s.k >= 0, name, ": negative size in ",
                  s.to_string());
@@ -256,10 +272,12 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
                  s.to_string());
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
-    if (s.num_groups == 0 || s.n == 0) return;
-    if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return;
-    if (kOp == Op::kTN && s.k == 0) return;
-    MOEKIT_CHECK(A && B && C && d_offsets, name, ": null pointer");
+    if (glu && !glu_fusion_allowed()) return false;
+    // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
+    if (s.num_groups == 0 || s.n == 0) return false;
+    if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
+    if (kOp == Op::kTN && s.k == 0) return false;
+    MOEKIT_CHECK(A && B && (C || glu) && d_offsets, name, ": null pointer");
     MOEKIT_CHECK((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 == 0, name,
                  ": A and B must be 16-byte aligned");
     MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 8 == 0, name, ": C must be 8-byte aligned");
@@ -284,6 +302,17 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         // CUTLASS's TMA stores need a 16-byte aligned C; the own kernel takes any 8-byte aligned one.
         if (reinterpret_cast<uintptr_t>(C) % 16 != 0) kernel = GroupedGemmKernel::kTma;
     }
+    if (glu) {
+        if (kernel != GroupedGemmKernel::kTma || !tma_staged_epilogue()) return false;
+        MOEKIT_CHECK(glu->fc1_out && glu->grad_fc1, name, ": null activation input or gradient");
+        MOEKIT_CHECK((reinterpret_cast<uintptr_t>(glu->fc1_out) | reinterpret_cast<uintptr_t>(glu->grad_fc1)) % 16 == 0,
+                     name, ": the activation input and gradient must be 16-byte aligned");
+        p.glu_in = glu->fc1_out;
+        p.glu_probs = glu->probs;
+        p.glu_grad = glu->grad_fc1;
+        p.glu_dp = glu->dp_partials;
+        p.glu_act = int(glu->act);
+    }
     if (kernel == GroupedGemmKernel::kCutlass) {
         MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
         if constexpr (kOp == Op::kNT)
@@ -292,7 +321,7 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else
             cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream, config);
-        return;
+        return true;
     }
     bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
     const int BM = 128, BN = wgmma ? 256 : 128;
@@ -316,6 +345,7 @@ void launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         mma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
     }
     MOEKIT_CUDA_LAUNCH_CHECK();
+    return true;
 }
 
 }  // namespace
@@ -360,6 +390,7 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
+void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {
@@ -384,6 +415,14 @@ void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                      const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
     launch<gemm_detail::Op::kTN>("grouped_gemm_tn", shape, A, B, C, d_offsets, accumulate, stream);
+}
+
+int64_t glu_backward_tiles(int64_t n) { return ceil_div(n, 256); }
+
+bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                                  const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream) {
+    return launch<gemm_detail::Op::kNN>("grouped_gemm_nn_glu_backward", shape, A, B, nullptr, d_offsets, false,
+                                        stream, &epilogue);
 }
 
 }  // namespace moekit::cuda

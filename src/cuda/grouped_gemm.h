@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/activation_math.h"
+
 namespace moekit::cuda {
 
 struct GroupedGemmShape {
@@ -36,6 +38,26 @@ void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 // Here shape.n = n, shape.k = m (the output rows per group).
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                      const int32_t* d_offsets /*[G+1]*/, bool accumulate, cudaStream_t stream);
+
+// fc2's dgrad with the gated activation's backward in its epilogue (one pass over the rows fewer): where the kernel
+// chosen for this shape is the own TMA kernel (staged epilogue), computes dA = A · B[g] as grouped_gemm_nn would,
+// rounds it to bf16, and writes instead grad_fc1[r] = [d gate | d up] ([max_rows, 2n]) of fc1_out[r] = [gate | up]
+// with d a = dA * probs[r] (probs null = 1), bitwise what activation_backward makes of the stored dA, and
+// dp_partials[r * glu_backward_tiles(n) + t] = the sum over column tile t of act(gate) * up * dA (null: skipped;
+// activation_backward_probs_from_partials sums them). Returns false having launched nothing where the chosen kernel
+// has no such epilogue (or MOEKIT_FUSE_GLU_BACKWARD=0): then the caller runs grouped_gemm_nn + activation_backward.
+struct GluBackwardEpilogue {
+    const __nv_bfloat16* fc1_out;
+    const float* probs;
+    __nv_bfloat16* grad_fc1;
+    float* dp_partials;
+    Activation act;
+};
+int64_t glu_backward_tiles(int64_t n);
+// 1 = fuse where possible (default), 0 = never; -1 = the environment variable MOEKIT_FUSE_GLU_BACKWARD (0: never).
+void set_glu_backward_fusion(int on);
+bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                                  const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream);
 
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
 int grouped_gemm_sm_count();

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/activation_math.h"
 #include "core/tile_interleave_math.h"
 #include "cuda/grouped_gemm_wgmma.cuh"
 
@@ -56,6 +57,15 @@ struct Params {
     int staged_epilogue;  // TMA kernel, nt/nn: bf16 results leave through shared memory as full-line stores
     int tn_hot_rows;      // TMA kernel, tn: > 0 = groups of >= this many rows interleaved with the others
                           // (tn_interleaved_job); 0 = the groups in order
+    // TMA kernel, nn with the gated activation's backward in the epilogue (grouped_gemm_nn_glu_backward; glu_grad
+    // non-null): C is not written; each bf16-rounded result dA[r, f] becomes glu_grad[r] = [d gate | d up] of
+    // glu_in[r] = [gate | up] (rows 2n wide) with da = dA * glu_probs[r], and glu_dp[r * tiles_n + tile] gets the
+    // tile's sum of act(gate) * up * dA (d prob), summed over the tiles afterwards in a fixed order.
+    const __nv_bfloat16* glu_in;
+    const float* glu_probs;  // null = 1
+    __nv_bfloat16* glu_grad;
+    float* glu_dp;           // null: d prob not wanted
+    int glu_act;             // Activation
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }

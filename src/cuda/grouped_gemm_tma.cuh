@@ -91,6 +91,73 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// nn epilogue with the gated activation's backward (Params::glu_grad): the warpgroup's 64 x 256 accumulators are
+// rounded to bf16 through its staging buffer 64 columns at a time (as the staged epilogue: the values the unfused
+// path would store), then each thread takes 8 columns of a row, reads that row's gate and up and its prob, and
+// writes d gate and d up (the formulas of src/cuda/activation.cu, so the results are the same bits); the 8 threads
+// of a row then sum their act * dA into the row's d-prob partial for this column tile.
+__device__ __forceinline__ void glu_backward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
+                                                      uint32_t buf, int r, int lane, const float (&d)[128]) {
+    const Activation act = Activation(p.glu_act);
+    const int64_t in_cols = 2 * int64_t(p.n);
+    float dp[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        if (job.n0 + c * 64 >= p.n) continue;  // uniform over the warpgroup
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = c * 8 + j;
+            const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
+            st_shared_bf16x2(buf + r * kEpiRow + off, d[4 * i], d[4 * i + 1]);
+            st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, d[4 * i + 2], d[4 * i + 3]);
+        }
+        named_barrier(2 + cw, 128);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int item = q * 128 + (ctid & 127), rr = item >> 3, ch = item & 7;
+            const int64_t gr = job.row0 + cw * 64 + rr;
+            const int gn = job.n0 + c * 64 + ch * 8;
+            if (gr >= job.row_end || gn >= p.n) continue;
+            const uint4 v = ld_shared_v4(buf + rr * kEpiRow + ch * 16);
+            const __nv_bfloat16* in = p.glu_in + gr * in_cols + gn;
+            const uint4 gv = *reinterpret_cast<const uint4*>(in);
+            const uint4 uv = *reinterpret_cast<const uint4*>(in + p.n);
+            const float prob = p.glu_probs ? p.glu_probs[gr] : 1.0f;
+            const __nv_bfloat16* go = reinterpret_cast<const __nv_bfloat16*>(&v);
+            const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
+            const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
+            uint4 dgv, duv;
+            __nv_bfloat16* dg = reinterpret_cast<__nv_bfloat16*>(&dgv);
+            __nv_bfloat16* du = reinterpret_cast<__nv_bfloat16*>(&duv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float gof = __bfloat162float(go[e]), gf = __bfloat162float(g[e]), uf = __bfloat162float(u[e]);
+                float dgf, duf;
+                glu_backward(act, gf, uf, gof * prob, &dgf, &duf);
+                dp[q] += glu_forward(act, gf, uf) * gof;
+                dg[e] = __float2bfloat16(dgf);
+                du[e] = __float2bfloat16(duf);
+            }
+            __nv_bfloat16* out = p.glu_grad + gr * in_cols + gn;
+            *reinterpret_cast<uint4*>(out) = dgv;
+            *reinterpret_cast<uint4*>(out + p.n) = duv;
+        }
+        named_barrier(2 + cw, 128);
+    }
+    // The 8 threads of a row are 8 consecutive lanes (ch = lane & 7).
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        float s = dp[q];
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        const int rr = (q * 128 + (ctid & 127)) >> 3;
+        const int64_t gr = job.row0 + cw * 64 + rr;
+        if (p.glu_dp && (ctid & 7) == 0 && gr < job.row_end && job.n0 < p.n)
+            p.glu_dp[gr * p.tiles_n + job.n0 / 256] = s;
+    }
+}
+
 // Tensor maps (host-encoded, 128B swizzle, boxes of 64 elements along the contiguous dimension):
 //   NT: a = {k, max_rows} box {64,128} (kCluster 2: {64,64}, one half per CTA); b = {k, n, G} box {64,256,1}
 //   NN: a as NT;                                   b = {n, k, G} box {64,64,1}  (4 boxes per stage)
@@ -267,6 +334,12 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_wait<0>();
         if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
         const int row = cw * 64 + w * 16 + (lane >> 2);
+        if constexpr (kOp == Op::kNN) {
+            if (p.glu_grad) {  // the gated activation's backward instead of storing dA (Params::glu_grad)
+                glu_backward_epilogue(p, job, cw, ctid, bars + 128 + cw * kEpiBytes, row - cw * 64, lane, d);
+                continue;
+            }
+        }
         if constexpr (kOp != Op::kTN) {
             if (p.staged_epilogue) {
                 // bf16 results through shared memory, 64 columns at a time: the accumulator layout gives 16-byte row

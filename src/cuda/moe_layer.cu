@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/activation.cuh"
 #include "cuda/combine.cuh"
@@ -66,6 +67,7 @@ public:
         fc1_out_.resize(Me * F1), act_out_.resize(Me * F), expert_out_.resize(Me * H);
         grad_rows_.resize(Me * H), grad_act_.resize(Me * F), grad_fc1_out_.resize(Me * F1), grad_x_rows_.resize(Me * H);
         grad_row_probs_.resize(Me), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
+        if (shape.gated_linear_unit) glu_dp_.resize(Me * glu_backward_tiles(F));
         if (shape.has_shared) {
             const int64_t Fs = shape.shared.ffn, Fs1 = shape.shared.fc1_rows();
             shared_offsets_.resize(2);
@@ -174,16 +176,36 @@ public:
         // ECHO slot groups: clone weights for dgrad; their weight grads go to the slots' own buffers (fresh each
         // step), which dispatch_backward adds into the home experts' grads.
         const int32_t* slot_offsets = offsets + L;
-        gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, grad_act_.get(), offsets, stream);
-        if (S) gemm_.nn(GroupedGemmShape{S, M, F, H}, grad_rows, experts_.slot_fc2, grad_act_.get(), slot_offsets, stream);
+        // Gated activations without ECHO slots: the activation's backward rides in fc2's dgrad epilogue where the
+        // backend can (grouped_gemm_nn_glu_backward), leaving only the d(prob) partials to sum.
+        bool fused_act = false;
+        if constexpr (std::is_same_v<R, float>) {
+            if (S == 0 && shape_.gated_linear_unit && gemm_.nn_glu_backward)
+                fused_act = gemm_.nn_glu_backward(
+                    GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, offsets,
+                    GluBackwardEpilogue{fc1_out_.get(), experts_.probs, grad_fc1_out_.get(), glu_dp_.get(), shape_.act},
+                    stream);
+        }
+        if (!fused_act) {
+            gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, grad_act_.get(), offsets, stream);
+            if (S)
+                gemm_.nn(GroupedGemmShape{S, M, F, H}, grad_rows, experts_.slot_fc2, grad_act_.get(), slot_offsets,
+                         stream);
+        }
         gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows, act_out_.get(), buf_.grad_fc2, offsets, acc, stream);
         if (S)
             gemm_.tn(GroupedGemmShape{S, M, F, H}, grad_rows, act_out_.get(), experts_.slot_grad_fc2, slot_offsets, false,
                      stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
-        activation_backward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, grad_act_.get(),
-                               grad_fc1_out_.get(), grad_row_probs_.get(), stream);
+        if (fused_act) {
+            if constexpr (std::is_same_v<R, float>)
+                activation_backward_probs_from_partials(act_shape().max_rows, offsets + L + S, glu_dp_.get(),
+                                                        glu_backward_tiles(F), grad_row_probs_.get(), stream);
+        } else {
+            activation_backward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, grad_act_.get(),
+                                   grad_fc1_out_.get(), grad_row_probs_.get(), stream);
+        }
         mark(stream, 1, LayerStage::activation, false);
         mark(stream, 1, LayerStage::fc1, true);
         gemm_.nn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(), offsets, stream);
@@ -294,7 +316,7 @@ private:
         add(local_tokens_, global_tokens_, jitter_seed_, sinkhorn_, sinkhorn_d0_, fc1_out_, act_out_);
         add(expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_, shared_fc1_, shared_fc2_, shared_gate_);
         add(s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_, s_grad_fc1_out_, s_grad_x_, grad_shared_fc1_);
-        add(grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_);
+        add(grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_, glu_dp_);
         return n + dispatcher_->allocated_bytes();
     }
     size_t saved_bytes() const {
@@ -371,6 +393,7 @@ private:
     DeviceBuffer<uint64_t> jitter_seed_;
     DeviceBuffer<float> sinkhorn_, sinkhorn_d0_;
     DeviceBuffer<bf16> fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
+    DeviceBuffer<float> glu_dp_;  // the fused dgrad + activation backward's d(prob) partials (gated only)
     DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
     DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;
     DeviceBuffer<float> grad_shared_fc1_, grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_;
