@@ -93,17 +93,36 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 
 // nn epilogue with the gated activation's backward (Params::glu_grad): the warpgroup's 64 x 256 accumulators are
 // rounded to bf16 through its staging buffer 64 columns at a time (as the staged epilogue: the values the unfused
-// path would store), then each thread takes 8 columns of a row, reads that row's gate and up and its prob, and
+// path would store), then each thread takes 8 columns of 4 rows, with those rows' gate and up and probs, and
 // writes d gate and d up (the formulas of src/cuda/activation.cu, so the results are the same bits); the 8 threads
-// of a row then sum their act * dA into the row's d-prob partial for this column tile.
+// of a row then sum their act * dA into the row's d-prob partial for this column tile. The gate / up loads of a
+// chunk are issued before its accumulators are staged, so their latency hides behind the staging (issued after
+// it, the epilogue cost mixtral's fc2 dgrad 1.8 ms more: H200, 2026-11-26).
 __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
                                                       uint32_t buf, int r, int lane, const float (&d)[128]) {
     const Activation act = Activation(p.glu_act);
     const int64_t in_cols = 2 * int64_t(p.n);
-    float dp[4] = {0.f, 0.f, 0.f, 0.f};
+    float dp[4] = {0.f, 0.f, 0.f, 0.f}, prob[4];
+    int64_t grow[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        grow[q] = job.row0 + cw * 64 + ((q * 128 + (ctid & 127)) >> 3);
+        prob[q] = p.glu_probs && grow[q] < job.row_end ? __ldg(p.glu_probs + grow[q]) : 1.0f;
+    }
+    const int ch = ctid & 7;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
         if (job.n0 + c * 64 >= p.n) continue;  // uniform over the warpgroup
+        const int gn = job.n0 + c * 64 + ch * 8;
+        uint4 gv[4], uv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (grow[q] < job.row_end && gn < p.n) {
+                const __nv_bfloat16* in = p.glu_in + grow[q] * in_cols + gn;
+                gv[q] = __ldg(reinterpret_cast<const uint4*>(in));
+                uv[q] = __ldg(reinterpret_cast<const uint4*>(in + p.n));
+            }
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int i = c * 8 + j;
@@ -114,18 +133,12 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
         named_barrier(2 + cw, 128);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            const int item = q * 128 + (ctid & 127), rr = item >> 3, ch = item & 7;
-            const int64_t gr = job.row0 + cw * 64 + rr;
-            const int gn = job.n0 + c * 64 + ch * 8;
-            if (gr >= job.row_end || gn >= p.n) continue;
+            if (grow[q] >= job.row_end || gn >= p.n) continue;
+            const int rr = (q * 128 + (ctid & 127)) >> 3;
             const uint4 v = ld_shared_v4(buf + rr * kEpiRow + ch * 16);
-            const __nv_bfloat16* in = p.glu_in + gr * in_cols + gn;
-            const uint4 gv = *reinterpret_cast<const uint4*>(in);
-            const uint4 uv = *reinterpret_cast<const uint4*>(in + p.n);
-            const float prob = p.glu_probs ? p.glu_probs[gr] : 1.0f;
             const __nv_bfloat16* go = reinterpret_cast<const __nv_bfloat16*>(&v);
-            const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
-            const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
+            const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv[q]);
+            const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv[q]);
             uint4 dgv, duv;
             __nv_bfloat16* dg = reinterpret_cast<__nv_bfloat16*>(&dgv);
             __nv_bfloat16* du = reinterpret_cast<__nv_bfloat16*>(&duv);
@@ -133,12 +146,12 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
             for (int e = 0; e < 8; ++e) {
                 const float gof = __bfloat162float(go[e]), gf = __bfloat162float(g[e]), uf = __bfloat162float(u[e]);
                 float dgf, duf;
-                glu_backward(act, gf, uf, gof * prob, &dgf, &duf);
+                glu_backward(act, gf, uf, gof * prob[q], &dgf, &duf);
                 dp[q] += glu_forward(act, gf, uf) * gof;
                 dg[e] = __float2bfloat16(dgf);
                 du[e] = __float2bfloat16(duf);
             }
-            __nv_bfloat16* out = p.glu_grad + gr * in_cols + gn;
+            __nv_bfloat16* out = p.glu_grad + grow[q] * in_cols + gn;
             *reinterpret_cast<uint4*>(out) = dgv;
             *reinterpret_cast<uint4*>(out + p.n) = duv;
         }
@@ -151,10 +164,8 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
         s += __shfl_xor_sync(0xffffffffu, s, 4);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         s += __shfl_xor_sync(0xffffffffu, s, 1);
-        const int rr = (q * 128 + (ctid & 127)) >> 3;
-        const int64_t gr = job.row0 + cw * 64 + rr;
-        if (p.glu_dp && (ctid & 7) == 0 && gr < job.row_end && job.n0 < p.n)
-            p.glu_dp[gr * p.tiles_n + job.n0 / 256] = s;
+        if (p.glu_dp && ch == 0 && grow[q] < job.row_end && job.n0 < p.n)
+            p.glu_dp[grow[q] * p.tiles_n + job.n0 / 256] = s;
     }
 }
 
