@@ -73,8 +73,9 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
             for (int i = 0; i < kPer; ++i) {
                 const float da = go[i] * p;
                 if (s.gated) {
-                    glu_backward(s.act, g[i], u[i], da, &dg[i], &du[i]);
-                    dp += glu_forward(s.act, g[i], u[i]) * go[i];
+                    float a;
+                    glu_backward_and_value(s.act, g[i], u[i], da, &dg[i], &du[i], &a);
+                    dp += a * go[i];
                 } else {
                     dg[i] = da * activation_grad(s.act, g[i]);
                     dp += activation_forward(s.act, g[i]) * go[i];

@@ -145,9 +145,9 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float gof = __bfloat162float(go[e]), gf = __bfloat162float(g[e]), uf = __bfloat162float(u[e]);
-                float dgf, duf;
-                glu_backward(act, gf, uf, gof * prob[q], &dgf, &duf);
-                dp[q] += glu_forward(act, gf, uf) * gof;
+                float dgf, duf, a;
+                glu_backward_and_value(act, gf, uf, gof * prob[q], &dgf, &duf, &a);
+                dp[q] += a * gof;
                 dg[e] = __float2bfloat16(dgf);
                 du[e] = __float2bfloat16(duf);
             }

@@ -4,7 +4,10 @@
 // gate (C11).
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "core/activation_math.h"
+#include "core/rng.h"
 #include "cpu/experts.h"
 #include "cpu/parallel.h"
 #include "cpu/shared_expert.h"
@@ -47,6 +50,31 @@ TEST(Activation, DerivativesMatchFiniteDifferences) {
             EXPECT_NEAR(d_up, 1.3 * activation_forward(act, x), 1e-15);
         }
     }
+}
+
+// glu_backward_and_value (the GPU backward's one-pass form) is bit for bit glu_backward + glu_forward, in float
+// (the GPU's type) and double, over random gates, ups and upstream gradients and a few edge values.
+template <typename T>
+void check_glu_backward_and_value() {
+    Rng rng(4242);
+    std::vector<T> xs{T(0), T(-0.0), T(1e-30), T(-40), T(40), T(88), T(-88)};
+    for (int i = 0; i < 4000; ++i) xs.push_back(T(16 * rng.uniform() - 8));
+    for (Activation act : kActivations)
+        for (size_t i = 0; i < xs.size(); ++i) {
+            const T gate = xs[i], up = xs[(i * 7 + 3) % xs.size()], da = xs[(i * 13 + 5) % xs.size()];
+            T dg0, du0, dg1, du1, a1;
+            glu_backward(act, gate, up, da, &dg0, &du0);
+            const T a0 = glu_forward(act, gate, up);
+            glu_backward_and_value(act, gate, up, da, &dg1, &du1, &a1);
+            ASSERT_EQ(std::memcmp(&dg0, &dg1, sizeof(T)), 0) << activation_name(act) << " d gate at " << gate;
+            ASSERT_EQ(std::memcmp(&du0, &du1, sizeof(T)), 0) << activation_name(act) << " d up at " << gate;
+            ASSERT_EQ(std::memcmp(&a0, &a1, sizeof(T)), 0) << activation_name(act) << " value at " << gate;
+        }
+}
+
+TEST(Activation, GluBackwardAndValueIsBitwiseTheSeparateForms) {
+    check_glu_backward_and_value<float>();
+    check_glu_backward_and_value<double>();
 }
 
 // Naive reference: one row at a time, straight from the formula, in double.
