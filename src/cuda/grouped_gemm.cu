@@ -247,14 +247,17 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
 }
 
 // Whether the gated activation's backward may ride in the dgrad's epilogue (set_glu_backward_fusion, else
-// MOEKIT_FUSE_GLU_BACKWARD=0: never, for A/B runs).
+// MOEKIT_FUSE_GLU_BACKWARD=1). Off by default: measured slower where it applies (H200, moekit bench, 2026-11-26:
+// fc2 backward + activation stages mixtral 8.09 vs 6.26 + 0.89 ms, dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91
+// vs 1.42 + 0.54): the own kernel's two consumer warpgroups share each tile, so its epilogue, now reading gate / up
+// and writing twice the bytes, cannot overlap the next tile's main loop, and that costs more than the separate pass.
 std::atomic<int> g_glu_fusion{-1};
 bool glu_fusion_allowed() {
     const int set = g_glu_fusion.load();
     if (set >= 0) return set > 0;
     static const bool on = [] {
         const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
-        return !(env && std::strcmp(env, "0") == 0);
+        return env && std::strcmp(env, "1") == 0;
     }();
     return on;
 }

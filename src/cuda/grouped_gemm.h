@@ -45,7 +45,8 @@ void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 // with d a = dA * probs[r] (probs null = 1), bitwise what activation_backward makes of the stored dA, and
 // dp_partials[r * glu_backward_tiles(n) + t] = the sum over column tile t of act(gate) * up * dA (null: skipped;
 // activation_backward_probs_from_partials sums them). Returns false having launched nothing where the chosen kernel
-// has no such epilogue (or MOEKIT_FUSE_GLU_BACKWARD=0): then the caller runs grouped_gemm_nn + activation_backward.
+// has no such epilogue, or the fusion is off (the default: measured slower, grouped_gemm.cu glu_fusion_allowed):
+// then the caller runs grouped_gemm_nn + activation_backward.
 struct GluBackwardEpilogue {
     const __nv_bfloat16* fc1_out;
     const float* probs;
@@ -54,7 +55,7 @@ struct GluBackwardEpilogue {
     Activation act;
 };
 int64_t glu_backward_tiles(int64_t n);
-// 1 = fuse where possible (default), 0 = never; -1 = the environment variable MOEKIT_FUSE_GLU_BACKWARD (0: never).
+// 1 = fuse where possible, 0 = never; -1 (default) = the environment variable MOEKIT_FUSE_GLU_BACKWARD=1, else never.
 void set_glu_backward_fusion(int on);
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream);

@@ -176,8 +176,8 @@ public:
         // ECHO slot groups: clone weights for dgrad; their weight grads go to the slots' own buffers (fresh each
         // step), which dispatch_backward adds into the home experts' grads.
         const int32_t* slot_offsets = offsets + L;
-        // Gated activations without ECHO slots: the activation's backward rides in fc2's dgrad epilogue where the
-        // backend can (grouped_gemm_nn_glu_backward), leaving only the d(prob) partials to sum.
+        // Gated activations without ECHO slots: the activation's backward may ride in fc2's dgrad epilogue
+        // (grouped_gemm_nn_glu_backward; opt-in, measured slower), leaving only the d(prob) partials to sum.
         bool fused_act = false;
         if constexpr (std::is_same_v<R, float>) {
             if (S == 0 && shape_.gated_linear_unit && gemm_.nn_glu_backward)

@@ -400,10 +400,12 @@ TEST(GroupedGemm, GluBackwardEpilogueMatchesUnfused) {
     int major = 0;
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
     if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    set_glu_backward_fusion(1);  // off by default (measured slower)
     check_glu_backward(random_counts(7, 900, 111, 0.3), 9, 320, 192, Activation::silu, true, 112);
     check_glu_backward(random_counts(5, 700, 113, 0.0), 0, 512, 128, Activation::gelu, false, 114);
     check_glu_backward({0, 0, 650, 0}, 5, 320, 64, Activation::silu, true, 115);  // one group takes every row
     check_glu_backward({0, 0, 0}, 4, 256, 64, Activation::silu, true, 116);       // no rows at all
+    set_glu_backward_fusion(-1);
 }
 
 TEST(GroupedGemm, RejectsUnalignedSizes) {
