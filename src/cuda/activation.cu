@@ -120,7 +120,9 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     // mixtral 1.465 / 1.338 / 1.349 / 2.221 ms, dsv3-ep8 0.490 / 0.425 / 0.436 / 0.704 ms for 1 / 2 / 4 / 8 (scalar
     // loads move half a cache line per warp; 8-wide costs five 8-float arrays of registers per thread). Two or four
     // 2-wide vectors in flight per thread (all loads of a round before the first use) measured slower again: mixtral
-    // 1.26 -> 1.68 / 1.63 ms, dsv3-ep8 0.41 -> 0.56 (H100, 2026-11-23, scripts/device_bench_ab.sh).
+    // 1.26 -> 1.68 / 1.63 ms, dsv3-ep8 0.41 -> 0.56 (H100, 2026-11-23, scripts/device_bench_ab.sh). Those ran the
+    // GLU backward with three sigmoids an element; with one (glu_backward_and_value) the pass went mixtral 1.40 ->
+    // 0.89 ms, dsv3-ep8 0.46 -> 0.30, qwen3-30b 0.75 -> 0.54 (H200, 2026-11-26).
     static const int vec = [] {
         const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
         const int v = env ? std::atoi(env) : 2;

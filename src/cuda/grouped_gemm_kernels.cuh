@@ -28,7 +28,9 @@ void set_grouped_gemm_cluster(int size);
 // wgrad (tn) on the kTma kernel: groups of >= hot_rows rows (math-bound tiles) interleaved with the smaller ones
 // (write-bound: each tile still stores its whole fp32 gradient tile) instead of walked in group order, so stores and
 // math overlap on uneven groups (ECHO's ranks: docs/perf.md). 0 = group order; -1 (default) = the environment
-// variable MOEKIT_WGRAD_HOT_ROWS=N, else 0. Not yet measured on a GPU: off unless asked for.
+// variable MOEKIT_WGRAD_HOT_ROWS=N, else 0. Off unless asked for: it removes the own kernel's skew penalty (ECHO's
+// fc1 wgrad 6.39 ms vs 6.38 under forced balance, H200, 2026-11-26) but the own kernel's wgrad is slower than
+// CUTLASS's in group order (5.2-5.4 ms there), which the per-shape choice takes.
 void set_tn_interleave(int hot_rows);
 }  // namespace moekit::cuda
 
