@@ -16,11 +16,11 @@ for i in $(seq 1 "${REPEAT:-3}"); do
   (cd $B && timeout $((${RUN_S:-170} + 40)) ctest -L gpu -j "${CTEST_J:-4}" --output-on-failure --timeout 150 2>&1) >"$OUT/ctest_gpu_$i.log"
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Total Test time" "$OUT/ctest_gpu_$i.log" | tee -a "$OUT/summary.txt"
 done
-left 70 "racecheck" && {
+left 100 "racecheck" && {
   log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
-  sanitize racecheck 60 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*'
+  sanitize racecheck 90 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*GluBackward*'
 }
-left 60 "memcheck" && sanitize memcheck 55 $B/test_grouped_gemm '*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*'
+left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*GluBackward*'
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \
