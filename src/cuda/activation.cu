@@ -116,18 +116,22 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
                          const R* probs, const __nv_bfloat16* grad_out, __nv_bfloat16* grad_fc1, R* grad_probs,
                          cudaStream_t stream) {
     const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
-    // Width of the backward's vectors (MOEKIT_ACT_BWD_VEC=1|2|4|8, default 2). H100, interleaved moekit bench:
+    // Width of the backward's vectors (MOEKIT_ACT_BWD_VEC=1|2|4|8 forces one). H100, interleaved moekit bench:
     // mixtral 1.465 / 1.338 / 1.349 / 2.221 ms, dsv3-ep8 0.490 / 0.425 / 0.436 / 0.704 ms for 1 / 2 / 4 / 8 (scalar
     // loads move half a cache line per warp; 8-wide costs five 8-float arrays of registers per thread). Two or four
     // 2-wide vectors in flight per thread (all loads of a round before the first use) measured slower again: mixtral
     // 1.26 -> 1.68 / 1.63 ms, dsv3-ep8 0.41 -> 0.56 (H100, 2026-11-23, scripts/device_bench_ab.sh). Those ran the
     // GLU backward with three sigmoids an element; with one (glu_backward_and_value) the pass went mixtral 1.40 ->
     // 0.89 ms, dsv3-ep8 0.46 -> 0.30, qwen3-30b 0.75 -> 0.54 (H200, 2026-11-26).
-    static const int vec = [] {
+    // With one sigmoid an element the pass leans on memory more: 4-wide where every thread of the row's block still
+    // gets a vector (F >= 4 x 256), else 2-wide (H200, 2026-11-26: mixtral F 14336 0.74 / 0.89 / 0.78 ms for 4 / 2 /
+    // 8; qwen3-30b F 768 0.53 ms 2-wide, 0.81 8-wide, where 8-wide leaves 160 of 256 threads idle).
+    static const int forced = [] {
         const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
-        const int v = env ? std::atoi(env) : 2;
-        return v == 1 || v == 4 || v == 8 ? v : 2;
+        const int v = env ? std::atoi(env) : 0;
+        return v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
     }();
+    const int vec = forced ? forced : s.ffn >= 4 * kThreads ? 4 : 2;
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
