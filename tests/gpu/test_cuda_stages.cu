@@ -10,6 +10,9 @@
 #include "cpu/experts.h"
 #include "cpu/permute.h"
 #include "cpu/router.h"
+#include "core/activation_math.h"
+#include "core/rng.h"
+#include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/moe_layer.h"
@@ -151,6 +154,72 @@ void check_stages(MoeConfig c, bool padding) {
     Matrix<float> gh, gw;
     cpu::router_backward(c, w.router_weight, rc, gp_ref, gh, gw);
     EXPECT_LT(rel_err(cuda::download(b.grad_router_weight, E * H), gw.data), 1e-4) << "router weight grad";
+}
+
+// The activation backward on its own against a double reference on the same bf16 inputs, at output widths that
+// take each vector width of its kernel (40: 2-wide, 1030: scalar, 1024 and 2048: 4-wide), gated SwiGLU / GeGLU
+// with and without probs, ungated GELU; rows past *num_rows untouched.
+void check_activation_backward(int64_t F, bool gated, Activation act, bool with_probs, uint64_t seed) {
+    SCOPED_TRACE(::testing::Message() << "F=" << F << " gated=" << gated << " act=" << activation_name(act)
+                                      << " probs=" << with_probs);
+    const int64_t N = 37, rows = 33, in_cols = gated ? 2 * F : F;
+    Rng rng(seed);
+    auto bf = [&](int64_t n) {
+        std::vector<float> v(static_cast<size_t>(n));
+        for (auto& x : v) x = round_to_bf16(float(4 * rng.uniform() - 2));
+        return v;
+    };
+    const std::vector<float> fc1 = bf(N * in_cols), go = bf(N * F);
+    std::vector<float> probs(static_cast<size_t>(N));
+    for (auto& p : probs) p = float(rng.uniform());
+    cuda::DeviceBuffer<bf16> d_fc1(N * in_cols), d_go(N * F), d_grad(N * in_cols);
+    cuda::DeviceBuffer<float> d_probs(N), d_dp(N);
+    cuda::DeviceBuffer<int32_t> d_rows(1);
+    d_fc1.upload(bf16_of(fc1)), d_go.upload(bf16_of(go)), d_probs.upload(probs);
+    d_rows.upload({int32_t(rows)});
+    const std::vector<float> sentinel(size_t(N * in_cols), 5.0f);
+    d_grad.upload(bf16_of(sentinel));
+    d_dp.upload(std::vector<float>(size_t(N), 9.0f));
+    cuda::activation_backward<float>(cuda::ActivationShape{N, F, gated, act}, d_rows.get(), d_fc1.get(),
+                                     with_probs ? d_probs.get() : nullptr, d_go.get(), d_grad.get(), d_dp.get(),
+                                     nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> grad = float_of(cuda::download(d_grad.get(), N * in_cols));
+    const std::vector<float> dp = cuda::download(d_dp.get(), N);
+    std::vector<float> grad_ref(static_cast<size_t>(rows * in_cols)), dp_ref(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+        const double p = with_probs ? probs[size_t(r)] : 1.0;
+        double dpr = 0;
+        for (int64_t f = 0; f < F; ++f) {
+            const double g = fc1[size_t(r * in_cols + f)], o = go[size_t(r * F + f)], da = o * p;
+            if (gated) {
+                const double u = fc1[size_t(r * in_cols + F + f)];
+                double dg, du;
+                glu_backward(act, g, u, da, &dg, &du);
+                grad_ref[size_t(r * in_cols + f)] = float(dg), grad_ref[size_t(r * in_cols + F + f)] = float(du);
+                dpr += glu_forward(act, g, u) * o;
+            } else {
+                grad_ref[size_t(r * in_cols + f)] = float(da * activation_grad(act, g));
+                dpr += activation_forward(act, g) * o;
+            }
+        }
+        dp_ref[size_t(r)] = float(dpr);
+    }
+    const std::vector<float> got(grad.begin(), grad.begin() + rows * in_cols), got_dp(dp.begin(), dp.begin() + rows);
+    EXPECT_LT(rel_err(got, grad_ref), 4e-3) << "d fc1 (one bf16 rounding)";
+    EXPECT_LT(rel_err(got_dp, dp_ref), 2e-5) << "d prob (fp32 sums of up to 2048 terms)";
+    for (int64_t i = rows * in_cols; i < N * in_cols; ++i) ASSERT_EQ(grad[size_t(i)], 5.0f) << "row past num_rows written";
+    for (int64_t r = rows; r < N; ++r) ASSERT_EQ(dp[size_t(r)], 9.0f) << "d prob past num_rows written";
+}
+
+TEST(CudaStages, ActivationBackwardAtEveryVectorWidth) {
+    SKIP_WITHOUT_GPU();
+    uint64_t seed = 500;
+    for (int64_t F : {40, 1030, 1024, 2048}) {
+        check_activation_backward(F, true, Activation::silu, true, ++seed);
+        check_activation_backward(F, true, Activation::gelu, false, ++seed);
+        check_activation_backward(F, false, Activation::gelu, true, ++seed);
+    }
 }
 
 TEST(CudaStages, SoftmaxPostAuxZ) {
