@@ -91,6 +91,18 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Columns 64c .. 64c+63 of a consumer warpgroup's 64 x 256 accumulators (thread row r and r + 8 of the wgmma
+// layout), rounded to bf16, into its staging buffer (rows of kEpiRow bytes). c is a constant after unrolling.
+__device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, int r, int lane, const float (&d)[128], int c) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int i = c * 8 + j;
+        const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
+        st_shared_bf16x2(buf + r * kEpiRow + off, d[4 * i], d[4 * i + 1]);
+        st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, d[4 * i + 2], d[4 * i + 3]);
+    }
+}
+
 // nn epilogue with the gated activation's backward (Params::glu_grad): the warpgroup's 64 x 256 accumulators are
 // rounded to bf16 through its staging buffer 64 columns at a time (as the staged epilogue: the values the unfused
 // path would store), then each thread takes 8 columns of 4 rows, with those rows' gate and up and probs, and
@@ -123,13 +135,7 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
                 uv[q] = __ldg(reinterpret_cast<const uint4*>(in + p.n));
             }
         }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int i = c * 8 + j;
-            const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
-            st_shared_bf16x2(buf + r * kEpiRow + off, d[4 * i], d[4 * i + 1]);
-            st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, d[4 * i + 2], d[4 * i + 3]);
-        }
+        stage_bf16_chunk(buf, r, lane, d, c);
         named_barrier(2 + cw, 128);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -362,13 +368,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     if (job.n0 + c * 64 >= p.n) continue;  // uniform over the warpgroup
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const int i = c * 8 + j;
-                        const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
-                        st_shared_bf16x2(buf + r * kEpiRow + off, d[4 * i], d[4 * i + 1]);
-                        st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, d[4 * i + 2], d[4 * i + 3]);
-                    }
+                    stage_bf16_chunk(buf, r, lane, d, c);
                     named_barrier(2 + cw, 128);
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
