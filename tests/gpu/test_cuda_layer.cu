@@ -203,7 +203,8 @@ TEST(CudaLayer, RepeatedStepsAreBitwiseEqual) {
 }
 
 // The gated activation's backward fused into fc2's dgrad epilogue (grouped_gemm_nn_glu_backward; the own TMA kernel
-// is forced, so the layer takes the fused path on sm_90) against the unfused layer: output and fc1 / fc2 weight
+// is forced, so the layer takes the fused path on sm_90: GroupedGemm.GluBackwardEpilogueMatchesUnfused asserts that
+// grouped_gemm_nn_glu_backward launches for that kernel) against the unfused layer: output and fc1 / fc2 weight
 // gradients bitwise equal (the same d gate / d up), the input and router gradients equal up to the order d(prob)
 // is summed in, and both against the CPU oracle.
 TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
