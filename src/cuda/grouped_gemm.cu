@@ -114,19 +114,21 @@ EncodeTiled encode_tiled() {
     return fn;
 }
 
-// Row-major bf16 tensor of `rank` dims (dims[0] contiguous), 128-byte swizzle; box dims[0] must be 64.
-CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uint32_t* box) {
+// Row-major tensor of `rank` dims (dims[0] contiguous), bf16 (or fp32), 128-byte swizzle; the box's contiguous
+// dimension must be 128 bytes.
+CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uint32_t* box, bool fp32 = false) {
     CUtensorMap map;
     cuuint64_t gdim[3], gstride[2];
     cuuint32_t bdim[3], estride[3] = {1, 1, 1};
-    int64_t stride = 2;
+    int64_t stride = fp32 ? 4 : 2;
     for (int i = 0; i < rank; ++i) {
         gdim[i] = cuuint64_t(dims[i]);
         bdim[i] = box[i];
         if (i > 0) gstride[i - 1] = cuuint64_t(stride);
         stride *= dims[i];
     }
-    CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(ptr), gdim,
+    CUresult r = encode_tiled()(&map, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                cuuint32_t(rank), const_cast<void*>(ptr), gdim,
                                 gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", int(r), " (rank ", rank, ", dims ",
@@ -155,8 +157,9 @@ int tma_cluster() {
     return c;
 }
 
-// Whether the TMA kernel stages bf16 results in shared memory (default) or stores them from registers
-// (MOEKIT_GEMM_EPILOGUE=direct, the kernel before 2026-11-21 07:00; kept for A/B runs).
+// Whether the TMA kernel stages results in shared memory (default: bf16 as full-line stores, tn's fp32 as bulk
+// tensor stores) or stores them from registers (MOEKIT_GEMM_EPILOGUE=direct: the nt/nn kernel before 2026-11-21
+// 07:00, the tn kernel before 2026-11-26; kept for A/B runs).
 bool tma_staged_epilogue() {
     static const bool staged = [] {
         const char* env = std::getenv("MOEKIT_GEMM_EPILOGUE");
@@ -193,13 +196,18 @@ int max_clusters(int smem) {
 template <gemm_detail::Op kOp, int kCluster>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
-    CUtensorMap a, b;
+    CUtensorMap a, b, c;
     const int64_t rows = p.max_rows, G = p.G, n = p.n, k = p.k;
+    gemm_detail::Params q = p;
+    q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
     if constexpr (kOp == Op::kTN) {
         int64_t da[2] = {k, rows}, db[2] = {n, rows};
         uint32_t box[2] = {64, 64};
         a = tensor_map(p.A, 2, da, box);
         b = tensor_map(p.B, 2, db, box);
+        int64_t dc[3] = {n, k, G};
+        uint32_t boxc[3] = {32, 64, 1};
+        c = q.staged_epilogue ? tensor_map(p.C, 3, dc, boxc, true) : a;
     } else {
         int64_t da[2] = {k, rows};
         uint32_t boxa[2] = {64, kCluster > 1 ? 64u : 128u};  // cluster: each CTA loads (and multicasts) one half
@@ -213,21 +221,20 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
             uint32_t boxb[3] = {64, 64, 1};
             b = tensor_map(p.B, 3, db, boxb);
         }
+        c = a;  // unused: bf16 results are stored without TMA
     }
     constexpr int kSmem = gemm_detail::kTmaSmemBytes;
     constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster>;
     ensure_smem<kKernel>(kSmem);
     // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
     // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
-    gemm_detail::Params q = p;
     const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? G : 1);
     q.total_tiles = int(jobs);
-    q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
-        kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b);
+        kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c);
     } else {
         const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
         cudaLaunchConfig_t cfg{};
@@ -242,7 +249,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         cfg.stream = stream;
         cfg.attrs = &attr;
         cfg.numAttrs = 1;
-        MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, q, a, b));
+        MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, q, a, b, c));
     }
 }
 

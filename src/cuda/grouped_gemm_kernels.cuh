@@ -56,7 +56,8 @@ struct Params {
     int tiles_n;
     int accumulate;
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
-    int staged_epilogue;  // TMA kernel, nt/nn: bf16 results leave through shared memory as full-line stores
+    int staged_epilogue;  // TMA kernel: results leave through shared memory (nt/nn: bf16 full-line stores; tn: fp32
+                          // bulk tensor stores / reduce-adds through map_c)
     int tn_hot_rows;      // TMA kernel, tn: > 0 = groups of >= this many rows interleaved with the others
                           // (tn_interleaved_job); 0 = the groups in order
     // TMA kernel, nn with the gated activation's backward in the epilogue (grouped_gemm_nn_glu_backward; glu_grad

@@ -2,7 +2,8 @@
 // swizzle, completing on mbarriers) into a 4-stage ring; two consumer warpgroups run wgmma m64n256k16 on 128x256x64
 // tiles; one CTA per SM walks the tiles; optionally 2-CTA clusters share (multicast) the A tile.
 // Same scheduling and tile layout as grouped_gemm_mma.cuh; nt/nn results leave through shared memory as full-line
-// stores (MOEKIT_GEMM_EPILOGUE=direct: from registers, as the mma kernel; tn always so). TMA bounds come from static shapes, so a tile
+// stores, tn's fp32 gradients through shared memory as asynchronous bulk tensor stores / reduce-adds
+// (MOEKIT_GEMM_EPILOGUE=direct: both from registers, as the mma kernel). TMA bounds come from static shapes, so a tile
 // may read rows of the next group (or up to max_rows): harmless for nt/nn, where those rows only feed output rows
 // that are never stored; for tn (reduction over the group's rows) the consumers zero those rows in shared memory.
 // Included by grouped_gemm_kernels.cuh only.
@@ -84,11 +85,41 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
 }
 // Epilogue staging (bf16 outputs): per consumer warpgroup 64 rows x 64 columns, rows padded to 144 bytes.
 constexpr int kEpiRow = 144, kEpiBytes = 64 * kEpiRow;
+// Epilogue staging (tn, fp32 gradients): per consumer warpgroup two buffers of 64 rows x 32 columns (8 KB, one TMA
+// box with the 128-byte swizzle, 1024-byte aligned).
+constexpr int kEpiF32Bytes = 64 * 32 * 4;
+constexpr int kEpiRegion = 4 * kEpiF32Bytes > 2 * kEpiBytes ? 4 * kEpiF32Bytes : 2 * kEpiBytes;
 // Dynamic shared memory of tma_kernel: 4 stages of A [128x64] + B [256x64] bf16, 1 KB for the 1024-byte alignment
-// of the swizzled stages, 128 B of mbarriers, two epilogue staging buffers.
-constexpr int kTmaSmemBytes = 4 * (128 + 256) * kBK * 2 + 1024 + 128 + 2 * kEpiBytes;
+// of the swizzled stages, 1 KB holding the mbarriers (keeps the epilogue region 1024-byte aligned), the epilogue
+// staging region (bf16 buffers for nt/nn, fp32 buffers for tn).
+constexpr int kTmaSmemBytes = 4 * (128 + 256) * kBK * 2 + 1024 + 1024 + kEpiRegion;
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Bulk tensor stores from shared memory (TMA, bulk-group completion): plain, or reduce-add into global (the add is
+// done at L2: one writer per element, so the sum is the same fp32 add a load + add + store would do).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's committed bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
 // Columns 64c .. 64c+63 of a consumer warpgroup's 64 x 256 accumulators (thread row r and r + 8 of the wgmma
@@ -175,23 +206,67 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
     }
 }
 
+// tn epilogue (Params::staged_epilogue): the warpgroup's 64 x 256 fp32 accumulators leave 32 columns at a time
+// through its two 8 KB buffers (laid out as the TMA box's 128-byte swizzle: a row's 16-byte piece q at q ^ (row & 7),
+// which also keeps the st.shared conflict-free), each chunk one bulk tensor store, or with accumulation one bulk
+// reduce-add (the fp32 main grad is read-modified-written at L2 instead of through the SM's registers). Nothing
+// waits for a store to land: a buffer is reused once its previous store has read it out, so the tile's gradient
+// drains to memory while the warpgroup's next main loop runs (the direct stores from registers held the tensor
+// cores idle for the whole write: issue 9's write-bound cold groups). `issued` counts this warpgroup's chunks.
+__device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
+                                                  int cw, int ctid, uint32_t bufs, int r, int lane,
+                                                  const float (&d)[128], int& issued) {
+    const bool leader = (ctid & 127) == 0;
+    const int m0 = job.m0 + 64 * cw;
+    if (m0 >= p.k) return;  // uniform over the warpgroup: its rows lie past the gradient's
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+        if (job.n0 + c * 32 >= p.n) continue;  // uniform over the warpgroup
+        const uint32_t buf = bufs + (issued & 1) * kEpiF32Bytes;
+        if (issued >= 2) {  // the store before last used this buffer
+            if (leader) bulk_wait_read<1>();
+            named_barrier(2 + cw, 128);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = c * 4 + j;  // the accumulators' 8-column block: columns 8j + 2(lane & 3) + {0, 1} here
+            const uint32_t off = uint32_t(((j * 2 + ((lane & 3) >> 1)) ^ (r & 7)) << 4) + (lane & 1) * 8;
+            st_shared_f32x2(buf + r * 128 + off, d[4 * i], d[4 * i + 1]);
+            st_shared_f32x2(buf + (r + 8) * 128 + off, d[4 * i + 2], d[4 * i + 3]);
+        }
+        fence_proxy_async();  // generic-proxy writes, read by the async proxy
+        named_barrier(2 + cw, 128);
+        if (leader) {
+            if (p.accumulate)
+                tma_reduce_add_3d(map_c, buf, job.n0 + c * 32, m0, job.group);
+            else
+                tma_store_3d(map_c, buf, job.n0 + c * 32, m0, job.group);
+            bulk_commit();
+        }
+        ++issued;
+    }
+}
+
 // Tensor maps (host-encoded, 128B swizzle, boxes of 64 elements along the contiguous dimension):
 //   NT: a = {k, max_rows} box {64,128} (kCluster 2: {64,64}, one half per CTA); b = {k, n, G} box {64,256,1}
 //   NN: a as NT;                                   b = {n, k, G} box {64,64,1}  (4 boxes per stage)
 //   TN: a = {m, max_rows} box {64,64} (x2);        b = {n, max_rows} box {64,64} (x4)
+//   c (tn's staged epilogue only; a copy of a otherwise): fp32 {n, m, G} box {32,64,1}
 // kCluster 2: the two CTAs of a cluster own n-neighbour tiles of the same row tile (TN: of the same group and
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
 // released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
 template <Op kOp, int kCluster>
 __global__ void __launch_bounds__(384, 1)
-    tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b) {
+    tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+               const __grid_constant__ CUtensorMap map_c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int BM = 128, BN = 256, kStages = 4;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t bars = base + kStages * kStageBytes;  // full[kStages], empty[kStages]
+    const uint32_t epi = bars + 1024;                    // epilogue staging (kEpiRegion bytes, 1024-aligned)
     auto full = [&](int s) { return bars + 8 * s; };
     auto empty = [&](int s) { return bars + 8 * (kStages + s); };
     auto sA = [&](int s) { return base + s * kStageBytes; };
@@ -308,7 +383,7 @@ __global__ void __launch_bounds__(384, 1)
             mbar_arrive(empty(s));
         }
     };
-    int it = 0;
+    int it = 0, tn_chunks = 0;
     float d[128];
     TileJob job;
     for (int i = 0; job_at(i, job); ++i) {
@@ -353,7 +428,16 @@ __global__ void __launch_bounds__(384, 1)
         const int row = cw * 64 + w * 16 + (lane >> 2);
         if constexpr (kOp == Op::kNN) {
             if (p.glu_grad) {  // the gated activation's backward instead of storing dA (Params::glu_grad)
-                glu_backward_epilogue(p, job, cw, ctid, bars + 128 + cw * kEpiBytes, row - cw * 64, lane, d);
+                glu_backward_epilogue(p, job, cw, ctid, epi + cw * kEpiBytes, row - cw * 64, lane, d);
+                continue;
+            }
+        }
+        if constexpr (kOp == Op::kTN) {
+            if (p.staged_epilogue) {
+                // An empty group adds nothing to an accumulated gradient: its tile is left as it is.
+                if (!(p.accumulate && nk == 0))
+                    tn_store_epilogue(p, job, &map_c, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64, lane, d,
+                                      tn_chunks);
                 continue;
             }
         }
@@ -363,7 +447,7 @@ __global__ void __launch_bounds__(384, 1)
                 // pieces per lane quad (half a 32-byte sector per store); re-read as whole 128-byte row segments
                 // they leave the SM as full-line 16-byte-per-lane stores. Rows padded to 144 B: conflict-free both
                 // ways. Each warpgroup owns its 64 rows and its own staging buffer (named barrier 2 + cw).
-                const uint32_t buf = bars + 128 + cw * kEpiBytes;
+                const uint32_t buf = epi + cw * kEpiBytes;
                 const int r = row - cw * 64;
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
@@ -390,6 +474,10 @@ __global__ void __launch_bounds__(384, 1)
             store_pair<kOp>(p, job, row, col, d[4 * i], d[4 * i + 1]);
             store_pair<kOp>(p, job, row + 8, col, d[4 * i + 2], d[4 * i + 3]);
         }
+    }
+    if constexpr (kOp == Op::kTN) {
+        // The last bulk stores must have read their shared-memory source before the CTA (and its memory) ends.
+        if (tn_chunks > 0 && (ctid & 127) == 0) bulk_wait_all();
     }
 #endif
 }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The wgrad (tn) epilogue in one bounded device call (issues 9, 10): build; the grouped-GEMM tests (every backend);
+# compute-sanitizer racecheck + memcheck on the tn cases; per-GEMM tables (bench_grouped_gemm: the own TMA kernel's
+# tn column against CUTLASS's configurations) on PRESETS; ECHO's simulated EP step (bench_echo_balance) with the
+# per-shape choice, with the own kernel's hot/cold interleave (MOEKIT_WGRAD_HOT_ROWS=$HOT) and with the own kernel's
+# wgrad in group order (MOEKIT_WGRAD_HOT_ROWS=1000000000).
+# usage: MOEKIT_COMMIT=<sha> [PRESETS=...] [HOT=512] scripts/device_wgrad.sh; results in $OUT.
+. "$(dirname "$0")/device_lib.sh"
+PRESETS=${PRESETS:-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
+HOT=${HOT:-512}
+log "build"
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
+timeout 330 cmake --build $B --target test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-} \
+  >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
+log "test_grouped_gemm"
+timeout 120 $B/test_grouped_gemm >"$OUT/test_grouped_gemm.log" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|Trace|exception" "$OUT/test_grouped_gemm.log" | head -30 \
+  | cut -c1-240 | tee -a "$OUT/summary.txt"
+left 200 "sanitizers" && {
+  log "compute-sanitizer on the tn cases"
+  sanitize racecheck 60 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*'
+  cp "$OUT/racecheck.log" "$OUT/racecheck_tn.log"
+  sanitize memcheck 60 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*GraphReplay*'
+}
+for p in $PRESETS; do
+  left 150 "bench_grouped_gemm $p" || break
+  log "bench_grouped_gemm --preset $p"
+  timeout 60 $B/bench_grouped_gemm --preset $p --iters 10 --json "$OUT/bench/gemm_$p.json" 2>&1 | tee -a "$OUT/summary.txt"
+done
+for v in "default|" "interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT" "own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"; do
+  IFS='|' read -r label envs <<<"$v"
+  left 60 "bench_echo_balance $label" || break
+  log "bench_echo_balance ($label: $envs)"
+  env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 --json "$OUT/bench/echo_$label.json" \
+    >"$OUT/bench/echo_$label.txt" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  tail -32 "$OUT/bench/echo_$label.txt" | cut -c1-220 | tee -a "$OUT/summary.txt"
+done
+log "done"
