@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The wgrad (tn) epilogue in one bounded device call (issues 9, 10): build; the grouped-GEMM tests (every backend);
 # compute-sanitizer racecheck + memcheck on the tn cases; per-GEMM tables (bench_grouped_gemm: the own TMA kernel's
-# tn column against CUTLASS's configurations) on PRESETS; ECHO's simulated EP step (bench_echo_balance) with the
-# per-shape choice, with the own kernel's hot/cold interleave (MOEKIT_WGRAD_HOT_ROWS=$HOT) and with the own kernel's
-# wgrad in group order (MOEKIT_WGRAD_HOT_ROWS=1000000000).
+# tn column against CUTLASS's configurations) on PRESETS, for each own-kernel wgrad variant of TN_VARIANTS; ECHO's
+# simulated EP step (bench_echo_balance) for each configuration of ECHO_RUNS ("label|ENV=V ...;...").
 # usage: MOEKIT_COMMIT=<sha> [PRESETS=...] [HOT=512] scripts/device_wgrad.sh; results in $OUT.
 . "$(dirname "$0")/device_lib.sh"
 PRESETS=${PRESETS:-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
 HOT=${HOT:-512}
+TN_VARIANTS=${TN_VARIANTS:-"cooperative|;pingpong|MOEKIT_WGRAD_PINGPONG=1;pingpong-cluster2|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_GEMM_CLUSTER=2"}
+ECHO_RUNS=${ECHO_RUNS:-"default|;pp-interleave|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_WGRAD_HOT_ROWS=$HOT;pp-in-order|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_WGRAD_HOT_ROWS=1000000000;pp2-interleave|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_GEMM_CLUSTER=2 MOEKIT_WGRAD_HOT_ROWS=$HOT"}
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
 timeout 330 cmake --build $B --target test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-} \
@@ -19,22 +20,29 @@ grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|Trace|exception" "$OUT/
   | cut -c1-240 | tee -a "$OUT/summary.txt"
 left 200 "sanitizers" && {
   log "compute-sanitizer on the tn cases"
-  sanitize racecheck 60 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*'
-  cp "$OUT/racecheck.log" "$OUT/racecheck_tn.log"
-  sanitize memcheck 60 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*GraphReplay*'
+  sanitize racecheck 120 $B/test_grouped_gemm '*EmptyFirst*:*WgradGradientOff*'
+  sanitize memcheck 90 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GraphReplay*'
 }
+IFS=';' read -ra tn_variants <<<"$TN_VARIANTS"
 for p in $PRESETS; do
-  left 150 "bench_grouped_gemm $p" || break
-  log "bench_grouped_gemm --preset $p"
-  timeout 60 $B/bench_grouped_gemm --preset $p --iters 10 --json "$OUT/bench/gemm_$p.json" 2>&1 | tee -a "$OUT/summary.txt"
+  for v in "${tn_variants[@]}"; do
+    IFS='|' read -r label envs <<<"$v"
+    left 150 "bench_grouped_gemm $p $label" || break
+    log "bench_grouped_gemm --preset $p ($label: $envs)"
+    env $envs timeout 60 $B/bench_grouped_gemm --preset $p --iters 10 --json "$OUT/bench/gemm_${p}_$label.json" 2>&1 \
+      | grep -E "^  (gemm|fc)" | grep -E "gemm|tn" | tee -a "$OUT/summary.txt"
+  done
 done
-for v in "default|" "interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT" "own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"; do
+IFS=';' read -ra echo_runs <<<"$ECHO_RUNS"
+for v in "${echo_runs[@]}"; do
   IFS='|' read -r label envs <<<"$v"
   left 60 "bench_echo_balance $label" || break
   log "bench_echo_balance ($label: $envs)"
   env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 --json "$OUT/bench/echo_$label.json" \
     >"$OUT/bench/echo_$label.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
-  tail -32 "$OUT/bench/echo_$label.txt" | cut -c1-220 | tee -a "$OUT/summary.txt"
+  grep -E "^EP=|^  (configuration|ECHO|forced|no ECHO|busiest|acceptance)" "$OUT/bench/echo_$label.txt" | cut -c1-220 \
+    | tee -a "$OUT/summary.txt"
 done
+tar -czf "$OUT/bench.tar.gz" -C "$OUT" bench && rm -rf "$OUT/bench"
 log "done"
