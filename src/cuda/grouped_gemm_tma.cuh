@@ -285,6 +285,8 @@ __global__ void __launch_bounds__(384, 1)
             mbar_init(full(s), 1);
             mbar_init(empty(s), kConsumersPerStage * kCluster);  // one arrival per reading warpgroup and CTA
         }
+        if constexpr (kPingpong)
+            for (int c = 0; c < 2; ++c) mbar_init(bars + 8 * (2 * kStages + c), 128);  // main loop done, per warpgroup
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (kCluster > 1)
@@ -392,8 +394,13 @@ __global__ void __launch_bounds__(384, 1)
     };
     if constexpr (kPingpong) {
         // This warpgroup's jobs are the CTA's active jobs of ordinal parity cw; the other's k-steps are only counted
-        // (it), so both walk the ring's stages and phases in the producer's order.
-        int it = 0, chunks = 0, ordinal = 0;
+        // (it), so both walk the ring's stages and phases in the producer's order. The main loops take turns: a
+        // warpgroup starts its t-th job after the other finished the main loop of the job before (its 'done'
+        // mbarrier, all 128 threads arrive). Besides giving the tensor cores to one warpgroup at a time, this keeps
+        // every full-barrier wait at most one phase ahead: without it a warpgroup could wait for a stage's phase k
+        // while phase k-1 (the other's job) was still pending, and the parity test would pass on phase k-2.
+        const uint32_t done_mine = bars + 8 * (2 * kStages + cw), done_other = bars + 8 * (2 * kStages + 1 - cw);
+        int it = 0, chunks = 0, ordinal = 0, turns = 0;
         float d0[64], d1[64];  // output rows m0 .. m0+63 and m0+64 .. m0+127 of the 128 x 128 tile
         TileJob job;
         for (int i = 0; job_at(i, job); ++i) {
@@ -403,6 +410,9 @@ __global__ void __launch_bounds__(384, 1)
                 it += nk;
                 continue;
             }
+            // The other's main loop of the job before this one: its (turns - 1)-th (warpgroup 0) or turns-th (1).
+            const int other_turn = cw == 0 ? turns - 1 : turns;
+            if (other_turn >= 0) mbar_wait(done_other, other_turn & 1);
 #pragma unroll
             for (int j = 0; j < 64; ++j) d0[j] = d1[j] = 0.f;
             for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -435,6 +445,8 @@ __global__ void __launch_bounds__(384, 1)
             }
             wgmma_wait<0>();
             if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
+            mbar_arrive(done_mine);  // every thread of the warpgroup is past its last full-barrier wait
+            ++turns;
             const int r = w * 16 + (lane >> 2);
             if (p.staged_epilogue) {
                 // An empty group adds nothing to an accumulated gradient: its tile is left as it is.
