@@ -443,10 +443,12 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<1>();  // step it-1 retired: hand its stage back to the producer(s)
                 if (kt > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
             }
+            // Every thread of the warpgroup is past its last full-barrier wait: the other may start issuing while
+            // this one's last wgmmas are still in flight (no tensor-core bubble between the turns).
+            mbar_arrive(done_mine);
+            ++turns;
             wgmma_wait<0>();
             if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
-            mbar_arrive(done_mine);  // every thread of the warpgroup is past its last full-barrier wait
-            ++turns;
             const int r = w * 16 + (lane >> 2);
             if (p.staged_epilogue) {
                 // An empty group adds nothing to an accumulated gradient: its tile is left as it is.
