@@ -212,7 +212,10 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const int64_t rows = p.max_rows, G = p.G, n = p.n, k = p.k;
     gemm_detail::Params q = p;
     q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
-    if constexpr (kPingpong) q.tiles_n = int(ceil_div(n, 128));  // 128 x 128 tiles
+    if constexpr (kPingpong) {
+        q.tiles_n = int(ceil_div(n, 128));  // 128 x 128 tiles
+        q.staged_epilogue = 0;              // no room for staging buffers beside its 7 stages
+    }
     if constexpr (kOp == Op::kTN) {
         int64_t da[2] = {k, rows}, db[2] = {n, rows};
         uint32_t box[2] = {64, 64};

@@ -256,7 +256,7 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
 // released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
-// kPingpong (tn only): 128 x 128 tiles in a 6-stage ring, and each consumer warpgroup takes every other job whole
+// kPingpong (tn only): 128 x 128 tiles in a 7-stage ring, and each consumer warpgroup takes every other job whole
 // (two m64n128k16 per k-slice) instead of half of every job. The ring hands the stages out in job order, so one
 // warpgroup's main loop runs while the other stores its fp32 gradient tile: a wgrad tile's write (64 KB, several
 // µs at each SM's share of HBM bandwidth) no longer holds the tensor cores idle. A stage is released by the one
@@ -267,8 +267,10 @@ __global__ void __launch_bounds__(384, 1)
                const __grid_constant__ CUtensorMap map_c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(!kPingpong || kOp == Op::kTN, "the ping-pong schedule is built for tn only");
-    constexpr int BM = 128, BN = kPingpong ? 128 : 256, kStages = kPingpong ? 6 : 4;
+    constexpr int BM = 128, BN = kPingpong ? 128 : 256, kStages = kPingpong ? 7 : 4;
     constexpr int kConsumersPerStage = kPingpong ? 1 : 2;  // warpgroups that read (and release) each stage
+    static_assert(kStages * (BM + BN) * kBK * 2 + 2048 + (kPingpong ? 0 : kEpiRegion) <= kTmaSmemBytes,
+                  "stages, alignment slack, barriers and staging exceed the kernel's shared memory");
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(384, 1)
         // every full-barrier wait at most one phase ahead: without it a warpgroup could wait for a stage's phase k
         // while phase k-1 (the other's job) was still pending, and the parity test would pass on phase k-2.
         const uint32_t done_mine = bars + 8 * (2 * kStages + cw), done_other = bars + 8 * (2 * kStages + 1 - cw);
-        int it = 0, chunks = 0, ordinal = 0, turns = 0;
+        int it = 0, ordinal = 0, turns = 0;
         float d0[64], d1[64];  // output rows m0 .. m0+63 and m0+64 .. m0+127 of the 128 x 128 tile
         TileJob job;
         for (int i = 0; job_at(i, job); ++i) {
@@ -449,16 +451,9 @@ __global__ void __launch_bounds__(384, 1)
             ++turns;
             wgmma_wait<0>();
             if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
+            // Stores from registers: they overlap the other warpgroup's main loop (7 stages leave no room for
+            // staging buffers).
             const int r = w * 16 + (lane >> 2);
-            if (p.staged_epilogue) {
-                // An empty group adds nothing to an accumulated gradient: its tile is left as it is.
-                if (!(p.accumulate && nk == 0)) {
-                    const uint32_t bufs = epi + cw * 2 * kEpiF32Bytes;
-                    tn_store_epilogue<4>(p, job, &map_c, job.m0, 2 + cw, ctid, bufs, r, lane, d0, chunks);
-                    tn_store_epilogue<4>(p, job, &map_c, job.m0 + 64, 2 + cw, ctid, bufs, r, lane, d1, chunks);
-                }
-                continue;
-            }
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const int col = j * 8 + (lane & 3) * 2;
@@ -468,8 +463,6 @@ __global__ void __launch_bounds__(384, 1)
                 store_pair<kOp>(p, job, r + 72, col, d1[4 * j + 2], d1[4 * j + 3]);
             }
         }
-        // The last bulk stores must have read their shared-memory source before the CTA (and its memory) ends.
-        if (chunks > 0 && (ctid & 127) == 0) bulk_wait_all();
         return;
     }
     int it = 0, tn_chunks = 0;
