@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Per-instruction warp-stall samples (ncu source page, SASS) of the own TMA kernel's wgrad (tn), cooperative and
-# ping-pong, on one preset's first tn launch; the 25 most-sampled instructions of each into the summary.
+# Per-instruction warp-stall samples (ncu source page, SASS) of the own TMA kernel's wgrad (tn), staged and
+# direct epilogue, on one preset's first tn launch; the 25 most-sampled instructions of each into the summary.
 # usage: MOEKIT_COMMIT=<sha> [PRESET=dsv3-ep8] scripts/device_ncu_sass.sh; results in $OUT.
 . "$(dirname "$0")/device_lib.sh"
 PRESET=${PRESET:-dsv3-ep8}
@@ -8,12 +8,12 @@ NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DMOEKIT_TESTS=OFF >"$OUT/build.log" 2>&1
 timeout 330 cmake --build $B --target bench_grouped_gemm >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head; exit 1; }
-for v in "pingpong|1|Lb1E" "coop|0|Lb0E"; do
-  IFS='|' read -r label pp pat <<<"$v"
+for v in "staged|staged" "direct|direct"; do
+  IFS='|' read -r label epilogue <<<"$v"
   left 90 "ncu $label" || break
   log "ncu source page $label"
-  MOEKIT_WGRAD_PINGPONG=$pp MOEKIT_GEMM_KERNEL=tma timeout 200 $NCU --kernel-name-base mangled \
-    --kernel-name "regex:tma_kernelILNS1_2OpE2ELi1E$pat" --launch-count 1 --section SourceCounters \
+  MOEKIT_GEMM_EPILOGUE=$epilogue MOEKIT_GEMM_KERNEL=tma timeout 200 $NCU --kernel-name-base mangled \
+    --kernel-name "regex:tma_kernelILNS1_2OpE2ELi1E" --launch-count 1 --section SourceCounters \
     --section WarpStateStats --page source --print-source sass --csv \
     $B/bench_grouped_gemm --preset $PRESET --iters 1 >"$OUT/sass_$label.csv" 2>"$OUT/ncu_$label.err"
   echo "exit $?" | tee -a "$OUT/summary.txt"

@@ -7,8 +7,8 @@
 . "$(dirname "$0")/device_lib.sh"
 PRESETS=${PRESETS:-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
 HOT=${HOT:-512}
-TN_VARIANTS=${TN_VARIANTS:-"cooperative|;pingpong|MOEKIT_WGRAD_PINGPONG=1;pingpong-cluster2|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_GEMM_CLUSTER=2"}
-ECHO_RUNS=${ECHO_RUNS:-"default|;pp-interleave|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_WGRAD_HOT_ROWS=$HOT;pp-in-order|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_WGRAD_HOT_ROWS=1000000000;pp2-interleave|MOEKIT_WGRAD_PINGPONG=1 MOEKIT_GEMM_CLUSTER=2 MOEKIT_WGRAD_HOT_ROWS=$HOT"}
+TN_VARIANTS=${TN_VARIANTS:-"staged|;direct|MOEKIT_GEMM_EPILOGUE=direct"}
+ECHO_RUNS=${ECHO_RUNS:-"default|;interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT;own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"}
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
 timeout 330 cmake --build $B --target test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-} \

@@ -138,18 +138,6 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
 
 std::atomic<int> g_cluster{0};
 std::atomic<int> g_tn_hot_rows{-1};
-std::atomic<int> g_tn_pingpong{-1};
-
-// set_tn_pingpong's value, else MOEKIT_WGRAD_PINGPONG=1|0.
-bool tn_pingpong() {
-    const int set = g_tn_pingpong.load();
-    if (set >= 0) return set > 0;
-    static const bool on = [] {
-        const char* env = std::getenv("MOEKIT_WGRAD_PINGPONG");
-        return env && std::strcmp(env, "1") == 0;
-    }();
-    return on;
-}
 
 int tn_hot_rows() {
     int h = g_tn_hot_rows.load();
@@ -205,17 +193,13 @@ int max_clusters(int smem) {
     return n;
 }
 
-template <gemm_detail::Op kOp, int kCluster, bool kPingpong = false>
+template <gemm_detail::Op kOp, int kCluster>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
     CUtensorMap a, b, c;
     const int64_t rows = p.max_rows, G = p.G, n = p.n, k = p.k;
     gemm_detail::Params q = p;
     q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
-    if constexpr (kPingpong) {
-        q.tiles_n = int(ceil_div(n, 128));  // 128 x 128 tiles
-        q.staged_epilogue = 0;              // no room for staging buffers beside its 7 stages
-    }
     if constexpr (kOp == Op::kTN) {
         int64_t da[2] = {k, rows}, db[2] = {n, rows};
         uint32_t box[2] = {64, 64};
@@ -240,12 +224,12 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         c = a;  // unused: bf16 results are stored without TMA
     }
     constexpr int kSmem = gemm_detail::kTmaSmemBytes;
-    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster, kPingpong>;
+    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster>;
     ensure_smem<kKernel>(kSmem);
     // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
     // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
-    const int64_t tiles_n = (q.tiles_n + kCluster - 1) / kCluster;
-    const int64_t jobs = int64_t(q.tiles_m) * tiles_n * (kOp == Op::kTN ? G : 1);
+    const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
+    const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? G : 1);
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
@@ -357,16 +341,6 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     int64_t grid = int64_t(p.tiles_m) * p.tiles_n * (kOp == Op::kTN ? s.num_groups : 1);
     MOEKIT_CHECK(grid < (int64_t(1) << 31), name, ": too many tiles for ", s.to_string());
     if (kernel == GroupedGemmKernel::kTma) {
-        if constexpr (kOp == Op::kTN) {
-            if (tn_pingpong()) {
-                if (tma_cluster() == 2)
-                    launch_tma<kOp, 2, true>(p, stream);
-                else
-                    launch_tma<kOp, 1, true>(p, stream);
-                MOEKIT_CUDA_LAUNCH_CHECK();
-                return true;
-            }
-        }
         if (tma_cluster() == 2)
             launch_tma<kOp, 2>(p, stream);
         else
@@ -426,7 +400,6 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
-void set_tn_pingpong(int on) { g_tn_pingpong = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {

@@ -32,10 +32,6 @@ void set_grouped_gemm_cluster(int size);
 // fc1 wgrad 6.39 ms vs 6.38 under forced balance, H200, 2026-11-26) but the own kernel's wgrad is slower than
 // CUTLASS's in group order (5.2-5.4 ms there), which the per-shape choice takes.
 void set_tn_interleave(int hot_rows);
-// wgrad (tn) on the kTma kernel with the ping-pong schedule (tma_kernel's kPingpong: 128 x 128 tiles, each consumer
-// warpgroup a whole tile, one storing while the other computes): 1 on, 0 off, -1 (default) = the environment variable
-// MOEKIT_WGRAD_PINGPONG=1, else off.
-void set_tn_pingpong(int on);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {

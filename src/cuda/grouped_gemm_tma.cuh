@@ -206,26 +206,26 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
     }
 }
 
-// tn epilogue (Params::staged_epilogue): a warpgroup's 64 x (32 kChunks) fp32 accumulators (rows m0.., columns
-// n0..) leave 32 columns at a time through its two 8 KB buffers (laid out as the TMA box's 128-byte swizzle: a row's
-// 16-byte piece q at q ^ (row & 7), which also keeps the st.shared conflict-free), each chunk one bulk tensor store,
-// or with accumulation one bulk reduce-add (the fp32 main grad is read-modified-written at L2, not through the SM's
-// registers). Nothing waits for a store to land: a buffer is reused once its previous store has read it out.
-// `issued` counts this warpgroup's chunks; `bar` is its named barrier.
-template <int kChunks, int kN>
+// tn epilogue (Params::staged_epilogue): the warpgroup's 64 x 256 fp32 accumulators leave 32 columns at a time
+// through its two 8 KB buffers (laid out as the TMA box's 128-byte swizzle: a row's 16-byte piece q at q ^ (row & 7),
+// which also keeps the st.shared conflict-free), each chunk one bulk tensor store, or with accumulation one bulk
+// reduce-add (the fp32 main grad is read-modified-written at L2 instead of through the SM's registers). Nothing
+// waits for a store to land: a buffer is reused once its previous store has read it out, so the tile's gradient
+// drains to memory while the warpgroup's next main loop runs (the direct stores from registers held the tensor
+// cores idle for the whole write: issue 9's write-bound cold groups). `issued` counts this warpgroup's chunks.
 __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
-                                                  int m0, int bar, int ctid, uint32_t bufs, int r, int lane,
-                                                  const float (&d)[kN], int& issued) {
-    static_assert(kN == 16 * kChunks, "accumulators: 4 per 8-column block, 4 blocks per chunk");
+                                                  int cw, int ctid, uint32_t bufs, int r, int lane,
+                                                  const float (&d)[128], int& issued) {
     const bool leader = (ctid & 127) == 0;
+    const int m0 = job.m0 + 64 * cw;
     if (m0 >= p.k) return;  // uniform over the warpgroup: its rows lie past the gradient's
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
+    for (int c = 0; c < 8; ++c) {
         if (job.n0 + c * 32 >= p.n) continue;  // uniform over the warpgroup
         const uint32_t buf = bufs + (issued & 1) * kEpiF32Bytes;
         if (issued >= 2) {  // the store before last used this buffer
             if (leader) bulk_wait_read<1>();
-            named_barrier(bar, 128);
+            named_barrier(2 + cw, 128);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -235,7 +235,7 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
             st_shared_f32x2(buf + (r + 8) * 128 + off, d[4 * i + 2], d[4 * i + 3]);
         }
         fence_proxy_async();  // generic-proxy writes, read by the async proxy
-        named_barrier(bar, 128);
+        named_barrier(2 + cw, 128);
         if (leader) {
             if (p.accumulate)
                 tma_reduce_add_3d(map_c, buf, job.n0 + c * 32, m0, job.group);
@@ -256,21 +256,12 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
 // released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
-// kPingpong (tn only): 128 x 128 tiles in a 7-stage ring, and each consumer warpgroup takes every other job whole
-// (two m64n128k16 per k-slice) instead of half of every job. The ring hands the stages out in job order, so one
-// warpgroup's main loop runs while the other stores its fp32 gradient tile: a wgrad tile's write (64 KB, several
-// µs at each SM's share of HBM bandwidth) no longer holds the tensor cores idle. A stage is released by the one
-// warpgroup that used it (empty barriers count 1 per CTA).
-template <Op kOp, int kCluster, bool kPingpong = false>
+template <Op kOp, int kCluster>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                const __grid_constant__ CUtensorMap map_c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static_assert(!kPingpong || kOp == Op::kTN, "the ping-pong schedule is built for tn only");
-    constexpr int BM = 128, BN = kPingpong ? 128 : 256, kStages = kPingpong ? 7 : 4;
-    constexpr int kConsumersPerStage = kPingpong ? 1 : 2;  // warpgroups that read (and release) each stage
-    static_assert(kStages * (BM + BN) * kBK * 2 + 2048 + (kPingpong ? 0 : kEpiRegion) <= kTmaSmemBytes,
-                  "stages, alignment slack, barriers and staging exceed the kernel's shared memory");
+    constexpr int BM = 128, BN = 256, kStages = 4;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -285,10 +276,8 @@ __global__ void __launch_bounds__(384, 1)
     if (tid == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), kConsumersPerStage * kCluster);  // one arrival per reading warpgroup and CTA
+            mbar_init(empty(s), 2 * kCluster);  // one arrival per consumer warpgroup of each CTA of the cluster
         }
-        if constexpr (kPingpong)
-            for (int c = 0; c < 2; ++c) mbar_init(bars + 8 * (2 * kStages + c), 128);  // main loop done, per warpgroup
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (kCluster > 1)
@@ -394,77 +383,6 @@ __global__ void __launch_bounds__(384, 1)
             mbar_arrive(empty(s));
         }
     };
-    if constexpr (kPingpong) {
-        // This warpgroup's jobs are the CTA's active jobs of ordinal parity cw; the other's k-steps are only counted
-        // (it), so both walk the ring's stages and phases in the producer's order. The main loops take turns: a
-        // warpgroup starts its t-th job after the other finished the main loop of the job before (its 'done'
-        // mbarrier, all 128 threads arrive). Besides giving the tensor cores to one warpgroup at a time, this keeps
-        // every full-barrier wait at most one phase ahead: without it a warpgroup could wait for a stage's phase k
-        // while phase k-1 (the other's job) was still pending, and the parity test would pass on phase k-2.
-        const uint32_t done_mine = bars + 8 * (2 * kStages + cw), done_other = bars + 8 * (2 * kStages + 1 - cw);
-        int it = 0, ordinal = 0, turns = 0;
-        float d0[64], d1[64];  // output rows m0 .. m0+63 and m0+64 .. m0+127 of the 128 x 128 tile
-        TileJob job;
-        for (int i = 0; job_at(i, job); ++i) {
-            if (!job.active) continue;
-            const int nk = num_ktiles<kOp>(p, job);
-            if ((ordinal++ & 1) != cw) {
-                it += nk;
-                continue;
-            }
-            // The other's main loop of the job before this one: its (turns - 1)-th (warpgroup 0) or turns-th (1).
-            const int other_turn = cw == 0 ? turns - 1 : turns;
-            if (other_turn >= 0) mbar_wait(done_other, other_turn & 1);
-#pragma unroll
-            for (int j = 0; j < 64; ++j) d0[j] = d1[j] = 0.f;
-            for (int kt = 0; kt < nk; ++kt, ++it) {
-                const int s = it % kStages;
-                mbar_wait(full(s), (it / kStages) & 1);
-                // Reduction rows at or past the group's end (the next group's, or past max_rows) must count as zero.
-                const int valid = int(job.row_end - (job.row0 + int64_t(kt) * kBK));
-                if (valid < kBK) {
-                    const int bad_rows = kBK - valid, blocks = (BM + BN) / 64;
-                    for (int c = ctid & 127; c < bad_rows * blocks * 8; c += 128) {
-                        int blk = c / (bad_rows * 8), rest = c % (bad_rows * 8);
-                        int r = valid + rest / 8, ch = rest % 8;
-                        const uint32_t dst = sA(s) + blk * kBlockBytes + r * 128 + ch * 16;
-                        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0) : "memory");
-                    }
-                    fence_proxy_async();
-                    named_barrier(2 + cw, 128);
-                }
-                const uint32_t a_s = sA(s), b_s = sB(s);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kBK / 16; ++kk) {
-                    const uint64_t db = make_desc(b_s + kk * 2048, kBlockBytes, 1024);
-                    wgmma_m64n128k16<1, 1>(d0, make_desc(a_s + kk * 2048, kBlockBytes, 1024), db, 1);
-                    wgmma_m64n128k16<1, 1>(d1, make_desc(a_s + kBlockBytes + kk * 2048, kBlockBytes, 1024), db, 1);
-                }
-                wgmma_commit();
-                wgmma_wait<1>();  // step it-1 retired: hand its stage back to the producer(s)
-                if (kt > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
-            }
-            // Every thread of the warpgroup is past its last full-barrier wait: the other may start issuing while
-            // this one's last wgmmas are still in flight (no tensor-core bubble between the turns).
-            mbar_arrive(done_mine);
-            ++turns;
-            wgmma_wait<0>();
-            if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
-            // Stores from registers: they overlap the other warpgroup's main loop (7 stages leave no room for
-            // staging buffers).
-            const int r = w * 16 + (lane >> 2);
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const int col = j * 8 + (lane & 3) * 2;
-                store_pair<kOp>(p, job, r, col, d0[4 * j], d0[4 * j + 1]);
-                store_pair<kOp>(p, job, r + 8, col, d0[4 * j + 2], d0[4 * j + 3]);
-                store_pair<kOp>(p, job, r + 64, col, d1[4 * j], d1[4 * j + 1]);
-                store_pair<kOp>(p, job, r + 72, col, d1[4 * j + 2], d1[4 * j + 3]);
-            }
-        }
-        return;
-    }
     int it = 0, tn_chunks = 0;
     float d[128];
     TileJob job;
@@ -518,8 +436,8 @@ __global__ void __launch_bounds__(384, 1)
             if (p.staged_epilogue) {
                 // An empty group adds nothing to an accumulated gradient: its tile is left as it is.
                 if (!(p.accumulate && nk == 0))
-                    tn_store_epilogue<8>(p, job, &map_c, job.m0 + 64 * cw, 2 + cw, ctid, epi + cw * 2 * kEpiF32Bytes,
-                                         row - cw * 64, lane, d, tn_chunks);
+                    tn_store_epilogue(p, job, &map_c, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64, lane, d,
+                                      tn_chunks);
                 continue;
             }
         }

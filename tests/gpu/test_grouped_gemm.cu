@@ -103,17 +103,12 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kTmaPingpong, kTmaPingpongPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kAuto,
-    kSync
-};
+enum class Backend { kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kAuto, kSync };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
            : b == Backend::kWgmma          ? "wgmma"
            : b == Backend::kTma            ? "tma"
            : b == Backend::kTmaPair        ? "tma-cluster2"
-           : b == Backend::kTmaPingpong    ? "tma-pingpong"
-           : b == Backend::kTmaPingpongPair ? "tma-pingpong-cluster2"
            : b == Backend::kCutlassCoop    ? "cutlass-cooperative"
            : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
            : b == Backend::kAuto           ? "per-shape choice"
@@ -121,9 +116,8 @@ const char* name(Backend b) {
                                            : "sync-cublas";
 }
 
-// tn: also the own kernel's ping-pong schedule (set_tn_pingpong; nt / nn ignore it). own_only: the backends that take
-// a C aligned to 8 bytes only (the own kernels; CUTLASS needs 16).
-std::vector<Backend> backends(bool tn = false, bool own_only = false) {
+// own_only: the backends that take a C aligned to 8 bytes only (the own kernels; CUTLASS needs 16).
+std::vector<Backend> backends(bool own_only = false) {
     std::vector<Backend> out{Backend::kMma};
     if (!own_only) out.push_back(Backend::kSync);
     int dev = 0, major = 0, minor = 0;
@@ -134,10 +128,6 @@ std::vector<Backend> backends(bool tn = false, bool own_only = false) {
         out.push_back(Backend::kWgmma);
         out.push_back(Backend::kTma);
         out.push_back(Backend::kTmaPair);
-        if (tn) {
-            out.push_back(Backend::kTmaPingpong);
-            out.push_back(Backend::kTmaPingpongPair);
-        }
         if (own_only) {
             out.push_back(Backend::kAuto);  // falls back to the own kernel for such a C
             return out;
@@ -155,10 +145,8 @@ std::vector<Backend> backends(bool tn = false, bool own_only = false) {
 void select(Backend b) {
     if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
-    const bool pingpong = b == Backend::kTmaPingpong || b == Backend::kTmaPingpongPair;
-    if (b == Backend::kTma || b == Backend::kTmaPair || pingpong) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
-    set_grouped_gemm_cluster(b == Backend::kTmaPair || b == Backend::kTmaPingpongPair ? 2 : 1);
-    set_tn_pingpong(pingpong ? 1 : 0);
+    if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
+    set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop   ? CutlassConfig::kCooperative
@@ -171,7 +159,6 @@ void reset_backend() {
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
     set_grouped_gemm_cluster(0);
     set_cutlass_config(CutlassConfig::kAuto);
-    set_tn_pingpong(-1);
 }
 
 enum class Op { kNT, kNN };
@@ -223,8 +210,8 @@ void check_row_gemm(Op op, const std::vector<int>& counts, int slack_rows, int n
 }
 
 // tn: C[g] (+)= A_gᵀ·B_g in fp32 over the group's rows (zero rows: zeroed, or unchanged with accumulate).
-// c_shift = 2: C starts 8 bytes past a 16-byte boundary (the own kernel's register stores instead of TMA stores;
-// only the backends that take such a C run).
+// c_shift = 2: C starts 8 bytes past a 16-byte boundary (the own TMA kernel's register stores instead of its bulk
+// tensor stores; only the backends that take such a C run).
 void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool accumulate, uint64_t seed,
               int c_shift = 0) {
     const int G = int(counts.size());
@@ -247,7 +234,7 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
     DeviceBuffer<bf16> dA(A), dB(B);
     DeviceBuffer<int32_t> dOff(off);
     GroupedGemmShape shape{G, max_rows, n, m};
-    for (Backend b : backends(true, c_shift != 0)) {
+    for (Backend b : backends(c_shift != 0)) {
         SCOPED_TRACE(::testing::Message() << name(b) << " c_shift=" << c_shift << " tn G=" << G << " m=" << m << " n=" << n << " rows=" << rows
                                           << " accumulate=" << accumulate << " seed=" << seed);
         select(b);
@@ -476,7 +463,7 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
     GroupedGemmShape row_shape{G, max_rows, n, k}, tn_shape{G, max_rows, n, k};
     cudaStream_t stream;
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    for (Backend b : backends(true)) {
+    for (Backend b : backends()) {
         if (b == Backend::kSync) continue;
         SCOPED_TRACE(name(b));
         select(b);
