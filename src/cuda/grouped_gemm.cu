@@ -401,6 +401,7 @@ void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel);
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
+bool glu_backward_fusion_enabled() { return glu_fusion_allowed(); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {

@@ -57,6 +57,7 @@ struct GluBackwardEpilogue {
 int64_t glu_backward_tiles(int64_t n);
 // 1 = fuse where possible, 0 = never; -1 (default) = the environment variable MOEKIT_FUSE_GLU_BACKWARD=1, else never.
 void set_glu_backward_fusion(int on);
+bool glu_backward_fusion_enabled();  // what set_glu_backward_fusion / the environment say now
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream);
 

@@ -67,7 +67,9 @@ public:
         fc1_out_.resize(Me * F1), act_out_.resize(Me * F), expert_out_.resize(Me * H);
         grad_rows_.resize(Me * H), grad_act_.resize(Me * F), grad_fc1_out_.resize(Me * F1), grad_x_rows_.resize(Me * H);
         grad_row_probs_.resize(Me), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
-        if (shape.gated_linear_unit) glu_dp_.resize(Me * glu_backward_tiles(F));
+        // Only where the fused dgrad + activation backward may run (decided here, at construction: it is off by
+        // default) is its d(prob) partial buffer allocated; without it the backward takes the unfused pair.
+        if (shape.gated_linear_unit && glu_backward_fusion_enabled()) glu_dp_.resize(Me * glu_backward_tiles(F));
         if (shape.has_shared) {
             const int64_t Fs = shape.shared.ffn, Fs1 = shape.shared.fc1_rows();
             shared_offsets_.resize(2);
@@ -180,7 +182,7 @@ public:
         // (grouped_gemm_nn_glu_backward; opt-in, measured slower), leaving only the d(prob) partials to sum.
         bool fused_act = false;
         if constexpr (std::is_same_v<R, float>) {
-            if (S == 0 && shape_.gated_linear_unit && gemm_.nn_glu_backward)
+            if (S == 0 && glu_dp_.size() > 0 && gemm_.nn_glu_backward)
                 fused_act = gemm_.nn_glu_backward(
                     GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, offsets,
                     GluBackwardEpilogue{fc1_out_.get(), experts_.probs, grad_fc1_out_.get(), glu_dp_.get(), shape_.act},
@@ -393,7 +395,7 @@ private:
     DeviceBuffer<uint64_t> jitter_seed_;
     DeviceBuffer<float> sinkhorn_, sinkhorn_d0_;
     DeviceBuffer<bf16> fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
-    DeviceBuffer<float> glu_dp_;  // the fused dgrad + activation backward's d(prob) partials (gated only)
+    DeviceBuffer<float> glu_dp_;  // the fused dgrad + activation backward's d(prob) partials (gated, fusion on)
     DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
     DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;
     DeviceBuffer<float> grad_shared_fc1_, grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_;
