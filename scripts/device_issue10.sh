@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 10's measurements in one bounded device call: build everything; the GPU suite once; the whole layer on the
-# four presets and under zipf 1.2 (moekit bench, per-shape GEMM choice, interleaved timing); the SwiGLU-backward
-# vector-width A/B; the ECHO simulated EP step (bench_echo_balance, issue 9) on the current GEMMs.
+# four presets and under zipf 1.2 (moekit bench, per-shape GEMM choice, interleaved timing); the own kernel's wgrad
+# epilogue A/B (bulk tensor stores vs register stores); the ECHO simulated EP step (bench_echo_balance, issue 9) with
+# the per-shape choice and with the own kernel's hot/cold interleave.
 # usage: MOEKIT_COMMIT=<sha> scripts/device_issue10.sh; results in $OUT. Follow with BUILD=0 scripts/device_suite.sh
 # on the still-warm machine for the repeated suite and the sanitizers.
 . "$(dirname "$0")/device_lib.sh"
@@ -17,18 +18,23 @@ for p in mixtral dsv3-ep8 qwen3-30b dsv3-e256 "dsv3-ep8 --skew zipf:1.2" "mixtra
   timeout 80 $B/moekit bench --preset $p --iters 10 --json "$OUT/bench/layer_$(echo $p | tr -cd 'a-z0-9.-').json" 2>&1 \
     | grep -E "^moekit|^  (fc1|fc2|activation|router|permute|combine) |interleaved|TFLOP|x floor|roofline|memory" | tee -a "$OUT/summary.txt"
 done
-for v in 2 4 8; do
-  for p in mixtral dsv3-ep8; do
-    left 30 "act bwd vec $v $p" || break
-    log "moekit bench --preset $p with MOEKIT_ACT_BWD_VEC=$v"
-    MOEKIT_ACT_BWD_VEC=$v timeout 60 $B/moekit bench --preset $p --iters 10 2>&1 | grep -E "^  activation|interleaved" | tee -a "$OUT/summary.txt"
+for p in dsv3-ep8 mixtral; do
+  for e in staged direct; do
+    left 40 "tn epilogue $e $p" || break
+    log "bench_grouped_gemm --preset $p, wgrad epilogue $e (MOEKIT_GEMM_EPILOGUE; tn rows)"
+    MOEKIT_GEMM_EPILOGUE=$e timeout 60 $B/bench_grouped_gemm --preset $p --iters 10 2>&1 | grep -E "^  (gemm|fc)" \
+      | grep -E "gemm|tn" | tee -a "$OUT/summary.txt"
   done
 done
-left 70 "bench_echo_balance" && {
-  log "bench_echo_balance (simulated EP step, rank by rank, zipf 1.2, waterfill)"
-  timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 --algorithm waterfill --json "$OUT/bench/echo_balance.json" \
-    >"$OUT/bench/echo_balance.txt" 2>&1
+for v in "default|" "interleave|MOEKIT_WGRAD_HOT_ROWS=512"; do
+  IFS='|' read -r label envs <<<"$v"
+  left 50 "bench_echo_balance $label" || break
+  log "bench_echo_balance ($label: $envs; simulated EP step, rank by rank, zipf 1.2, waterfill)"
+  env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 --algorithm waterfill \
+    --json "$OUT/bench/echo_balance_$label.json" >"$OUT/bench/echo_balance_$label.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
-  tail -32 "$OUT/bench/echo_balance.txt" | cut -c1-220 | tee -a "$OUT/summary.txt"
-}
+  grep -E "^EP=|^  (configuration|ECHO|forced|no ECHO|busiest|acceptance)" "$OUT/bench/echo_balance_$label.txt" \
+    | cut -c1-220 | tee -a "$OUT/summary.txt"
+done
+tar -czf "$OUT/bench.tar.gz" -C "$OUT" bench && rm -rf "$OUT/bench"
 log "done"
