@@ -33,6 +33,15 @@ for p in $PRESETS; do
       | grep -E "^  (gemm|fc)" | grep -E "gemm|tn" | tee -a "$OUT/summary.txt"
   done
 done
+# LAYER_RUNS="label|ENV=V|preset args;...": moekit bench (needs EXTRA_TARGETS=moekit), stage table and totals.
+IFS=';' read -ra layer_runs <<<"${LAYER_RUNS:-}"
+for v in "${layer_runs[@]}"; do
+  IFS='|' read -r label envs args <<<"$v"
+  left 60 "moekit bench $label" || break
+  log "moekit bench $args ($label: $envs)"
+  env $envs timeout 80 $B/moekit bench $args --iters 10 --json "$OUT/bench/layer_${label}.json" 2>&1 \
+    | grep -E "^moekit|^  (fc1|fc2) |interleaved|roofline" | tee -a "$OUT/summary.txt"
+done
 IFS=';' read -ra echo_runs <<<"$ECHO_RUNS"
 for v in "${echo_runs[@]}"; do
   IFS='|' read -r label envs <<<"$v"
