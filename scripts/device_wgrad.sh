@@ -3,12 +3,12 @@
 # compute-sanitizer racecheck + memcheck on the tn cases; per-GEMM tables (bench_grouped_gemm: the own TMA kernel's
 # tn column against CUTLASS's configurations) on PRESETS, for each own-kernel wgrad variant of TN_VARIANTS; ECHO's
 # simulated EP step (bench_echo_balance) for each configuration of ECHO_RUNS ("label|ENV=V ...;...").
-# usage: MOEKIT_COMMIT=<sha> [PRESETS=...] [HOT=512] scripts/device_wgrad.sh; results in $OUT.
+# usage: MOEKIT_COMMIT=<sha> [PRESETS=...] [HOT=512] scripts/device_wgrad.sh (a list set empty skips its part); results in $OUT.
 . "$(dirname "$0")/device_lib.sh"
-PRESETS=${PRESETS:-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
+PRESETS=${PRESETS-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
 HOT=${HOT:-512}
-TN_VARIANTS=${TN_VARIANTS:-"staged|;direct|MOEKIT_GEMM_EPILOGUE=direct"}
-ECHO_RUNS=${ECHO_RUNS:-"default|;interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT;own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"}
+TN_VARIANTS=${TN_VARIANTS-"staged|;direct|MOEKIT_GEMM_EPILOGUE=direct"}
+ECHO_RUNS=${ECHO_RUNS-"default|;interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT;own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"}
 log "build"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
 timeout 330 cmake --build $B --target test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-} \

@@ -64,9 +64,8 @@ struct Choice {
 //    tile, so each weight tile is read once: 20-25% faster than 128-row tiles, faster than cuBLAS per expert);
 //    tn CUTLASS cooperative 128x256 (5% faster);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
-//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b) where the groups are about even, CUTLASS
-//    cooperative where they are skewed (an ECHO rank, Zipf routing), decided on the device (kBySkew; H200,
-//    bench_echo_balance, 2026-11-26: ECHO's fc1 wgrad 4.90 vs 5.09-5.10 ms);
+//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), except where most groups are small (an
+//    ECHO rank's cold experts): CUTLASS cooperative, decided on the device (kBySkew, core/group_skew_math.h);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);
 //  - wgrad of large groups whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x

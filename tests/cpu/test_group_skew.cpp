@@ -1,4 +1,4 @@
-// groups_skewed (core/group_skew_math.h): the device-side choice between the CUTLASS wgrad schedules.
+// groups_mostly_small (core/group_skew_math.h): the device-side choice between the CUTLASS wgrad schedules.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -8,31 +8,34 @@
 
 namespace {
 
-bool skewed(const std::vector<int64_t>& rows) {
-    int64_t largest = 0, total = 0;
-    for (int64_t r : rows) largest = r > largest ? r : largest, total += r;
-    return moekit::groups_skewed(largest, total, int64_t(rows.size()));
+bool mostly_small(const std::vector<int64_t>& rows) {
+    int64_t small = 0, nonempty = 0;
+    for (int64_t r : rows) small += moekit::is_small_group(r), nonempty += r > 0;
+    return moekit::groups_mostly_small(small, nonempty);
 }
 
-TEST(GroupSkew, EvenGroupsAreNotSkewed) {
-    EXPECT_FALSE(skewed({512, 512, 512, 512}));
-    EXPECT_FALSE(skewed({560, 500, 620, 540, 610}));   // sampled forced balance
-    EXPECT_FALSE(skewed({973, 1090, 1000, 1024}));     // dsv3-ep8 without skew
+TEST(GroupSkew, EvenOrLargeGroupsTakePingpong) {
+    EXPECT_FALSE(mostly_small({512, 512, 512, 512}));
+    EXPECT_FALSE(mostly_small({560, 500, 620, 540, 610}));       // sampled forced balance
+    EXPECT_FALSE(mostly_small({272, 4037, 900, 1500, 300}));     // dsv3-ep8 under zipf 1.2: skewed, none small
+    EXPECT_FALSE(mostly_small({139, 15515, 240, 300, 700, 90}));  // half small
 }
 
-TEST(GroupSkew, OneLargeGroupAmongSmallOnesIsSkewed) {
-    EXPECT_TRUE(skewed({5524, 60, 80, 120, 260, 90, 70, 100}));  // an ECHO rank's home experts
-    EXPECT_TRUE(skewed({0, 0, 0, 400}));                          // one expert takes all
+TEST(GroupSkew, MostlySmallGroupsTakeCooperative) {
+    EXPECT_TRUE(mostly_small({5524, 60, 80, 120, 260, 90, 70, 100, 200}));  // an ECHO rank's home experts
+    EXPECT_TRUE(mostly_small({0, 0, 0, 100}));                              // one small group, the rest empty
 }
 
-TEST(GroupSkew, ThresholdIsTwiceTheMean) {
-    EXPECT_TRUE(skewed({200, 50, 50, 100}));   // largest 200 = 2 x mean 100
-    EXPECT_FALSE(skewed({199, 51, 50, 100}));  // largest 199 < 2 x mean 100
+TEST(GroupSkew, ThresholdIsThreeQuartersOfTheNonEmptyGroups) {
+    EXPECT_TRUE(mostly_small({1000, 10, 20, 30, 0, 0}));      // 3 of 4 non-empty groups small
+    EXPECT_FALSE(mostly_small({1000, 900, 20, 30, 40, 0}));   // 3 of 5
+    EXPECT_TRUE(mostly_small({255, 1, 0}));                   // below 256 rows is small
+    EXPECT_FALSE(mostly_small({256, 256, 1, 0}));             // 256 is not
 }
 
-TEST(GroupSkew, NothingToRunIsNotSkewed) {
-    EXPECT_FALSE(skewed({}));
-    EXPECT_FALSE(skewed({0, 0, 0}));
+TEST(GroupSkew, NothingToRunTakesPingpong) {
+    EXPECT_FALSE(mostly_small({}));
+    EXPECT_FALSE(mostly_small({0, 0, 0}));
 }
 
 }  // namespace

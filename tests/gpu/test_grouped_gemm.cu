@@ -338,8 +338,8 @@ TEST(GroupedGemm, LargeGroupsLongReduction) {
 TEST(GroupedGemm, WgradScheduleChosenFromGroupSizes) {
     SKIP_WITHOUT_GPU();
     // CUTLASS's kBySkew wgrad launches cooperative and ping-pong; the device gives one of them no tiles, from the
-    // group sizes (core/group_skew_math.h). Even groups (ping-pong runs), one large group among small and empty ones
-    // (cooperative runs), both mean sizes in the per-shape choice's kBySkew range (256..1535 rows a group).
+    // group sizes (core/group_skew_math.h). Even groups (ping-pong runs), one large group among mostly small and
+    // empty ones (cooperative runs), both mean sizes in the per-shape choice's kBySkew range (256..1535 rows).
     const std::vector<int> even{300, 310, 290, 305, 296}, skewed{1500, 40, 0, 60, 90, 0};
     for (bool acc : {false, true}) {
         check_tn(even, 7, 192, 256, acc, 111 + acc);

@@ -109,22 +109,27 @@ __device__ Stride leading(int64_t ld) {
     return s;
 }
 
-// Which launch of a kBySkew pair this is: kAlways (a single launch), or the one that runs only if the groups are
-// skewed (groups_skewed) / only if they are not; the launch that should not run gets no tiles (every M = 0).
-enum class Gate { kAlways, kIfSkewed, kIfEven };
+// Which launch of a kBySkew pair this is: kAlways (a single launch), or the one that runs only if most groups are
+// small (groups_mostly_small: cooperative) / only if not (ping-pong); the launch that should not run gets no tiles
+// (every M = 0).
+enum class Gate { kAlways, kIfMostlySmall, kIfNotMostlySmall };
 
 // Whether this launch runs, from the offsets (one block; every thread gets the answer).
 __device__ inline bool gate_open(Gate gate, const int32_t* offsets, int groups) {
     if (gate == Gate::kAlways) return true;
-    __shared__ int largest;
-    if (threadIdx.x == 0) largest = 0;
+    __shared__ int small, nonempty;
+    if (threadIdx.x == 0) small = 0, nonempty = 0;
     __syncthreads();
-    int mine = 0;
-    for (int g = threadIdx.x; g < groups; g += blockDim.x) mine = max(mine, offsets[g + 1] - offsets[g]);
-    atomicMax(&largest, mine);
+    int my_small = 0, my_nonempty = 0;
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+        const int rows = offsets[g + 1] - offsets[g];
+        my_small += is_small_group(rows);
+        my_nonempty += rows > 0;
+    }
+    atomicAdd(&small, my_small);
+    atomicAdd(&nonempty, my_nonempty);
     __syncthreads();
-    const bool skewed = groups_skewed(largest, int64_t(offsets[groups]) - offsets[0], groups);
-    return skewed == (gate == Gate::kIfSkewed);
+    return groups_mostly_small(small, nonempty) == (gate == Gate::kIfMostlySmall);
 }
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
@@ -230,7 +235,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     const typename G::Gemm::Arguments args = make_args(a);
     fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, gate);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    if (kOp == Op::kTN && !accumulate && gate != Gate::kIfEven) {  // once per GEMM (a kBySkew pair: its first)
+    if (kOp == Op::kTN && !accumulate && gate != Gate::kIfNotMostlySmall) {  // once per GEMM (a kBySkew pair: its first)
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block);
@@ -257,8 +262,8 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         if (config == CutlassConfig::kBySkew) {
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // may share the stream's argument buffer; the one whose gate is closed exits without a tile.
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, Gate::kIfSkewed);
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, Gate::kIfEven);
+            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, Gate::kIfMostlySmall);
+            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, Gate::kIfNotMostlySmall);
             return;
         }
     }
