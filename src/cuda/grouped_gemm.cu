@@ -64,8 +64,7 @@ struct Choice {
 //    tile, so each weight tile is read once: 20-25% faster than 128-row tiles, faster than cuBLAS per expert);
 //    tn CUTLASS cooperative 128x256 (5% faster);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
-//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), except where most groups are small (an
-//    ECHO rank's cold experts): CUTLASS cooperative, decided on the device (kBySkew, core/group_skew_math.h);
+//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);
 //  - wgrad of large groups whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x
@@ -79,8 +78,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (rows_per_group < kSmallGroupRows)
         return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : CutlassConfig::kCooperativeTall};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
-        if (rows_per_group < kLargeGroupRows)
-            return {GroupedGemmKernel::kCutlass, wgrad_by_skew() ? CutlassConfig::kBySkew : CutlassConfig::kPingpong};
+        if (rows_per_group < kLargeGroupRows) return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
         if (s.n >= 2 * s.k) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
         return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     }
@@ -149,18 +147,6 @@ int tn_hot_rows() {
     }
     return h;
 }
-
-}  // namespace
-
-bool wgrad_by_skew() {
-    static const bool on = [] {
-        const char* env = std::getenv("MOEKIT_WGRAD_BY_SKEW");
-        return !(env && std::strcmp(env, "0") == 0);
-    }();
-    return on;
-}
-
-namespace {
 
 int tma_cluster() {
     int c = g_cluster.load();

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 
-#include "core/group_skew_math.h"
 #include "cuda/grouped_gemm.h"
 
 namespace moekit::cuda {
@@ -22,18 +21,11 @@ bool cutlass_grouped_gemm_built();
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
-//   kBySkew (tn only; nt/nn take kAuto's choice): ping-pong and cooperative are both launched and the device picks
-//                     from the offsets (core/group_skew_math.h: cooperative when at least 3/4 of the non-empty
-//                     groups have fewer than kSmallGroupRows rows, as on an ECHO rank); the other gets no tiles.
-enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kBySkew };
+enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
-static_assert(kSmallGroupRows == kSmallGroupRowsForSkew, "one meaning of a small group");
 void set_cutlass_config(CutlassConfig config);
-// Whether wgrad of mid-sized groups (kSmallGroupRows..kLargeGroupRows) takes kBySkew (default) or kPingpong
-// (MOEKIT_WGRAD_BY_SKEW=0, the choice before 2026-11-26).
-bool wgrad_by_skew();
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,

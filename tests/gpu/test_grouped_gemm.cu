@@ -103,9 +103,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassBySkew, kAuto, kSync
-};
+enum class Backend { kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kAuto, kSync };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
            : b == Backend::kWgmma          ? "wgmma"
@@ -115,7 +113,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
            : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
-           : b == Backend::kCutlassBySkew  ? "cutlass-by-skew"
                                            : "sync-cublas";
 }
 
@@ -139,7 +136,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassCoop);
             out.push_back(Backend::kCutlassTall);
             out.push_back(Backend::kCutlassPingpong);
-            out.push_back(Backend::kCutlassBySkew);
             out.push_back(Backend::kAuto);
         }
     }
@@ -151,13 +147,11 @@ void select(Backend b) {
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
-    if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassBySkew) {
+    if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
-        set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
-                           : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
-                           : b == Backend::kCutlassBySkew   ? CutlassConfig::kBySkew
-                                                            : CutlassConfig::kPingpong);
+        set_cutlass_config(b == Backend::kCutlassCoop   ? CutlassConfig::kCooperative
+                           : b == Backend::kCutlassTall ? CutlassConfig::kCooperativeTall
+                                                        : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
 }
@@ -333,18 +327,6 @@ TEST(GroupedGemm, LargeGroupsLongReduction) {
     check_row_gemm(Op::kNN, counts, 3, 64, 256, 92);
     check_tn(counts, 3, 64, 128, true, 93);
     check_tn(counts, 3, 256, 128, true, 94);
-}
-
-TEST(GroupedGemm, WgradScheduleChosenFromGroupSizes) {
-    SKIP_WITHOUT_GPU();
-    // CUTLASS's kBySkew wgrad launches cooperative and ping-pong; the device gives one of them no tiles, from the
-    // group sizes (core/group_skew_math.h). Even groups (ping-pong runs), one large group among mostly small and
-    // empty ones (cooperative runs), both mean sizes in the per-shape choice's kBySkew range (256..1535 rows).
-    const std::vector<int> even{300, 310, 290, 305, 296}, skewed{1500, 40, 0, 60, 90, 0};
-    for (bool acc : {false, true}) {
-        check_tn(even, 7, 192, 256, acc, 111 + acc);
-        check_tn(skewed, 7, 192, 256, acc, 113 + acc);
-    }
 }
 
 TEST(GroupedGemm, WgradGradientOffSixteenBytes) {

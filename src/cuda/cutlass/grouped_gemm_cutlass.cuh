@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/group_skew_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_cutlass.h"
 
@@ -109,39 +108,15 @@ __device__ Stride leading(int64_t ld) {
     return s;
 }
 
-// Which launch of a kBySkew pair this is: kAlways (a single launch), or the one that runs only if most groups are
-// small (groups_mostly_small: cooperative) / only if not (ping-pong); the launch that should not run gets no tiles
-// (every M = 0).
-enum class Gate { kAlways, kIfMostlySmall, kIfNotMostlySmall };
-
-// Whether this launch runs, from the offsets (one block; every thread gets the answer).
-__device__ inline bool gate_open(Gate gate, const int32_t* offsets, int groups) {
-    if (gate == Gate::kAlways) return true;
-    __shared__ int small, nonempty;
-    if (threadIdx.x == 0) small = 0, nonempty = 0;
-    __syncthreads();
-    int my_small = 0, my_nonempty = 0;
-    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        const int rows = offsets[g + 1] - offsets[g];
-        my_small += is_small_group(rows);
-        my_nonempty += rows > 0;
-    }
-    atomicAdd(&small, my_small);
-    atomicAdd(&nonempty, my_nonempty);
-    __syncthreads();
-    return groups_mostly_small(small, nonempty) == (gate == Gate::kIfMostlySmall);
-}
-
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
 template <Op kOp, class G>
 __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
-                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C, Gate gate) {
+                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C) {
     const auto* A_ = reinterpret_cast<const typename G::ElementAB*>(A);
     const auto* B_ = reinterpret_cast<const typename G::ElementAB*>(B);
     auto* D_ = static_cast<typename G::ElementD*>(C);
-    const bool run = gate_open(gate, offsets, groups);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        const int64_t r0 = offsets[g], rows = run ? offsets[g + 1] - r0 : 0;
+        const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
         if constexpr (kOp == Op::kTN) {
             a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
             a.ptr_a[g] = A_ + r0 * k;
@@ -202,7 +177,7 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
 
 template <Op kOp, class Config>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream, Gate gate = Gate::kAlways) {
+                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
     using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
@@ -233,9 +208,9 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, gate);
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    if (kOp == Op::kTN && !accumulate && gate != Gate::kIfNotMostlySmall) {  // once per GEMM (a kBySkew pair: its first)
+    if (kOp == Op::kTN && !accumulate) {
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block);
@@ -258,15 +233,6 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
          const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
-    if constexpr (kOp == Op::kTN) {
-        if (config == CutlassConfig::kBySkew) {
-            // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
-            // may share the stream's argument buffer; the one whose gate is closed exits without a tile.
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, Gate::kIfMostlySmall);
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, Gate::kIfNotMostlySmall);
-            return;
-        }
-    }
     if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
     else if (config == CutlassConfig::kCooperativeTall)
