@@ -7,16 +7,9 @@
 # usage: MOEKIT_COMMIT=<sha> [PRESETS="mixtral dsv3-ep8 ..."] scripts/device_gemm_ab.sh; results in $OUT.
 . "$(dirname "$0")/device_lib.sh"
 PRESETS=${PRESETS:-"mixtral dsv3-ep8 qwen3-30b dsv3-e256"}
-log "build"
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
+build_targets 330 moekit test_grouped_gemm bench_grouped_gemm test_cuda_layer test_cuda_graph
 grep -E "CUTLASS" "$OUT/build.log" | tee -a "$OUT/summary.txt"
-timeout 330 cmake --build $B --target moekit test_grouped_gemm bench_grouped_gemm test_cuda_layer test_cuda_graph \
-  >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
-log "test_grouped_gemm (all backends)"
-timeout 120 $B/test_grouped_gemm >"$OUT/test_grouped_gemm.log" 2>&1
-echo "exit $?" | tee -a "$OUT/summary.txt"
-grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|Trace|cutlass|exception" "$OUT/test_grouped_gemm.log" | head -30 \
-  | cut -c1-240 | tee -a "$OUT/summary.txt"
+gtest_run 120 test_grouped_gemm  # every backend
 left 100 "bench_grouped_gemm" && {
   log "bench_grouped_gemm (per GEMM, 10 iterations)"
   for p in $PRESETS; do

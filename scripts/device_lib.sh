@@ -18,3 +18,21 @@ sanitize() {
   echo "$1 exit $?" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|SUMMARY" "$OUT/$1.log" | tail -3 | tee -a "$OUT/summary.txt"
 }
+# build_targets SECONDS TARGET...: configure $B (Release, sm_90a; extra cmake flags in CMAKE_FLAGS) and build the
+# targets within SECONDS; on failure the first errors go to the summary and the script exits.
+build_targets() {
+  local t=$1; shift
+  log "build"
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ${CMAKE_FLAGS:-} >"$OUT/build.log" 2>&1
+  timeout "$t" cmake --build $B --target "$@" >>"$OUT/build.log" 2>&1 ||
+    { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
+}
+# gtest_run SECONDS BINARY [ARGS...]: a gtest binary of $B, its log in $OUT/BINARY.log, verdict and failures in the summary.
+gtest_run() {
+  local t=$1 bin=$2; shift 2
+  log "$bin $*"
+  timeout "$t" $B/$bin "$@" >"$OUT/$bin.log" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|Trace|exception" "$OUT/$bin.log" | head -30 | cut -c1-240 \
+    | tee -a "$OUT/summary.txt"
+}

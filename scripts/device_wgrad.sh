@@ -9,15 +9,8 @@ PRESETS=${PRESETS-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
 HOT=${HOT:-512}
 TN_VARIANTS=${TN_VARIANTS-"staged|;direct|MOEKIT_GEMM_EPILOGUE=direct"}
 ECHO_RUNS=${ECHO_RUNS-"default|;interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT;own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"}
-log "build"
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
-timeout 330 cmake --build $B --target test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-} \
-  >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
-log "test_grouped_gemm"
-timeout 120 $B/test_grouped_gemm >"$OUT/test_grouped_gemm.log" 2>&1
-echo "exit $?" | tee -a "$OUT/summary.txt"
-grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|Trace|exception" "$OUT/test_grouped_gemm.log" | head -30 \
-  | cut -c1-240 | tee -a "$OUT/summary.txt"
+build_targets 330 test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-}
+gtest_run 120 test_grouped_gemm
 left 200 "sanitizers" && {
   log "compute-sanitizer on the tn cases"
   sanitize racecheck 120 $B/test_grouped_gemm '*EmptyFirst*:*WgradGradientOff*'
