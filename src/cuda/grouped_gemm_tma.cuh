@@ -210,9 +210,9 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
 // through its two 8 KB buffers (laid out as the TMA box's 128-byte swizzle: a row's 16-byte piece q at q ^ (row & 7),
 // which also keeps the st.shared conflict-free), each chunk one bulk tensor store, or with accumulation one bulk
 // reduce-add (the fp32 main grad is read-modified-written at L2 instead of through the SM's registers). Nothing
-// waits for a store to land: a buffer is reused once its previous store has read it out, so the tile's gradient
-// drains to memory while the warpgroup's next main loop runs (the direct stores from registers held the tensor
-// cores idle for the whole write: issue 9's write-bound cold groups). `issued` counts this warpgroup's chunks.
+// waits for a store to land: a buffer is reused once its previous store has read it out. Measured about even with
+// the register stores (H200, docs/perf.md): this kernel's wgrad main loop waits on its TMA loads, not on its stores.
+// `issued` counts this warpgroup's chunks.
 __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
                                                   int cw, int ctid, uint32_t bufs, int r, int lane,
                                                   const float (&d)[128], int& issued) {

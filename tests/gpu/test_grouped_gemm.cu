@@ -235,8 +235,9 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
     DeviceBuffer<int32_t> dOff(off);
     GroupedGemmShape shape{G, max_rows, n, m};
     for (Backend b : backends(c_shift != 0)) {
-        SCOPED_TRACE(::testing::Message() << name(b) << " c_shift=" << c_shift << " tn G=" << G << " m=" << m << " n=" << n << " rows=" << rows
-                                          << " accumulate=" << accumulate << " seed=" << seed);
+        SCOPED_TRACE(::testing::Message() << name(b) << " c_shift=" << c_shift << " tn G=" << G << " m=" << m
+                                          << " n=" << n << " rows=" << rows << " accumulate=" << accumulate
+                                          << " seed=" << seed);
         select(b);
         std::vector<float> shifted(size_t(c_shift), 0.f);
         shifted.insert(shifted.end(), C0.begin(), C0.end());
