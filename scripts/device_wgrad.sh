@@ -4,25 +4,32 @@
 # tn column against CUTLASS's configurations) on PRESETS, for each own-kernel wgrad variant of TN_VARIANTS; ECHO's
 # simulated EP step (bench_echo_balance) for each configuration of ECHO_RUNS ("label|ENV=V ...;...").
 # usage: MOEKIT_COMMIT=<sha> [PRESETS=...] [HOT=512] scripts/device_wgrad.sh (a list set empty skips its part); results in $OUT.
+# A PRESETS entry P@zipf:S runs bench_grouped_gemm --preset P --skew zipf:S.
 . "$(dirname "$0")/device_lib.sh"
 PRESETS=${PRESETS-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
 HOT=${HOT:-512}
 TN_VARIANTS=${TN_VARIANTS-"staged|;direct|MOEKIT_GEMM_EPILOGUE=direct"}
 ECHO_RUNS=${ECHO_RUNS-"default|;interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT;own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"}
 build_targets 330 test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-}
-gtest_run 120 test_grouped_gemm
-left 200 "sanitizers" && {
-  log "compute-sanitizer on the tn cases"
-  sanitize racecheck 120 $B/test_grouped_gemm '*EmptyFirst*:*WgradGradientOff*'
-  sanitize memcheck 90 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GraphReplay*'
+[ "${TESTS:-1}" = 1 ] && {  # TESTS=0: a second call on a warm machine, benchmarks only
+  gtest_run 120 test_grouped_gemm
+  left 200 "sanitizers" && {
+    log "compute-sanitizer on the tn cases"
+    sanitize racecheck 120 $B/test_grouped_gemm '*EmptyFirst*:*WgradGradientOff*:*WgradGroupsSplit*'
+    sanitize memcheck 90 $B/test_grouped_gemm \
+      '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*WgradGroupsSplit*:*GraphReplay*'
+  }
 }
 IFS=';' read -ra tn_variants <<<"$TN_VARIANTS"
-for p in $PRESETS; do
+for entry in $PRESETS; do
+  p=${entry%@*} skew=()
+  [ "$entry" != "$p" ] && skew=(--skew "${entry#*@}")
   for v in "${tn_variants[@]}"; do
     IFS='|' read -r label envs <<<"$v"
-    left 150 "bench_grouped_gemm $p $label" || break
-    log "bench_grouped_gemm --preset $p ($label: $envs)"
-    env $envs timeout 60 $B/bench_grouped_gemm --preset $p --iters 10 --json "$OUT/bench/gemm_${p}_$label.json" 2>&1 \
+    left 150 "bench_grouped_gemm $entry $label" || break
+    log "bench_grouped_gemm --preset $p ${skew[*]} ($label: $envs)"
+    env $envs timeout 60 $B/bench_grouped_gemm --preset $p "${skew[@]}" --iters 10 \
+      --json "$OUT/bench/gemm_${entry//[:@]/_}_$label.json" 2>&1 \
       | grep -E "^  (gemm|fc)" | grep -E "gemm|tn" | tee -a "$OUT/summary.txt"
   done
 done

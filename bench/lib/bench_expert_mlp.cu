@@ -201,6 +201,10 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     set_cutlass_config(config);
                     r[key] = t([&] { run_case(kGrouped, q, c, s); });
                 }
+                if (c.op == Op::kTN && wgrad_split_bound() > 0) {  // wgrad groups split by size between the two
+                    set_cutlass_config(CutlassConfig::kSplitBySize);
+                    r["cutlass_split_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+                }
                 set_cutlass_config(CutlassConfig::kAuto);
             }
         } else {
@@ -223,22 +227,24 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["zipf_s"].get<double>(), ") on ", r["device"].get<std::string>(), "\n");
     char line[256];
     // tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90);
+    // cl-split = wgrad groups below wgrad_split_bound() rows cooperative, the rest ping-pong;
     // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column.
-    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s\n", "gemm", "op",
-                  "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense",
-                  "vs dns");
+    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s\n", "gemm",
+                  "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "mma ms", "sync ms", "dense ms",
+                  "TFLOP/s", "dense", "vs dns");
     out += line;
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
         double best = INFINITY;
-        for (const char* key : {"mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms", "cutlass_pingpong_ms"})
+        for (const char* key :
+             {"mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms", "cutlass_pingpong_ms", "cutlass_split_ms"})
             if (g.contains(key)) best = std::min(best, g[key].get<double>());
         double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
         std::snprintf(line, sizeof line,
-                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx\n",
+                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx\n",
                       g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
                       ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
-                      ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense);
+                      ms(g, "cutlass_split_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense);
         out += line;
     }
     return out;

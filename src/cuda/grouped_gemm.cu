@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_cutlass.h"
@@ -64,7 +65,8 @@ struct Choice {
 //    tile, so each weight tile is read once: 20-25% faster than 128-row tiles, faster than cuBLAS per expert);
 //    tn CUTLASS cooperative 128x256 (5% faster);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
-//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b);
+//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 256 rows (an ECHO
+//    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);
 //  - wgrad of large groups whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x
@@ -78,7 +80,9 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (rows_per_group < kSmallGroupRows)
         return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : CutlassConfig::kCooperativeTall};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
-        if (rows_per_group < kLargeGroupRows) return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
+        if (rows_per_group < kLargeGroupRows)
+            return {GroupedGemmKernel::kCutlass,
+                    wgrad_split_bound() > 0 ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
         if (s.n >= 2 * s.k) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
         return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     }
@@ -147,6 +151,18 @@ int tn_hot_rows() {
     }
     return h;
 }
+
+}  // namespace
+
+int64_t wgrad_split_bound() {
+    static const int64_t rows = [] {
+        const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_ROWS");
+        return env ? std::max<int64_t>(0, std::atoll(env)) : kWgradSplitRows;
+    }();
+    return rows;
+}
+
+namespace {
 
 int tma_cluster() {
     int c = g_cluster.load();

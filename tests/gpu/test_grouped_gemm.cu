@@ -11,6 +11,7 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "core/wgrad_split_math.h"
 #include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm.h"
@@ -103,7 +104,9 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
     return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-enum class Backend { kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kAuto, kSync };
+enum class Backend {
+    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kAuto, kSync
+};
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
            : b == Backend::kWgmma          ? "wgmma"
@@ -113,6 +116,7 @@ const char* name(Backend b) {
            : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
            : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
+           : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
                                            : "sync-cublas";
 }
 
@@ -136,6 +140,7 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassCoop);
             out.push_back(Backend::kCutlassTall);
             out.push_back(Backend::kCutlassPingpong);
+            out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kAuto);
         }
     }
@@ -147,11 +152,13 @@ void select(Backend b) {
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
-    if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong) {
+    if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
+        b == Backend::kCutlassSplit) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
-        set_cutlass_config(b == Backend::kCutlassCoop   ? CutlassConfig::kCooperative
-                           : b == Backend::kCutlassTall ? CutlassConfig::kCooperativeTall
-                                                        : CutlassConfig::kPingpong);
+        set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
+                           : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
+                           : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
+                                                            : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
 }
@@ -328,6 +335,21 @@ TEST(GroupedGemm, LargeGroupsLongReduction) {
     check_row_gemm(Op::kNN, counts, 3, 64, 256, 92);
     check_tn(counts, 3, 64, 128, true, 93);
     check_tn(counts, 3, 256, 128, true, 94);
+}
+
+TEST(GroupedGemm, WgradGroupsSplitBySize) {
+    SKIP_WITHOUT_GPU();
+    // CUTLASS's kSplitBySize wgrad launches cooperative for the groups below wgrad_split_bound() rows and ping-pong
+    // for the rest, each giving the other's groups no tiles: only small groups, only large ones, an ECHO rank's mix
+    // (large, small and empty interleaved, sizes at the bound), with and without accumulation.
+    ASSERT_EQ(wgrad_split_bound(), kWgradSplitRows) << "run without MOEKIT_WGRAD_SPLIT_ROWS";
+    const std::vector<int> small{40, 200, 90, 255}, large{300, 310, 290, 305, 296},
+        mixed{1500, 40, 0, 256, 255, 900, 0, 60, 1};
+    for (bool acc : {false, true}) {
+        check_tn(small, 7, 192, 256, acc, 111 + acc);
+        check_tn(large, 7, 192, 256, acc, 113 + acc);
+        check_tn(mixed, 7, 192, 256, acc, 115 + acc);
+    }
 }
 
 TEST(GroupedGemm, WgradGradientOffSixteenBytes) {

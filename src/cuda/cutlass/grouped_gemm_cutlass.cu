@@ -23,16 +23,21 @@ void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 namespace cutlass_detail {
 
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
+    if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
+    if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
             if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
+            if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
         }
         // The CUTLASS half of grouped_gemm.cu's per-shape choice (measured on an H100, docs/perf.md).
-        if (wgrad) return rows_per_group >= kSmallGroupRows && rows_per_group < kLargeGroupRows ? CutlassConfig::kPingpong
-                                                                          : CutlassConfig::kCooperative;
+        if (wgrad) {
+            if (rows_per_group < kSmallGroupRows || rows_per_group >= kLargeGroupRows) return CutlassConfig::kCooperative;
+            return wgrad_split_bound() > 0 ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong;
+        }
         return rows_per_group < kSmallGroupRows ? CutlassConfig::kCooperativeTall : CutlassConfig::kCooperative;
     }
     return requested;
