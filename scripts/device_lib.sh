@@ -12,9 +12,11 @@ log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
 left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
 echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
 # sanitize TOOL SECONDS BINARY FILTER: compute-sanitizer TOOL on a gtest binary, its verdict in the summary
-# (log in $OUT/TOOL.log).
+# (log in $OUT/TOOL.log). cuBLAS's kernels (nvjet*: the sync baseline's and the tests' dense references) are left out:
+# racecheck reports shared-memory hazards inside them on some shapes, and they are not ours to fix.
 sanitize() {
-  timeout "$2" compute-sanitizer --error-exitcode 9 --tool "$1" "$3" --gtest_filter="$4" >"$OUT/$1.log" 2>&1
+  timeout "$2" compute-sanitizer --error-exitcode 9 --tool "$1" --kernel-name-exclude kns=nvjet "$3" \
+    --gtest_filter="$4" >"$OUT/$1.log" 2>&1
   echo "$1 exit $?" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|SUMMARY" "$OUT/$1.log" | tail -3 | tee -a "$OUT/summary.txt"
 }

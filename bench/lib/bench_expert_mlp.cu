@@ -201,7 +201,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     set_cutlass_config(config);
                     r[key] = t([&] { run_case(kGrouped, q, c, s); });
                 }
-                if (c.op == Op::kTN && wgrad_split_bound() > 0) {  // wgrad groups split by size between the two
+                if (c.op == Op::kTN && wgrad_split_on()) {  // wgrad groups split by size between the two
                     set_cutlass_config(CutlassConfig::kSplitBySize);
                     r["cutlass_split_ms"] = t([&] { run_case(kGrouped, q, c, s); });
                 }
@@ -227,7 +227,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["zipf_s"].get<double>(), ") on ", r["device"].get<std::string>(), "\n");
     char line[256];
     // tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90);
-    // cl-split = wgrad groups below wgrad_split_bound() rows cooperative, the rest ping-pong;
+    // cl-split = wgrad groups split between cooperative and ping-pong by size (wgrad_split());
     // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column.
     std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s\n", "gemm",
                   "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "mma ms", "sync ms", "dense ms",

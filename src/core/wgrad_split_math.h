@@ -12,15 +12,20 @@
 
 namespace moekit {
 
-// Default bound: groups with fewer rows take the cooperative launch (MOEKIT_WGRAD_SPLIT_ROWS overrides it; 0 = every
-// group ping-pong, the choice before 2026-11-26).
-constexpr int64_t kWgradSplitRows = 256;
+// Which groups take the cooperative launch: those below small_below rows, and those from large_from rows on (0:
+// none), where its 128x256 tiles' math outruns ping-pong's 128x128; the rest take ping-pong.
+struct WgradSplit {
+    int64_t small_below = 256, large_from = 0;
+};
 
-// The rows the cooperative (small = true) or the ping-pong (small = false) launch gives a group of `rows` rows:
-// all of them in exactly one of the two, none in the other.
-MOEKIT_HD int64_t wgrad_split_rows(int64_t rows, int64_t split_rows, bool small) {
-    const bool is_small = rows < split_rows;
-    return is_small == small ? rows : 0;
+MOEKIT_HD bool wgrad_group_cooperative(int64_t rows, WgradSplit split) {
+    return rows < split.small_below || (split.large_from > 0 && rows >= split.large_from);
+}
+
+// The rows the cooperative (cooperative = true) or the ping-pong launch gives a group of `rows` rows: all of them in
+// exactly one of the two, none in the other.
+MOEKIT_HD int64_t wgrad_split_rows(int64_t rows, WgradSplit split, bool cooperative) {
+    return wgrad_group_cooperative(rows, split) == cooperative ? rows : 0;
 }
 
 }  // namespace moekit

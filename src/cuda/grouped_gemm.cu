@@ -82,7 +82,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,
-                    wgrad_split_bound() > 0 ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
+                    wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
         if (s.n >= 2 * s.k) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
         return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     }
@@ -154,13 +154,17 @@ int tn_hot_rows() {
 
 }  // namespace
 
-int64_t wgrad_split_bound() {
-    static const int64_t rows = [] {
-        const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_ROWS");
-        return env ? std::max<int64_t>(0, std::atoll(env)) : kWgradSplitRows;
+WgradSplit wgrad_split() {
+    static const WgradSplit split = [] {
+        WgradSplit s;
+        if (const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_ROWS")) s.small_below = std::max<int64_t>(0, std::atoll(env));
+        if (const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_LARGE")) s.large_from = std::max<int64_t>(0, std::atoll(env));
+        return s;
     }();
-    return rows;
+    return split;
 }
+
+bool wgrad_split_on() { return wgrad_split().small_below > 0 || wgrad_split().large_from > 0; }
 
 namespace {
 

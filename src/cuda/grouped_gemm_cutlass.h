@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "core/wgrad_split_math.h"
 #include "cuda/grouped_gemm.h"
 
 namespace moekit::cuda {
@@ -23,17 +24,18 @@ bool cutlass_grouped_gemm_built();
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
 //   kSplitBySize (tn only; nt/nn take kAuto's choice): cooperative and ping-pong are both launched, one after the
 //                     other; on the device each takes its share of the groups by size (core/wgrad_split_math.h:
-//                     cooperative below wgrad_split_bound() rows, as an ECHO rank's cold experts) and gives the
-//                     others no tiles.
+//                     cooperative for wgrad_split()'s small groups, as an ECHO rank's cold experts, and large ones)
+//                     and gives the others no tiles.
 enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
 void set_cutlass_config(CutlassConfig config);
-// The rows below which kSplitBySize gives a wgrad group to the cooperative launch: kWgradSplitRows, or
-// MOEKIT_WGRAD_SPLIT_ROWS; 0 turns the split off (wgrad of mid-sized groups is then all ping-pong, as before
-// 2026-11-26).
-int64_t wgrad_split_bound();
+// Which wgrad groups kSplitBySize gives to the cooperative launch: WgradSplit's defaults, or
+// MOEKIT_WGRAD_SPLIT_ROWS (small_below) and MOEKIT_WGRAD_SPLIT_LARGE (large_from); with both 0 the split is off
+// (wgrad of mid-sized groups all ping-pong, as before 2026-11-26).
+WgradSplit wgrad_split();
+bool wgrad_split_on();
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,

@@ -339,10 +339,10 @@ TEST(GroupedGemm, LargeGroupsLongReduction) {
 
 TEST(GroupedGemm, WgradGroupsSplitBySize) {
     SKIP_WITHOUT_GPU();
-    // CUTLASS's kSplitBySize wgrad launches cooperative for the groups below wgrad_split_bound() rows and ping-pong
-    // for the rest, each giving the other's groups no tiles: only small groups, only large ones, an ECHO rank's mix
-    // (large, small and empty interleaved, sizes at the bound), with and without accumulation.
-    ASSERT_EQ(wgrad_split_bound(), kWgradSplitRows) << "run without MOEKIT_WGRAD_SPLIT_ROWS";
+    // CUTLASS's kSplitBySize wgrad launches cooperative for wgrad_split()'s small (and large) groups and ping-pong
+    // for the rest, each giving the other's groups no tiles: only small groups, only mid-sized ones, an ECHO rank's
+    // mix (large, small and empty interleaved, sizes at the bound), with and without accumulation.
+    ASSERT_EQ(wgrad_split().small_below, WgradSplit{}.small_below) << "run without MOEKIT_WGRAD_SPLIT_ROWS";
     const std::vector<int> small{40, 200, 90, 255}, large{300, 310, 290, 305, 296},
         mixed{1500, 40, 0, 256, 255, 900, 0, 60, 1};
     for (bool acc : {false, true}) {

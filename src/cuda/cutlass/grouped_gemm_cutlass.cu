@@ -36,7 +36,7 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
         // The CUTLASS half of grouped_gemm.cu's per-shape choice (measured on an H100, docs/perf.md).
         if (wgrad) {
             if (rows_per_group < kSmallGroupRows || rows_per_group >= kLargeGroupRows) return CutlassConfig::kCooperative;
-            return wgrad_split_bound() > 0 ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong;
+            return wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong;
         }
         return rows_per_group < kSmallGroupRows ? CutlassConfig::kCooperativeTall : CutlassConfig::kCooperative;
     }

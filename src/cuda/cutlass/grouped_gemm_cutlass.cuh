@@ -109,21 +109,21 @@ __device__ Stride leading(int64_t ld) {
     return s;
 }
 
-// Which groups a launch computes: all (kAll), or one half of a kSplitBySize pair: the groups below the split bound
-// (kSmall, the cooperative launch) or the others (kLarge, ping-pong); core/wgrad_split_math.h.
-enum class Share { kAll, kSmall, kLarge };
+// Which groups a launch computes: all (kAll), or one half of a kSplitBySize pair: the cooperative launch's
+// (kCooperative) or the ping-pong launch's (kPingpong); core/wgrad_split_math.h.
+enum class Share { kAll, kCooperative, kPingpong };
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
 template <Op kOp, class G>
 __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
                                 const __nv_bfloat16* A, const __nv_bfloat16* B, void* C, Share share,
-                                int split_rows) {
+                                WgradSplit split) {
     const auto* A_ = reinterpret_cast<const typename G::ElementAB*>(A);
     const auto* B_ = reinterpret_cast<const typename G::ElementAB*>(B);
     auto* D_ = static_cast<typename G::ElementD*>(C);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
-        const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split_rows, share == Share::kSmall);
+        const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kCooperative);
         if constexpr (kOp == Op::kTN) {
             a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
             a.ptr_a[g] = A_ + r0 * k;
@@ -215,10 +215,9 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, share,
-                                                    int(wgrad_split_bound()));
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, share, wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
-    if (kOp == Op::kTN && !accumulate && share != Share::kLarge) {  // once per GEMM (a split pair: its first)
+    if (kOp == Op::kTN && !accumulate && share != Share::kPingpong) {  // once per GEMM (a split pair: its first)
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block);
@@ -245,8 +244,8 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         if (config == CutlassConfig::kSplitBySize) {
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, Share::kSmall);
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, Share::kLarge);
+            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, Share::kCooperative);
+            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, Share::kPingpong);
             return;
         }
     }
