@@ -5,7 +5,7 @@
 # for each own-kernel wgrad variant of TN_VARIANTS; moekit bench for LAYER_RUNS; compute-sanitizer racecheck +
 # memcheck on the tn cases.
 # usage: MOEKIT_COMMIT=<sha> [PRESETS=...] [HOT=512] scripts/device_wgrad.sh (a list set empty skips its part); results in $OUT.
-# A PRESETS entry P@zipf:S runs bench_grouped_gemm --preset P --skew zipf:S.
+# A PRESETS entry P@zipf:S runs bench_grouped_gemm --preset P --skew zipf:S; ECHO_ARGS go to bench_echo_balance.
 . "$(dirname "$0")/device_lib.sh"
 PRESETS=${PRESETS-"dsv3-ep8 mixtral qwen3-30b dsv3-e256"}
 HOT=${HOT:-512}
@@ -18,7 +18,7 @@ for v in "${echo_runs[@]}"; do
   IFS='|' read -r label envs <<<"$v"
   left 60 "bench_echo_balance $label" || break
   log "bench_echo_balance ($label: $envs)"
-  env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 --json "$OUT/bench/echo_$label.json" \
+  env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 ${ECHO_ARGS:-} --json "$OUT/bench/echo_$label.json" \
     >"$OUT/bench/echo_$label.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
   grep -E "^EP=|^  (configuration|ECHO|forced|no ECHO|busiest|acceptance)" "$OUT/bench/echo_$label.txt" | cut -c1-220 \

@@ -1,5 +1,6 @@
 // time_ms: the median milliseconds of fn() on one stream over `iters` runs after `warmup` runs, each run timed
-// with a pair of CUDA events. Header-only because it takes any callable. Used by the training engine's speed
+// with a pair of CUDA events; graph_time_ms: the same for fn captured in a CUDA graph. Header-only because they take
+// any callable. Used by the training engine's speed
 // report (train_engine.cu, `moekit train --device cuda`, tests/gpu/test_cuda_train.cu) and the benchmarks
 // (bench/lib/bench_util.cuh).
 #pragma once
@@ -32,6 +33,26 @@ double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
     cudaEventDestroy(b);
     std::sort(t.begin(), t.end());
     return t.empty() ? 0.0 : t[t.size() / 2];
+}
+
+// fn's launches captured once in a CUDA graph (global capture mode: a host sync inside fails it), then the median
+// of `iters` timed replays: GPU time without the host's launch costs between fn's kernels. fn runs once eagerly
+// first, so first-use set-up (attributes, workspaces) stays out of the capture.
+template <typename Fn>
+double graph_time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
+    fn();
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    fn();
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MOEKIT_CUDA_CHECK(inst);
+    const double ms = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream, warmup, iters);
+    cudaGraphExecDestroy(exec);
+    return ms;
 }
 
 }  // namespace moekit::cuda

@@ -69,9 +69,12 @@ struct Choice {
 //    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);
-//  - wgrad of large groups whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x
-//    14336): CUTLASS cooperative (2.94 vs 3.38 ms, under zipf 1.2 3.28 vs 3.53; H100, 2026-11-23);
-//  - otherwise the own TMA kernel (mixtral fc1 wgrad, 28672 x 4096: 6.19 vs 6.79 ms cooperative).
+//  - wgrad of large groups: whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x
+//    14336) CUTLASS ping-pong, the others (mixtral fc1 wgrad, 28672 x 4096) CUTLASS cooperative (H200, 2026-11-26,
+//    three runs each: fc2 2.75-2.95 ms ping-pong vs 3.14-3.17 cooperative and 3.43-3.48 own TMA; fc1 6.47-6.57
+//    cooperative vs 6.91-6.92 own TMA and 8.2-9.2 ping-pong; under zipf 1.2 alike. On the H100 of 2026-11-23 the
+//    own kernel led fc1, 6.19 vs 6.79 ms, before CUTLASS's configurations were tuned per shape);
+//  - otherwise the own TMA kernel.
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
     // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
@@ -83,8 +86,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,
                     wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
-        if (s.n >= 2 * s.k) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-        return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
+        return {GroupedGemmKernel::kCutlass, s.n >= 2 * s.k ? CutlassConfig::kPingpong : CutlassConfig::kCooperative};
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};

@@ -33,7 +33,8 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
         }
-        // The CUTLASS half of grouped_gemm.cu's per-shape choice (measured on an H100, docs/perf.md).
+        // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
+        // by rows per group only.
         if (wgrad) {
             if (rows_per_group < kSmallGroupRows || rows_per_group >= kLargeGroupRows) return CutlassConfig::kCooperative;
             return wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong;
