@@ -4,7 +4,8 @@
 // kernels included, one CUDA graph per rank, replays timed with events, median) rank by rank in one call, for
 // no ECHO, ECHO, forced balance (mean load split evenly) and sampled forced balance (uniform routing).
 // usage: bench_echo_balance [--ep 4,8] [--preset dsv3-e256] [--tokens-per-rank 4096] [--skew zipf:1.2]
-//          [--moe-num-echo-experts S_TOTAL | --slots-per-rank 2] [--algorithm waterfill|greedy] [--iters 10]
+//          [--moe-num-echo-experts S_TOTAL | --slots-per-rank 2] [--algorithm waterfill|greedy]
+//          [--group-floor-rows R (plan for time: EchoDims::group_floor_rows)] [--iters 10]
 //          [--warmup 2] [--seed 1234] [--json FILE]
 #include <algorithm>
 #include <cstdio>
@@ -42,6 +43,7 @@ struct Options {
     int64_t slots_total = -1;    // --moe-num-echo-experts (over all ranks); -1: slots_per_rank
     int64_t slots_per_rank = 2;  // --slots-per-rank
     EchoAlgorithm algorithm = EchoAlgorithm::waterfill;
+    int64_t group_floor_rows = 0;  // --group-floor-rows
     int iters = 10, warmup = 2;
     uint64_t seed = 1234;
     std::string json_path;
@@ -91,6 +93,8 @@ Options parse(int argc, char** argv) {
             per_rank_given = true;
         } else if (a == "--algorithm") {
             o.algorithm = echo::parse_algorithm(value(), "--algorithm");
+        } else if (a == "--group-floor-rows") {
+            o.group_floor_rows = parse_int(a, value(), 0);
         } else if (a == "--iters") {
             o.iters = int(parse_int(a, value(), 1));
         } else if (a == "--warmup") {
@@ -102,7 +106,7 @@ Options parse(int argc, char** argv) {
         } else {
             throw UsageError("unknown flag " + a +
                              " (flags: --ep 4,8, --preset NAME, --tokens-per-rank T, --skew zipf:S, "
-                             "--moe-num-echo-experts S_TOTAL | --slots-per-rank S, --algorithm waterfill|greedy, "
+                             "--moe-num-echo-experts S_TOTAL | --slots-per-rank S, --algorithm waterfill|greedy, --group-floor-rows R, "
                              "--iters N, --warmup N, --seed N, --json FILE)");
         }
     }
@@ -178,7 +182,7 @@ echo::EchoPlan plan_on_device(const EchoDims& d, EchoAlgorithm alg, const std::v
 EpCase build_case(const Options& o, const cuda::bench::Preset& pr, int64_t ep) {
     EpCase c;
     const int64_t S = o.slots_total >= 0 ? o.slots_total / ep : o.slots_per_rank;  // divisibility checked in main
-    c.dims = EchoDims{ep, pr.experts, S};
+    c.dims = EchoDims{ep, pr.experts, S, o.group_floor_rows};
     echo::validate(c.dims);
     echo::ZipfRouting z;
     z.num_experts = pr.experts, z.topk = pr.topk, z.zipf_s = o.zipf_s, z.seed = o.seed;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wgrad (tn) GEMMs in one bounded device call (issues 9, 10): build; the grouped-GEMM tests (every backend);
-# ECHO's simulated EP step (bench_echo_balance) for each configuration of ECHO_RUNS ("label|ENV=V ...;...");
+# ECHO's simulated EP step (bench_echo_balance) for each configuration of ECHO_RUNS ("label|ENV=V ...|args;...");
 # per-GEMM tables (bench_grouped_gemm: the own TMA kernel's tn column against CUTLASS's configurations) on PRESETS,
 # for each own-kernel wgrad variant of TN_VARIANTS; moekit bench for LAYER_RUNS; compute-sanitizer racecheck +
 # memcheck on the tn cases.
@@ -12,13 +12,16 @@ HOT=${HOT:-512}
 TN_VARIANTS=${TN_VARIANTS-"staged|;direct|MOEKIT_GEMM_EPILOGUE=direct"}
 ECHO_RUNS=${ECHO_RUNS-"default|;interleave|MOEKIT_WGRAD_HOT_ROWS=$HOT;own-in-order|MOEKIT_WGRAD_HOT_ROWS=1000000000"}
 build_targets 330 test_grouped_gemm bench_grouped_gemm bench_echo_balance ${EXTRA_TARGETS:-}
-[ "${TESTS:-1}" = 1 ] && gtest_run 120 test_grouped_gemm  # TESTS=0: benchmarks only
+if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: benchmarks only; EXTRA_TESTS: more gtest binaries (in EXTRA_TARGETS)
+  for t in test_grouped_gemm ${EXTRA_TESTS:-}; do gtest_run 120 $t; done
+fi
 IFS=';' read -ra echo_runs <<<"$ECHO_RUNS"
 for v in "${echo_runs[@]}"; do
-  IFS='|' read -r label envs <<<"$v"
+  IFS='|' read -r label envs args <<<"$v"
   left 60 "bench_echo_balance $label" || break
-  log "bench_echo_balance ($label: $envs)"
-  env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 ${ECHO_ARGS:-} --json "$OUT/bench/echo_$label.json" \
+  log "bench_echo_balance ($label: $envs $args)"
+  env $envs timeout 100 $B/bench_echo_balance --ep 4,8 --skew zipf:1.2 ${ECHO_ARGS:-} $args \
+    --json "$OUT/bench/echo_$label.json" \
     >"$OUT/bench/echo_$label.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
   grep -E "^EP=|^  (configuration|ECHO|forced|no ECHO|busiest|acceptance)" "$OUT/bench/echo_$label.txt" | cut -c1-220 \

@@ -22,6 +22,7 @@ struct EchoDims {
     int64_t ep = 1;              // EP ranks (also the source ranks of counts)
     int64_t num_experts = 0;     // E, divisible by ep
     int64_t slots_per_rank = 0;  // S spare slots per rank
+    int64_t group_floor_rows = 0;  // > 0: plan for time, not tokens (echo_rank_cost)
     MOEKIT_HD int64_t experts_per_rank() const { return num_experts / ep; }
     MOEKIT_HD int64_t num_slots() const { return ep * slots_per_rank; }
     MOEKIT_HD int64_t home_rank(int64_t expert) const { return expert / experts_per_rank(); }
@@ -45,6 +46,23 @@ MOEKIT_HD int64_t echo_rank_load(const EchoDims& d, const int64_t* expert_total,
     return sum;
 }
 
+// What the planner balances: a rank's tokens, or with group_floor_rows > 0 its expert time in tokens' worth. A
+// group's weight gradient costs at least as long as group_floor_rows rows' math, because its whole fp32 gradient is
+// written whatever its rows (H200, grouped wgrad: about max(rows, 500) a group); the wgrads are a third of an
+// expert's FLOPs. So each home expert with tokens below the floor adds a third of its shortfall, and a rank holding
+// many cold experts is planned fewer clone tokens (measured: its step time tracks this shortfall, docs/perf.md).
+// Clone groups and spilled remainders are not charged: the cost is fixed before the walk.
+MOEKIT_HD int64_t echo_rank_cost(const EchoDims& d, const int64_t* expert_total, int64_t r) {
+    const int64_t L = d.experts_per_rank();
+    int64_t tokens = 0, shortfall = 0;
+    for (int64_t e = r * L; e < (r + 1) * L; ++e) {
+        const int64_t t = expert_total[e];
+        tokens += t;
+        if (t > 0 && t < d.group_floor_rows) shortfall += d.group_floor_rows - t;
+    }
+    return tokens + shortfall / 3;
+}
+
 // True when expert a precedes b in its rank's spill order: larger count first, then lower index.
 MOEKIT_HD bool echo_spills_before(const int64_t* expert_total, int64_t a, int64_t b) {
     return expert_total[a] > expert_total[b] || (expert_total[a] == expert_total[b] && a < b);
@@ -59,7 +77,7 @@ MOEKIT_HD int64_t echo_ahead_sum(const EchoDims& d, const int64_t* expert_total,
     return sum;
 }
 
-// Tokens expert e must give away so that its rank's load falls to `target`: the largest experts of
+// Tokens expert e must give away so that its rank's cost (echo_rank_cost) falls to `target`: the largest experts of
 // an overloaded rank carry its excess (MoE Echo's rule). base = rank_load[home] - ahead_sum[e], the rank
 // load still above the target when e starts to spill (echo_walk_base).
 MOEKIT_HD int64_t echo_spill_of(int64_t base, int64_t total, int64_t target) {
@@ -271,7 +289,8 @@ MOEKIT_HD int64_t echo_rank_load_after(const EchoDims& d, const int64_t* home, c
     return load;
 }
 
-// Lower end of the search: no plan beats ceil(total / EP), so ceil(total / EP) - 1 is infeasible.
+// Lower end of the search: no plan beats ceil(total / EP) (total: of the rank costs), so ceil(total / EP) - 1 is
+// infeasible.
 MOEKIT_HD int64_t echo_search_floor(const EchoDims& d, int64_t total) { return ceil_div(total, d.ep) - 1; }
 
 }  // namespace moekit

@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(kEchoThreads)
     {
         int64_t sum = 0, mx = 0;
         for (int64_t r = tid; r < EP; r += nt) {
-            load[r] = echo_rank_load(d, total, r);
-            out.rank_load_before[r] = load[r];
+            load[r] = echo_rank_cost(d, total, r);  // what the walk balances
+            out.rank_load_before[r] = d.group_floor_rows > 0 ? echo_rank_load(d, total, r) : load[r];
             sum += load[r], mx = max(mx, load[r]);
         }
         sum = warp_sum(sum), mx = warp_max(mx);

@@ -24,9 +24,14 @@ void validate(const EchoDims& d) {
     MOEKIT_REQUIRE(d.num_experts % d.ep == 0, "ECHO planner: E=", d.num_experts, " must be divisible by EP=", d.ep,
                    " (experts are homed in order, E/EP per rank)");
     MOEKIT_REQUIRE(d.slots_per_rank >= 0, "ECHO planner: S=", d.slots_per_rank, " spare slots per rank must be >= 0");
+    MOEKIT_REQUIRE(d.group_floor_rows >= 0 && d.group_floor_rows <= (int64_t(1) << 20),
+                   "ECHO planner: group floor ", d.group_floor_rows, " rows must be in [0, 2^20]");
 }
 
-std::string to_string(const EchoDims& d) { return str("EP=", d.ep, " E=", d.num_experts, " S=", d.slots_per_rank); }
+std::string to_string(const EchoDims& d) {
+    return str("EP=", d.ep, " E=", d.num_experts, " S=", d.slots_per_rank,
+               d.group_floor_rows > 0 ? str(" floor=", d.group_floor_rows) : std::string());
+}
 
 int64_t EchoPlan::max_before() const {
     return rank_load_before.empty() ? 0 : *std::max_element(rank_load_before.begin(), rank_load_before.end());
@@ -58,10 +63,14 @@ EchoPlan plan(const EchoDims& d, const std::vector<int64_t>& counts, EchoAlgorit
     const int64_t* c = counts.data();
 
     // Statistics, the walk list and the receivers (the kernel computes each entry in its own thread).
-    std::vector<int64_t> total(E), load(EP), base(E), key(E);
+    // load: what the walk balances (echo_rank_cost: tokens, or time in tokens' worth).
+    std::vector<int64_t> total(E), load(EP), tokens(EP), base(E), key(E);
     for (int64_t e = 0; e < E; ++e) total[e] = echo_expert_total(d, c, e);
     int64_t all = 0;
-    for (int64_t r = 0; r < EP; ++r) all += load[r] = echo_rank_load(d, total.data(), r);
+    for (int64_t r = 0; r < EP; ++r) {
+        all += load[r] = echo_rank_cost(d, total.data(), r);
+        tokens[r] = echo_rank_load(d, total.data(), r);
+    }
     const int64_t mean_floor = all / EP, max_before = *std::max_element(load.begin(), load.end());
     for (int64_t e = 0; e < E; ++e) {
         base[e] = echo_walk_base(d, total.data(), load.data(), e);
@@ -120,7 +129,7 @@ EchoPlan plan(const EchoDims& d, const std::vector<int64_t>& counts, EchoAlgorit
         const int64_t b = echo_slot_begin(home.data(), p.slot_expert.data(), p.slot_tokens.data(), j);
         echo_fill_interval(d, c, p.slot_expert[j], b, b + p.slot_tokens[j], p.clone_tokens.data() + j, slots);
     }
-    p.rank_load_before = load;
+    p.rank_load_before = tokens;
     p.rank_load_after.resize(EP);
     for (int64_t r = 0; r < EP; ++r) p.rank_load_after[r] = echo_rank_load_after(d, home.data(), p.slot_tokens.data(), r);
     p.num_clones = std::count_if(p.slot_expert.begin(), p.slot_expert.end(), [](int32_t e) { return e >= 0; });

@@ -166,7 +166,8 @@ inline void expect_plan_invariants(const EchoDims& d, const std::vector<int64_t>
         EXPECT_EQ(p.rank_load_after[r], after) << "rank " << r;
         total += before, max_before = std::max(max_before, before), max_after = std::max(max_after, after);
     }
-    EXPECT_LE(max_after, max_before);
+    // Planning for time (group_floor_rows > 0) balances costs, so a rank's tokens may end above the old maximum.
+    if (d.group_floor_rows == 0) EXPECT_LE(max_after, max_before);
     EXPECT_GE(max_after, (total + EP - 1) / EP);
     EXPECT_EQ(p.max_before(), max_before);
     EXPECT_EQ(p.max_after(), max_after);

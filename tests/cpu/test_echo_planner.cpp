@@ -61,6 +61,44 @@ TEST(EchoPlan, SkewedLoadGetsLighter) {
         }
 }
 
+// Planning for time (EchoDims::group_floor_rows): the same invariants and determinism on every count kind.
+TEST(EchoPlan, GroupFloorKeepsTheInvariants) {
+    uint64_t seed = 9700;
+    for (const EchoDims& d : {EchoDims{8, 64, 2, 512}, EchoDims{64, 256, 2, 512}, EchoDims{7, 91, 2, 100},
+                              EchoDims{3, 111, 1, 1 << 20}, EchoDims{5, 35, 0, 300}})
+        for (CountKind kind : kKinds)
+            for (EchoAlgorithm alg : {EchoAlgorithm::greedy, EchoAlgorithm::waterfill}) {
+                ++seed;
+                SCOPED_TRACE(echo::to_string(d) + " " + test::kind_name(kind) + " " + echo::algorithm_name(alg) +
+                             " seed " + std::to_string(seed));
+                const auto counts = test::random_counts(d, kind, seed);
+                const echo::EchoPlan p = echo::plan(d, counts, alg);
+                test::expect_plan_invariants(d, counts, p);
+                const std::vector<int64_t> copy = counts;
+                EXPECT_EQ(echo::plan_bytes(echo::plan(d, copy, alg)), echo::plan_bytes(p));
+            }
+}
+
+// Rank 0 holds a hot expert (3000 tokens); ranks 1 and 2 hold 1500 each, rank 1 as three 500-token experts,
+// rank 2 as 1400 + 50 + 50. Balancing tokens gives both receivers 500; planning for time with a 300-row floor
+// charges rank 2 a third of its cold experts' shortfall (2 x 250 / 3 = 166), so it gets fewer clone tokens:
+// costs 3000 | 1500 | 1666, target ceil(6166 / 3) = 2056: rank 0 spills 944, rank 1 (the lower cost) fills to
+// the target with 556, rank 2 takes the other 388.
+TEST(EchoPlan, GroupFloorPlansFewerTokensForColdHeavyRanks) {
+    const std::vector<int64_t> totals = {3000, 0, 0, 500, 500, 500, 1400, 50, 50};
+    std::vector<int64_t> counts(3 * 9);
+    for (int64_t e = 0; e < 9; ++e)
+        for (int64_t s = 0; s < 3; ++s) counts[s * 9 + e] = totals[e] / 3 + (s < totals[e] % 3);
+    const echo::EchoPlan rows = echo::plan(EchoDims{3, 9, 1}, counts, EchoAlgorithm::waterfill);
+    EXPECT_EQ(rows.rank_load_after, (std::vector<int64_t>{2000, 2000, 2000}));
+    const EchoDims d{3, 9, 1, 300};
+    const echo::EchoPlan time = echo::plan(d, counts, EchoAlgorithm::waterfill);
+    test::expect_plan_invariants(d, counts, time);
+    EXPECT_EQ(time.target, 2056);
+    EXPECT_EQ(time.rank_load_before, (std::vector<int64_t>{3000, 1500, 1500}));  // tokens, not costs
+    EXPECT_EQ(time.rank_load_after, (std::vector<int64_t>{2056, 2056, 1888}));
+}
+
 // One expert takes every token: the best plan splits it over all EP ranks (home + EP-1 clones), and the
 // search finds exactly ceil(C / EP).
 TEST(EchoPlan, OneExpertTakesAllIsSplitEvenly) {

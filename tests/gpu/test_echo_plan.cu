@@ -71,8 +71,10 @@ void expect_same_plan(const echo::EchoPlan& gpu, const echo::EchoPlan& cpu) {
     EXPECT_EQ(echo::plan_bytes(gpu), echo::plan_bytes(cpu));
 }
 
-const EchoDims kDims[] = {{1, 5, 2},  {2, 2, 4},   {3, 111, 1}, {7, 91, 2},   {5, 35, 0},
-                          {8, 64, 2}, {16, 48, 3}, {13, 39, 1}, {64, 256, 2}, {32, 32, 5}};
+const EchoDims kDims[] = {{1, 5, 2},   {2, 2, 4},        {3, 111, 1},     {7, 91, 2},
+                          {5, 35, 0},  {8, 64, 2},       {16, 48, 3},     {13, 39, 1},
+                          {64, 256, 2}, {32, 32, 5},     {8, 64, 2, 512}, {64, 256, 2, 512},
+                          {7, 91, 2, 100}};  // the last three plan for time (group_floor_rows)
 
 TEST(CudaEchoPlan, MatchesCpuBitwiseOnRandomCounts) {
     SKIP_WITHOUT_GPU();
