@@ -17,7 +17,7 @@ namespace {
 
 struct PlanArgs {
     std::string trace, synthetic, json, save_trace, algorithm;
-    int64_t num_echo_experts = -1, ep = 0, num_experts = 0, topk = 8, tokens_per_rank = 4096, steps = 4;
+    int64_t num_echo_experts = -1, group_floor_rows = 0, ep = 0, num_experts = 0, topk = 8, tokens_per_rank = 4096, steps = 4;
     int64_t hidden = 7168, ffn = 2048, param_bytes = 2;  // DeepSeek-V3's expert shape, bf16
     bool gated = true;
     uint64_t seed = 1234;
@@ -49,6 +49,8 @@ int plan_main(const std::vector<std::string>& argv) {
     p.section("planner");
     p.add("--moe-num-echo-experts", &a.num_echo_experts, "S_TOTAL spare slots over all ranks, divisible by EP (required)");
     p.add("--moe-echo-algorithm", &a.algorithm, "waterfill | greedy (MoE Echo's one-shot greedy)");
+    p.add("--moe-echo-group-floor-rows", &a.group_floor_rows,
+          "[moekit] plan for expert time: an expert's weight gradient costs at least this many rows (0 = tokens)");
     p.section("expert size (weight bytes moved per clone)");
     p.add("--hidden-size", &a.hidden, "H");
     p.add("--moe-ffn-hidden-size", &a.ffn, "F");
@@ -93,7 +95,9 @@ int plan_main(const std::vector<std::string>& argv) {
                    " must be divisible by the expert-parallel size EP=", trace.ep);
     if (!a.save_trace.empty()) echo::write_routing_trace(a.save_trace, trace);
 
-    const EchoDims dims{trace.ep, trace.num_experts, a.num_echo_experts / trace.ep};
+    MOEKIT_REQUIRE(a.group_floor_rows >= 0 && a.group_floor_rows <= (int64_t(1) << 20),
+                   "--moe-echo-group-floor-rows=", a.group_floor_rows, " must be in [0, 1048576]");
+    const EchoDims dims{trace.ep, trace.num_experts, a.num_echo_experts / trace.ep, a.group_floor_rows};
     const int64_t expert_bytes = ((a.gated ? 2 : 1) * a.ffn * a.hidden + a.hidden * a.ffn) * a.param_bytes;
     std::printf("moekit plan: %s, %s, %s, %s, expert %lld bytes (H=%lld F=%lld%s, %lld B/param)\n", source.c_str(),
                 echo::to_string(dims).c_str(), echo::algorithm_name(algorithm),

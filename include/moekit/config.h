@@ -65,6 +65,7 @@ struct MoeConfig {
     std::optional<int64_t> moe_num_echo_experts;        // S_TOTAL spare slots over all ranks, divisible by EP
     bool moe_echo_recompute_expert_dispatch = false;    // one spare-slot buffer for all layers
     std::string moe_echo_algorithm = "waterfill";       // waterfill | greedy
+    int64_t moe_echo_group_floor_rows = 0;              // [moekit] > 0: plan for time (EchoDims::group_floor_rows)
 
     // ---- moekit-specific ----
     // Gradient injected for the aux/z losses (Megatron's main_loss_backward_scale, which is

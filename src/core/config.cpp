@@ -294,6 +294,8 @@ std::vector<std::string> MoeConfig::validation_errors() const {
              ep, " (S_TOTAL / EP spare slots per rank)");
     if (!one_of(moe_echo_algorithm, {"waterfill", "greedy"}))
         fail("--moe-echo-algorithm=", moe_echo_algorithm, " must be waterfill or greedy");
+    if (moe_echo_group_floor_rows < 0 || moe_echo_group_floor_rows > (int64_t(1) << 20))
+        fail("--moe-echo-group-floor-rows=", moe_echo_group_floor_rows, " must be in [0, 1048576]");
     if (moe_echo_recompute_expert_dispatch && !moe_enable_echo)
         fail("--moe-echo-recompute-expert-dispatch requires --moe-enable-echo");
     if (moe_enable_echo) {

@@ -122,6 +122,9 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-echo-recompute-expert-dispatch", &c.moe_echo_recompute_expert_dispatch,
           "one set of spare-slot buffers for all layers; clone weights sent again in backward (CPU: dropped between forward and backward)");
     p.add("--moe-echo-algorithm", &c.moe_echo_algorithm, "ECHO planner: waterfill | greedy (MoE Echo's)");
+    p.add("--moe-echo-group-floor-rows", &c.moe_echo_group_floor_rows,
+          "[moekit] ECHO planner balances expert time, not tokens: an expert's weight gradient costs at least this "
+          "many rows (0 = tokens; 512 on an H200, docs/perf.md)");
 
     p.section("moekit");
     p.add("--moe-loss-backward-scale", &c.moe_loss_backward_scale,

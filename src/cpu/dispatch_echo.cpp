@@ -28,11 +28,12 @@ std::string EchoStepStats::to_string() const {
 
 template <typename T>
 EchoDispatcher<T>::EchoDispatcher(const EpLayout& layout, Communicator& ep, int64_t slots_per_rank,
-                                  EchoAlgorithm algorithm)
+                                  EchoAlgorithm algorithm, int64_t group_floor_rows)
     : layout_(layout), ep_(ep), algorithm_(algorithm) {
     dims_.ep = layout.ep_size;
     dims_.num_experts = layout.num_experts;
     dims_.slots_per_rank = slots_per_rank;
+    dims_.group_floor_rows = group_floor_rows;
     echo::validate(dims_);
 }
 

@@ -37,7 +37,8 @@ template <typename T>
 class EchoDispatcher final : public Dispatcher<T>, public BudgetStep {
 public:
     // slots_per_rank = S (--moe-num-echo-experts / EP).
-    EchoDispatcher(const EpLayout& layout, Communicator& ep, int64_t slots_per_rank, EchoAlgorithm algorithm);
+    EchoDispatcher(const EpLayout& layout, Communicator& ep, int64_t slots_per_rank, EchoAlgorithm algorithm,
+                   int64_t group_floor_rows = 0);
     ~EchoDispatcher() override;
     // Collective over EP (creates the windows): tokens = T per rank, topk = k, hidden = H, factor = f > 0.
     void enable_budget(int64_t tokens, int64_t topk, int64_t hidden, double factor);

@@ -37,7 +37,8 @@ std::unique_ptr<Dispatcher<T>> make_dispatcher(const MoeConfig& config, Communic
                        "--moe-expert-rank-capacity-factor), got ", type);
         const EpLayout layout = make_dispatcher<T>("alltoall", config.num_experts(), ep)->layout();
         auto echo = std::make_unique<EchoDispatcher<T>>(layout, ep, config.moe_num_echo_experts.value_or(0) / ep.size(),
-                                                        echo::parse_algorithm(config.moe_echo_algorithm));
+                                                        echo::parse_algorithm(config.moe_echo_algorithm),
+                                                        config.moe_echo_group_floor_rows);
         // EP = 1 moves no token: nothing to budget (as without ECHO).
         if (config.moe_expert_rank_capacity_factor && ep.size() > 1)
             echo->enable_budget(config.seq_length * config.micro_batch_size, config.moe_router_topk,

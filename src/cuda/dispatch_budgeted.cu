@@ -209,7 +209,7 @@ public:
         held_.resize(1), status_.resize(6), epoch_.resize(1), send_rows_.resize(M * H), grad_rows_.resize(M * H);
         if (S > 0) {
             EchoDeviceState& st = echo_;
-            st.dims = EchoDims{EP, E, S}, st.algorithm = s.echo_algorithm;
+            st.dims = EchoDims{EP, E, S, s.echo_group_floor_rows}, st.algorithm = s.echo_algorithm;
             echo_counts_.resize(EP * E), slot_expert_.resize(EP * S), slot_tokens_.resize(EP * S);
             clone_tokens_.resize(EP * EP * S), home_tokens_.resize(EP * E), load_before_.resize(EP);
             load_after_.resize(EP), plan_summary_.resize(2), recv_offsets_.resize(EP * (B * EP + 1));

@@ -119,6 +119,7 @@ struct DispatchShape {
     double receive_factor = 0;   // --moe-expert-rank-capacity-factor (0 = none): the budgeted dispatcher
     int64_t echo_slots = 0;      // ECHO spare slots per rank (--moe-num-echo-experts / EP; 0 = no ECHO)
     EchoAlgorithm echo_algorithm = EchoAlgorithm::waterfill;
+    int64_t echo_group_floor_rows = 0;  // plan for time (EchoDims::group_floor_rows)
     int64_t fc1_rows = 0, ffn = 0;  // an expert's weights: fc1 [F1, H], fc2 [H, F] (ECHO copies them)
     int64_t local_experts() const { return router.num_experts / ep_size; }
     // Rows one source rank can send to one EP rank: L * capacity with padding, else T * min(k, L).

@@ -44,6 +44,7 @@ public:
         const int64_t M = shape.max_rows, F = shape.ffn, F1 = shape.fc1_rows;
         DispatchShape ds{r, M, shape.ep_size, shape.ep_rank, shape.receive_factor};
         ds.echo_slots = shape.echo_slots, ds.echo_algorithm = shape.echo_algorithm;
+        ds.echo_group_floor_rows = shape.echo_group_floor_rows;
         ds.fc1_rows = shape.fc1_rows, ds.ffn = shape.ffn;
         dispatcher_ = make_cuda_dispatcher<R>(shape.dispatcher, ds, ep);
         const int64_t L = dispatcher_->num_local_experts(), Me = dispatcher_->expert_max_rows();
@@ -441,6 +442,7 @@ CudaLayerShape CudaLayerShape::from_config(const MoeConfig& c, int64_t seq_lengt
     if (c.moe_enable_echo && s.ep_size > 1) {
         s.echo_slots = c.moe_num_echo_experts.value_or(0) / s.ep_size;
         s.echo_algorithm = c.moe_echo_algorithm == "greedy" ? EchoAlgorithm::greedy : EchoAlgorithm::waterfill;
+        s.echo_group_floor_rows = c.moe_echo_group_floor_rows;
         MOEKIT_REQUIRE(!c.moe_echo_recompute_expert_dispatch, "--moe-echo-recompute-expert-dispatch: not supported on "
                        "--device cuda yet (each CUDA layer keeps its own spare-slot buffers); use the CPU backend");
     }

@@ -42,6 +42,7 @@ struct CudaLayerShape {
     double receive_factor = 0;      // --moe-expert-rank-capacity-factor: the budgeted dispatcher (EP > 1)
     int64_t echo_slots = 0;         // --moe-enable-echo: spare slots per rank (--moe-num-echo-experts / EP)
     EchoAlgorithm echo_algorithm = EchoAlgorithm::waterfill;  // --moe-echo-algorithm
+    int64_t echo_group_floor_rows = 0;                        // --moe-echo-group-floor-rows
     int64_t local_experts() const { return router.num_experts / ep_size; }
     // The budgeted (sync-free) dispatcher runs: a receive factor or ECHO spare slots, with EP > 1.
     bool sync_free_dispatch() const { return ep_size > 1 && (receive_factor > 0 || echo_slots > 0); }

@@ -72,7 +72,8 @@ TEST_F(CmdEcho, LayerOnVirtualAndMpiRanksEqualsNoEcho) {
         const std::string ranks = " --expert-model-parallel-size " + std::to_string(n) + " --virtual-ranks " + std::to_string(n);
         ToolResult off = run_tool(kLayer + ranks + " --out " + path("off"));
         ASSERT_EQ(off.status, 0) << off.output;
-        for (const std::string extra : {"", " --moe-echo-algorithm greedy --moe-echo-recompute-expert-dispatch"}) {
+        for (const std::string extra : {"", " --moe-echo-algorithm greedy --moe-echo-recompute-expert-dispatch",
+                                        " --moe-echo-group-floor-rows 64"}) {
             ToolResult on = run_tool(kLayer + ranks + " --moe-enable-echo --moe-num-echo-experts " +
                                      std::to_string(2 * n) + extra + " --out " + path("on"));
             ASSERT_EQ(on.status, 0) << on.output;

@@ -162,6 +162,8 @@ TEST(CmdPlan, BadFlagsExit2NamingTheFlag) {
         {"--trace " + f + " --moe-num-echo-experts 6", "--moe-num-echo-experts=6 must be divisible"},
         {"--trace " + f, "--moe-num-echo-experts is required"},
         {"--trace " + f + " --moe-num-echo-experts 4 --moe-echo-algorithm ilp", "--moe-echo-algorithm=ilp"},
+        {"--trace " + f + " --moe-num-echo-experts 4 --moe-echo-group-floor-rows 2000000",
+         "--moe-echo-group-floor-rows=2000000 must be in"},
         {"--trace " + f + " --moe-num-echo-experts 4 --expert-model-parallel-size 3", "--expert-model-parallel-size=3"},
         {"--trace " + f + " --moe-num-echo-experts 4 --steps 3", "--steps applies to --synthetic only"},
         {"--moe-num-echo-experts 4", "give exactly one of --trace FILE and --synthetic"},

@@ -196,6 +196,10 @@ TEST(EchoConfig, FlagsAndRules) {
                         "--expert-model-parallel-size=4"),
               std::string::npos);
     EXPECT_NE(error_of({"--moe-echo-algorithm", "ilp"}).find("--moe-echo-algorithm=ilp"), std::string::npos);
+    EXPECT_EQ(parse_moe_config(with({"--moe-echo-group-floor-rows", "512"})).moe_echo_group_floor_rows, 512);
+    EXPECT_EQ(MoeConfig{}.moe_echo_group_floor_rows, 0);
+    EXPECT_NE(error_of({"--moe-echo-group-floor-rows", "-1"}).find("--moe-echo-group-floor-rows=-1 must be in"),
+              std::string::npos);
     EXPECT_NE(error_of({"--moe-enable-echo"}).find("--moe-enable-echo requires --moe-num-echo-experts"),
               std::string::npos);
     EXPECT_NE(error_of({"--moe-enable-echo", "--moe-num-echo-experts", "8"})
