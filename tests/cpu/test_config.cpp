@@ -403,7 +403,7 @@ TEST_F(ConfigFile, ToJsonRoundTripsEveryField) {
     EXPECT_EQ(j.at("moe_expert_capacity_factor"), 1.25);
     EXPECT_TRUE(j.at("moe_input_jitter_eps").is_null());
     EXPECT_EQ(j.at("moe_router_load_balancing_type"), nlohmann::json({"aux_loss"}));
-    EXPECT_EQ(j.size(), 43u);  // every MoeConfig field (38 + the 4 ECHO fields + force load balancing)
+    EXPECT_EQ(j.size(), 44u);  // every MoeConfig field (38 + the 5 ECHO fields + force load balancing)
     MoeConfig back = parse_moe_config({"--config", write("r.json", j.dump())});
     EXPECT_EQ(to_json(back), j);
 }
