@@ -23,27 +23,31 @@ const EchoDims kDims[] = {
 const CountKind kKinds[] = {CountKind::uniform, CountKind::zipf, CountKind::sparse, CountKind::zeros,
                             CountKind::one_expert};
 
+// Every count kind and algorithm on dims d: the plan's invariants and its determinism.
+void check_invariants_over_random_counts(const EchoDims& d, uint64_t& seed) {
+    for (CountKind kind : kKinds)
+        for (EchoAlgorithm alg : {EchoAlgorithm::greedy, EchoAlgorithm::waterfill}) {
+            ++seed;
+            SCOPED_TRACE(echo::to_string(d) + " " + test::kind_name(kind) + " " + echo::algorithm_name(alg) +
+                         " seed " + std::to_string(seed));
+            const auto counts = test::random_counts(d, kind, seed);
+            if (kind != CountKind::zeros) {
+                int64_t total = 0;
+                for (int64_t v : counts) total += v;
+                ASSERT_GT(total, 0) << "the random counts must not be all zero";
+            }
+            const echo::EchoPlan p = echo::plan(d, counts, alg);
+            test::expect_plan_invariants(d, counts, p);
+            if (kind == CountKind::zeros) EXPECT_EQ(p.num_clones, 0);
+            // Determinism: a second run on a copy gives the same bytes.
+            const std::vector<int64_t> copy = counts;
+            EXPECT_EQ(echo::plan_bytes(echo::plan(d, copy, alg)), echo::plan_bytes(p));
+        }
+}
+
 TEST(EchoPlan, InvariantsOverRandomCounts) {
     uint64_t seed = 9000;
-    for (const EchoDims& d : kDims)
-        for (CountKind kind : kKinds)
-            for (EchoAlgorithm alg : {EchoAlgorithm::greedy, EchoAlgorithm::waterfill}) {
-                ++seed;
-                SCOPED_TRACE(echo::to_string(d) + " " + test::kind_name(kind) + " " + echo::algorithm_name(alg) +
-                             " seed " + std::to_string(seed));
-                const auto counts = test::random_counts(d, kind, seed);
-                if (kind != CountKind::zeros) {
-                    int64_t total = 0;
-                    for (int64_t v : counts) total += v;
-                    ASSERT_GT(total, 0) << "the random counts must not be all zero";
-                }
-                const echo::EchoPlan p = echo::plan(d, counts, alg);
-                test::expect_plan_invariants(d, counts, p);
-                if (kind == CountKind::zeros) EXPECT_EQ(p.num_clones, 0);
-                // Determinism: a second run on a copy gives the same bytes.
-                const std::vector<int64_t> copy = counts;
-                EXPECT_EQ(echo::plan_bytes(echo::plan(d, copy, alg)), echo::plan_bytes(p));
-            }
+    for (const EchoDims& d : kDims) check_invariants_over_random_counts(d, seed);
 }
 
 // Skewed counts are the point of ECHO: with spare slots the busiest rank must actually get lighter.
@@ -66,17 +70,7 @@ TEST(EchoPlan, GroupFloorKeepsTheInvariants) {
     uint64_t seed = 9700;
     for (const EchoDims& d : {EchoDims{8, 64, 2, 512}, EchoDims{64, 256, 2, 512}, EchoDims{7, 91, 2, 100},
                               EchoDims{3, 111, 1, 1 << 20}, EchoDims{5, 35, 0, 300}})
-        for (CountKind kind : kKinds)
-            for (EchoAlgorithm alg : {EchoAlgorithm::greedy, EchoAlgorithm::waterfill}) {
-                ++seed;
-                SCOPED_TRACE(echo::to_string(d) + " " + test::kind_name(kind) + " " + echo::algorithm_name(alg) +
-                             " seed " + std::to_string(seed));
-                const auto counts = test::random_counts(d, kind, seed);
-                const echo::EchoPlan p = echo::plan(d, counts, alg);
-                test::expect_plan_invariants(d, counts, p);
-                const std::vector<int64_t> copy = counts;
-                EXPECT_EQ(echo::plan_bytes(echo::plan(d, copy, alg)), echo::plan_bytes(p));
-            }
+        check_invariants_over_random_counts(d, seed);
 }
 
 // Rank 0 holds a hot expert (3000 tokens); ranks 1 and 2 hold 1500 each, rank 1 as three 500-token experts,
