@@ -106,7 +106,8 @@ Options parse(int argc, char** argv) {
         } else {
             throw UsageError("unknown flag " + a +
                              " (flags: --ep 4,8, --preset NAME, --tokens-per-rank T, --skew zipf:S, "
-                             "--moe-num-echo-experts S_TOTAL | --slots-per-rank S, --algorithm waterfill|greedy, --group-floor-rows R, "
+                             "--moe-num-echo-experts S_TOTAL | --slots-per-rank S, --algorithm waterfill|greedy, "
+                             "--group-floor-rows R, "
                              "--iters N, --warmup N, --seed N, --json FILE)");
         }
     }

@@ -246,7 +246,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
                       "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx\n",
                       g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
                       ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
-                      ms(g, "cutlass_split_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense);
+                      ms(g, "cutlass_split_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best,
+                      gf / dense, best / dense);
         out += line;
     }
     return out;

@@ -159,8 +159,10 @@ int tn_hot_rows() {
 WgradSplit wgrad_split() {
     static const WgradSplit split = [] {
         WgradSplit s;
-        if (const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_ROWS")) s.small_below = std::max<int64_t>(0, std::atoll(env));
-        if (const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_LARGE")) s.large_from = std::max<int64_t>(0, std::atoll(env));
+        if (const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_ROWS"))
+            s.small_below = std::max<int64_t>(0, std::atoll(env));
+        if (const char* env = std::getenv("MOEKIT_WGRAD_SPLIT_LARGE"))
+            s.large_from = std::max<int64_t>(0, std::atoll(env));
         return s;
     }();
     return split;

@@ -215,7 +215,8 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, share, wgrad_split());
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, share,
+                                                   wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
     if (kOp == Op::kTN && !accumulate && share != Share::kPingpong) {  // once per GEMM (a split pair: its first)
         const int64_t block = s.k * s.n;
