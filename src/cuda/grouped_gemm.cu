@@ -282,16 +282,8 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
 // fc2 backward + activation stages mixtral 8.09 vs 6.26 + 0.89 ms, dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91
 // vs 1.42 + 0.54): the own kernel's two consumer warpgroups share each tile, so its epilogue, now reading gate / up
 // and writing twice the bytes, cannot overlap the next tile's main loop, and that costs more than the separate pass.
+// (glu_backward_fusion_enabled, below.)
 std::atomic<int> g_glu_fusion{-1};
-bool glu_fusion_allowed() {
-    const int set = g_glu_fusion.load();
-    if (set >= 0) return set > 0;
-    static const bool on = [] {
-        const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
-        return env && std::strcmp(env, "1") == 0;
-    }();
-    return on;
-}
 
 // With `glu` (nn only): the fused dgrad + gated-activation backward, launched only where the kernel chosen for this
 // shape is the own TMA kernel with its staged epilogue; returns whether it was launched (nothing is done otherwise).
@@ -306,7 +298,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
                  s.to_string());
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
-    if (glu && !glu_fusion_allowed()) return false;
+    if (glu && !glu_backward_fusion_enabled()) return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -425,7 +417,15 @@ void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel);
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
-bool glu_backward_fusion_enabled() { return glu_fusion_allowed(); }
+bool glu_backward_fusion_enabled() {
+    const int set = g_glu_fusion.load();
+    if (set >= 0) return set > 0;
+    static const bool on = [] {
+        const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
+        return env && std::strcmp(env, "1") == 0;
+    }();
+    return on;
+}
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {

@@ -45,7 +45,7 @@ void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 // with d a = dA * probs[r] (probs null = 1), bitwise what activation_backward makes of the stored dA, and
 // dp_partials[r * glu_backward_tiles(n) + t] = the sum over column tile t of act(gate) * up * dA (null: skipped;
 // activation_backward_probs_from_partials sums them). Returns false having launched nothing where the chosen kernel
-// has no such epilogue, or the fusion is off (the default: measured slower, grouped_gemm.cu glu_fusion_allowed):
+// has no such epilogue, or the fusion is off (the default: measured slower, grouped_gemm.cu g_glu_fusion):
 // then the caller runs grouped_gemm_nn + activation_backward.
 struct GluBackwardEpilogue {
     const __nv_bfloat16* fc1_out;

@@ -23,9 +23,8 @@ void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 namespace cutlass_detail {
 
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
-    if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
-    if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;
+    if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
