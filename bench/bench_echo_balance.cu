@@ -124,6 +124,7 @@ Options parse(int argc, char** argv) {
 // One rank's expert work in one configuration: rows of each group (home experts in order, then its spare slots).
 struct RankWork {
     std::vector<int64_t> group_rows;
+    int64_t slots = 0;  // the last `slots` groups are ECHO spare slots (their own GEMM launches, as in the layer)
     int64_t rows() const { return std::accumulate(group_rows.begin(), group_rows.end(), int64_t(0)); }
     int64_t padded_rows() const {  // rows the row tiles cover: what fc1/fc2/dgrad pay for
         int64_t p = 0;
@@ -221,6 +222,7 @@ EpCase build_case(const Options& o, const cuda::bench::Preset& pr, int64_t ep) {
         }
         for (int64_t j = r * S; j < (r + 1) * S; ++j)
             w.group_rows.push_back(g.slot_expert[j] < 0 ? 0 : g.slot_tokens[j]);
+        w.slots = S;
         MOEKIT_CHECK(w.rows() == g.rank_load_after[r], "rank ", r, ": ECHO groups hold ", w.rows(),
                      " rows != the device's rank_load_after ", g.rank_load_after[r]);
         on.ranks.push_back(w);
@@ -281,29 +283,45 @@ struct Buffers {
 };
 
 // One rank's expert MLP forward and backward in the layer's order (src/cuda/moe_layer.cu): fc1 nt, SwiGLU x probs,
-// fc2 nt; fc2 dgrad nn, fc2 wgrad tn, SwiGLU backward, fc1 dgrad nn, fc1 wgrad tn (fresh fp32 grads).
+// fc2 nt; fc2 dgrad nn, fc2 wgrad tn, SwiGLU backward, fc1 dgrad nn, fc1 wgrad tn (fresh fp32 grads). As in the
+// layer, the S spare-slot groups (the last S of G) are GEMM launches of their own, and their wgrads leave an empty
+// slot's gradient unwritten (WgradWrite::overwrite_nonempty).
 constexpr int kStages = 8;
 constexpr const char* kStageNames[kStages] = {"fc1_fwd",   "swiglu_fwd", "fc2_fwd",   "fc2_dgrad",
                                               "fc2_wgrad", "swiglu_bwd", "fc1_dgrad", "fc1_wgrad"};
 // marks (kStages + 1 events, or null): recorded around every stage as event nodes of the graph being captured.
-void expert_step(Buffers& b, int64_t G, int64_t max_rows, const int32_t* d_off, cudaStream_t s,
+void expert_step(Buffers& b, int64_t G, int64_t S, int64_t max_rows, const int32_t* d_off, cudaStream_t s,
                  const cudaEvent_t* marks = nullptr) {
-    const int64_t H = b.H, F = b.F;
+    using cuda::WgradWrite;
+    const int64_t H = b.H, F = b.F, L = G - S;
     const cuda::ActivationShape act{max_rows, F, true, Activation::silu};
     const int32_t* num_rows = d_off + G;  // offsets[G], read on the device
+    const int32_t* slot_off = d_off + L;
+    // Slot weights and grads: the buffers' groups L.. (distinct from the home experts', as the layer's are).
+    const int64_t w1s = L * 2 * F * H, w2s = L * H * F;
     int stage = 0;
     auto mark = [&] {
         if (marks) MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(marks[stage], s, cudaEventRecordExternal));
         ++stage;
     };
-    mark(), cuda::grouped_gemm_nt({G, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr, b.h.ptr, d_off, s);
+    mark(), cuda::grouped_gemm_nt({L, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr, b.h.ptr, d_off, s);
+    if (S) cuda::grouped_gemm_nt({S, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr + w1s, b.h.ptr, slot_off, s);
     mark(), cuda::activation_forward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.act.ptr, s);
-    mark(), cuda::grouped_gemm_nt({G, max_rows, H, F}, b.act.ptr, b.w2.ptr, b.y.ptr, d_off, s);
-    mark(), cuda::grouped_gemm_nn({G, max_rows, F, H}, b.dy.ptr, b.w2.ptr, b.dact.ptr, d_off, s);
-    mark(), cuda::grouped_gemm_tn({G, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr, d_off, false, s);
+    mark(), cuda::grouped_gemm_nt({L, max_rows, H, F}, b.act.ptr, b.w2.ptr, b.y.ptr, d_off, s);
+    if (S) cuda::grouped_gemm_nt({S, max_rows, H, F}, b.act.ptr, b.w2.ptr + w2s, b.y.ptr, slot_off, s);
+    mark(), cuda::grouped_gemm_nn({L, max_rows, F, H}, b.dy.ptr, b.w2.ptr, b.dact.ptr, d_off, s);
+    if (S) cuda::grouped_gemm_nn({S, max_rows, F, H}, b.dy.ptr, b.w2.ptr + w2s, b.dact.ptr, slot_off, s);
+    mark(), cuda::grouped_gemm_tn({L, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr, d_off, WgradWrite::overwrite, s);
+    if (S)
+        cuda::grouped_gemm_tn({S, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr + w2s, slot_off,
+                              WgradWrite::overwrite_nonempty, s);
     mark(), cuda::activation_backward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.dact.ptr, b.dh.ptr, nullptr, s);
-    mark(), cuda::grouped_gemm_nn({G, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr, b.dx.ptr, d_off, s);
-    mark(), cuda::grouped_gemm_tn({G, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr, d_off, false, s);
+    mark(), cuda::grouped_gemm_nn({L, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr, b.dx.ptr, d_off, s);
+    if (S) cuda::grouped_gemm_nn({S, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr + w1s, b.dx.ptr, slot_off, s);
+    mark(), cuda::grouped_gemm_tn({L, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr, d_off, WgradWrite::overwrite, s);
+    if (S)
+        cuda::grouped_gemm_tn({S, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr + w1s, slot_off,
+                              WgradWrite::overwrite_nonempty, s);
     mark();
 }
 
@@ -341,11 +359,11 @@ void time_case(EpCase& c, Buffers& b, const Options& o, cudaStream_t s) {
             // real load, every buffer holds b.rows >= this many rows.
             const int64_t max_rows = std::max<int64_t>(w.rows(), 1);
             MOEKIT_CHECK(max_rows <= b.rows && G <= b.groups, "buffers too small");
-            expert_step(b, G, max_rows, g->offsets.get(), s);
+            expert_step(b, G, w.slots, max_rows, g->offsets.get(), s);
             MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
             cudaGraph_t graph = nullptr;
             MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            expert_step(b, G, max_rows, g->offsets.get(), s, g->marks);
+            expert_step(b, G, w.slots, max_rows, g->offsets.get(), s, g->marks);
             MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
             const cudaError_t inst = cudaGraphInstantiate(&g->exec, graph, 0);
             cudaGraphDestroy(graph);
@@ -588,7 +606,8 @@ int main(int argc, char** argv) {
                  "per rank: fc1 nt, SwiGLU x probs, fc2 nt, fc2 dgrad nn, fc2 wgrad tn, SwiGLU bwd, fc1 dgrad nn, fc1 "
                  "wgrad tn (fp32 grads, fresh) over the rank's groups, one CUDA graph per rank and configuration, "
                  "max_rows = the rank's rows; replays interleaved over configurations and ranks, median per rank. "
-                 "no_echo: L home experts with their totals; echo: L home remainders + S slots from the device plan; "
+                 "no_echo: L home experts with their totals; echo: L home remainders + S slots from the device plan, "
+                 "the slots in GEMM launches of their own as in the layer (an empty slot's wgrad not written); "
                  "forced_balance: total/EP rows split evenly over L experts; forced_sampled: uniform top-k routing"},
                 {"runs", runs}};
             io::write_file_atomically(o.json_path, out.dump(1) + "\n");

@@ -176,13 +176,14 @@ Verdict check_echo_case(Communicator& world, const EpCase& k, int ep_size, const
             v.expect(std::string(all_plans[size_t(q)].begin(), all_plans[size_t(q)].end()) == probe.plan_bytes,
                      str("the ECHO plan of rank ", q, " differs from this rank's"));
     // Clones of experts homed elsewhere move weights (and their grads come back).
-    // Weights go out from the home rank, the gradients come back from the rank holding the clone.
+    // Weights go out from the home rank, the gradients come back from the rank holding the clone, unless the
+    // clone was given no tokens (it adds nothing: echo_clone_adds).
     int64_t remote_clones = 0, remote_slots = 0;
     for (int64_t j = 0; j < slots; ++j) {
         const int64_t e = p.slot_expert[size_t(j)], holder = j / p.dims.slots_per_rank;
         if (e < 0 || p.dims.home_rank(e) == holder) continue;
         remote_clones += p.dims.home_rank(e) == layout.ep_rank;
-        remote_slots += holder == layout.ep_rank;
+        remote_slots += holder == layout.ep_rank && p.slot_tokens[size_t(j)] > 0;
     }
     const int64_t per_expert = int64_t((in.weights.fc1[0].data.size() + in.weights.fc2[0].data.size()) * sizeof(T));
     const int64_t attempts = probe.budget.overflow ? 2 : 1;  // an overflow re-runs the whole step

@@ -145,7 +145,7 @@ void run_case(const GemmFns& f, const Problem& q, const GemmCase& c, cudaStream_
     GroupedGemmShape shape{q.E, q.rows, c.n, c.k};
     if (c.op == Op::kNT) f.nt(shape, c.A, c.B, static_cast<bf16*>(c.C), q.d_off.ptr, s);
     if (c.op == Op::kNN) f.nn(shape, c.A, c.B, static_cast<bf16*>(c.C), q.d_off.ptr, s);
-    if (c.op == Op::kTN) f.tn(shape, c.A, c.B, static_cast<float*>(c.C), q.d_off.ptr, false, s);
+    if (c.op == Op::kTN) f.tn(shape, c.A, c.B, static_cast<float*>(c.C), q.d_off.ptr, WgradWrite::overwrite, s);
 }
 
 double gemm_flops(const Problem& q, const GemmCase& c) { return 2.0 * double(q.rows) * double(c.n) * double(c.k); }
@@ -277,13 +277,13 @@ void mlp_step(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16
     mark(3);
     f.nn({q.E, q.rows, q.F, q.H}, dy, q.w2.ptr, dact, q.d_off.ptr, s);
     mark(4);
-    f.tn({q.E, q.rows, q.F, q.H}, dy, q.act.ptr, q.dw2.ptr, q.d_off.ptr, false, s);
+    f.tn({q.E, q.rows, q.F, q.H}, dy, q.act.ptr, q.dw2.ptr, q.d_off.ptr, WgradWrite::overwrite, s);
     mark(5);
     activation_backward<float>(act_shape, num_rows, q.h.ptr, q.prob.ptr, dact, dh, nullptr, s);
     mark(6);
     f.nn({q.E, q.rows, q.H, 2 * q.F}, dh, q.w1.ptr, dx, q.d_off.ptr, s);
     mark(7);
-    f.tn({q.E, q.rows, q.H, 2 * q.F}, dh, q.x.ptr, q.dw1.ptr, q.d_off.ptr, false, s);
+    f.tn({q.E, q.rows, q.H, 2 * q.F}, dh, q.x.ptr, q.dw1.ptr, q.d_off.ptr, WgradWrite::overwrite, s);
     mark(8);
 }
 

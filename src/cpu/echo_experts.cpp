@@ -4,6 +4,7 @@
 // gradients in ascending slot order (deterministic, the same bits on virtual and MPI ranks).
 #include "cpu/echo_experts.h"
 
+#include "core/echo_dispatch_math.h"
 #include "moekit/error.h"
 
 namespace moekit::cpu {
@@ -101,21 +102,27 @@ void EchoExperts<T>::finish_grads(MoeWeights<T>& grads) {
     const Matrix<T>& f1 = grads.fc1[size_t(me * L)];
     const Matrix<T>& f2 = grads.fc2[size_t(me * L)];
     const int64_t per_expert = int64_t(f1.data.size() + f2.data.size());
-    // Send my slots' gradients home (ascending slot); receive the gradients of my experts' clones.
+    // Send my slots' gradients home (ascending slot); receive the gradients of my experts' clones. Clones given
+    // no tokens add nothing and are skipped (echo_clone_adds, as the CUDA layer does).
+    const int32_t* slot_expert = plan.slot_expert.data();
+    const int64_t* slot_tokens = plan.slot_tokens.data();
+    auto adds = [&](int64_t j) {
+        return slot_expert[j] >= 0 && echo_clone_adds(slot_expert, slot_tokens, j, slot_expert[j]);
+    };
     std::vector<T> send;
     std::vector<int64_t> sc(size_t(EP), 0), rc(size_t(EP), 0);
     // The send buffer is packed in destination (home rank) order, each block in ascending slot order.
     for (int64_t home = 0; home < EP; ++home)
         for (int64_t k = 0; k < S; ++k) {
             const int64_t e = plan.slot_expert[size_t(me * S + k)];
-            if (e < 0 || d.home_rank(e) != home) continue;
+            if (!adds(me * S + k) || d.home_rank(e) != home) continue;
             append(send, gfc1_[size_t(L + k)]), append(send, gfc2_[size_t(L + k)]);
             sc[size_t(home)] += per_expert;
             if (home != me) traffic_.grad_bytes += per_expert * int64_t(sizeof(T));
         }
     for (int64_t j = 0; j < d.num_slots(); ++j) {
         const int64_t e = plan.slot_expert[size_t(j)];
-        if (e >= 0 && d.home_rank(e) == me) rc[size_t(j / S)] += per_expert;
+        if (adds(j) && d.home_rank(e) == me) rc[size_t(j / S)] += per_expert;
     }
     int64_t total = 0;
     for (int64_t c : rc) total += c;
@@ -126,7 +133,7 @@ void EchoExperts<T>::finish_grads(MoeWeights<T>& grads) {
     Matrix<T> a(f1.rows, f1.cols), b(f2.rows, f2.cols);
     for (int64_t j = 0; j < d.num_slots(); ++j) {
         const int64_t e = plan.slot_expert[size_t(j)];
-        if (e < 0 || d.home_rank(e) != me) continue;
+        if (!adds(j) || d.home_rank(e) != me) continue;
         take(recv, at, a), take(recv, at, b);
         Matrix<T>& g1 = grads.fc1[size_t(e)];
         Matrix<T>& g2 = grads.fc2[size_t(e)];

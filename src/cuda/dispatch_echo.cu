@@ -85,21 +85,22 @@ __global__ void push_weights_kernel(EchoDims d, const int32_t* slot_expert, cons
     }
 }
 
-// For each home expert l with clones: grad[l] += clone grads, slots in ascending order, 4 floats at a time.
-__global__ void add_clone_grads_kernel(EchoDims d, const int32_t* slot_expert, float4* gfc1, float4* gfc2,
-                                       char* const* peers, EchoSlotRegions r, int rank) {
+// For each home expert l with clones: grad[l] += clone grads, slots in ascending order, 4 floats at a time. A clone
+// given no tokens adds nothing and is skipped: its slot's gradient block was not written (overwrite_nonempty).
+__global__ void add_clone_grads_kernel(EchoDims d, const int32_t* slot_expert, const int64_t* slot_tokens,
+                                       float4* gfc1, float4* gfc2, char* const* peers, EchoSlotRegions r, int rank) {
     const int64_t L = d.experts_per_rank(), S = d.slots_per_rank, v1 = r.fc1_elems / 4, v2 = r.fc2_elems / 4;
     for (int64_t l = 0; l < L; ++l) {
         const int64_t e = int64_t(rank) * L + l;
         bool cloned = false;
-        for (int64_t j = 0; j < d.num_slots() && !cloned; ++j) cloned = slot_expert[j] == e;
+        for (int64_t j = 0; j < d.num_slots() && !cloned; ++j) cloned = echo_clone_adds(slot_expert, slot_tokens, j, e);
         if (!cloned) continue;
         for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < v1 + v2; i += int64_t(gridDim.x) * blockDim.x) {
             const bool first = i < v1;
             float4* g = first ? gfc1 + l * v1 + i : gfc2 + l * v2 + (i - v1);
             float4 acc = *g;
             for (int64_t j = 0; j < d.num_slots(); ++j) {
-                if (slot_expert[j] != e) continue;
+                if (!echo_clone_adds(slot_expert, slot_tokens, j, e)) continue;
                 const char* base = peers[j / S] + (first ? r.grad_fc1 : r.grad_fc2);
                 const float4 c = reinterpret_cast<const float4*>(base)[(j % S) * (first ? v1 : v2) + (first ? i : i - v1)];
                 acc.x += c.x, acc.y += c.y, acc.z += c.z, acc.w += c.w;
@@ -136,7 +137,7 @@ void echo_push_clone_weights(const EchoDeviceState& st, const ExpertParams& w, c
 
 void echo_add_clone_grads(const EchoDeviceState& st, const ExpertParams& w, char* const* peers,
                           const EchoSlotRegions& r, int rank, int blocks, cudaStream_t stream) {
-    add_clone_grads_kernel<<<blocks, kCopyThreads, 0, stream>>>(st.dims, st.plan.slot_expert,
+    add_clone_grads_kernel<<<blocks, kCopyThreads, 0, stream>>>(st.dims, st.plan.slot_expert, st.plan.slot_tokens,
                                                                 reinterpret_cast<float4*>(w.grad_fc1),
                                                                 reinterpret_cast<float4*>(w.grad_fc2), peers, r, rank);
     MOEKIT_CUDA_LAUNCH_CHECK();

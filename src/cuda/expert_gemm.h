@@ -10,7 +10,7 @@ struct ExpertGemm {
     using Nt = void (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
                         const int32_t*, cudaStream_t);
     using Tn = void (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*, const int32_t*,
-                        bool, cudaStream_t);
+                        WgradWrite, cudaStream_t);
     using NnGlu = bool (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*,
                            const GluBackwardEpilogue&, cudaStream_t);
     Nt nt = nullptr;  // C = A · B[g]ᵀ   (forward)

@@ -289,7 +289,7 @@ std::atomic<int> g_glu_fusion{-1};
 // shape is the own TMA kernel with its staged epilogue; returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
 bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-            const int32_t* d_offsets, bool accumulate, cudaStream_t stream,
+            const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
             const GluBackwardEpilogue* glu = nullptr) {
     using namespace gemm_detail;
     MOEKIT_CHECK(s.num_groups >= 0 && s.max_rows >= 0 && s.n >= 0 && s.k >= 0, name, ": negative size in ",
@@ -317,7 +317,8 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     p.max_rows = int(s.max_rows);
     p.n = int(s.n);
     p.k = int(s.k);
-    p.accumulate = accumulate ? 1 : 0;
+    p.accumulate = write == WgradWrite::accumulate ? 1 : 0;
+    p.keep_empty = write != WgradWrite::overwrite ? 1 : 0;
 
     GroupedGemmKernel kernel = resolve_kernel();
     CutlassConfig config = CutlassConfig::kAuto;
@@ -346,7 +347,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         else if constexpr (kOp == Op::kNN)
             cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else
-            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, accumulate, stream, config);
+            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config);
         return true;
     }
     bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
@@ -389,7 +390,7 @@ void cutlass_grouped_gemm_nn(const GroupedGemmShape&, const __nv_bfloat16*, cons
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*,
-                             const int32_t*, bool, cudaStream_t, CutlassConfig) {
+                             const int32_t*, WgradWrite, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif
@@ -439,25 +440,25 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
 
 void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                      const int32_t* d_offsets, cudaStream_t stream) {
-    launch<gemm_detail::Op::kNT>("grouped_gemm_nt", shape, A, B, C, d_offsets, false, stream);
+    launch<gemm_detail::Op::kNT>("grouped_gemm_nt", shape, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
 void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                      const int32_t* d_offsets, cudaStream_t stream) {
-    launch<gemm_detail::Op::kNN>("grouped_gemm_nn", shape, A, B, C, d_offsets, false, stream);
+    launch<gemm_detail::Op::kNN>("grouped_gemm_nn", shape, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
-                     const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
-    launch<gemm_detail::Op::kTN>("grouped_gemm_tn", shape, A, B, C, d_offsets, accumulate, stream);
+                     const int32_t* d_offsets, WgradWrite write, cudaStream_t stream) {
+    launch<gemm_detail::Op::kTN>("grouped_gemm_tn", shape, A, B, C, d_offsets, write, stream);
 }
 
 int64_t glu_backward_tiles(int64_t n) { return ceil_div(n, 256); }
 
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream) {
-    return launch<gemm_detail::Op::kNN>("grouped_gemm_nn_glu_backward", shape, A, B, nullptr, d_offsets, false,
-                                        stream, &epilogue);
+    return launch<gemm_detail::Op::kNN>("grouped_gemm_nn_glu_backward", shape, A, B, nullptr, d_offsets,
+                                        WgradWrite::overwrite, stream, &epilogue);
 }
 
 }  // namespace moekit::cuda

@@ -32,12 +32,21 @@ void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                      const int32_t* d_offsets /*[G+1]*/, cudaStream_t stream);
 
+// How grouped_gemm_tn writes the gradient blocks C[g], and what a group with no rows gets:
+// - overwrite: C[g] = A_gᵀ·B_g; an empty group's block is zeroed;
+// - accumulate: C[g] += A_gᵀ·B_g; an empty group's block is left as it is;
+// - overwrite_nonempty: as overwrite, but an empty group's block is left as it is (not written at all). For
+//   blocks nobody reads when their group is empty: an ECHO spare slot that holds no clone this step would
+//   otherwise cost a whole zeroed fp32 gradient (fc1 + fc2: 176 MiB at dsv3 sizes).
+enum class WgradWrite { overwrite, accumulate, overwrite_nonempty };
+inline WgradWrite wgrad_write(bool accumulate) { return accumulate ? WgradWrite::accumulate : WgradWrite::overwrite; }
+
 // C[g] (+)= A_gᵀ · B_g with A_g = rows of A [max_rows, m] in group g and B_g the same rows of
 // B [max_rows, n]; C [G, m, n] fp32 (weight gradients; reduction over the group's rows, which
-// may be zero rows: then C[g] is zeroed, or left unchanged when accumulate). (wgrad: dW = dYᵀ·X.)
+// may be zero rows: see WgradWrite). (wgrad: dW = dYᵀ·X.)
 // Here shape.n = n, shape.k = m (the output rows per group).
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
-                     const int32_t* d_offsets /*[G+1]*/, bool accumulate, cudaStream_t stream);
+                     const int32_t* d_offsets /*[G+1]*/, WgradWrite write, cudaStream_t stream);
 
 // fc2's dgrad with the gated activation's backward in its epilogue (one pass over the rows fewer): where the kernel
 // chosen for this shape is the own TMA kernel (staged epilogue), computes dA = A · B[g] as grouped_gemm_nn would,

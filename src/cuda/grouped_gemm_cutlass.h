@@ -44,7 +44,7 @@ void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16*
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
                              CutlassConfig config = CutlassConfig::kAuto);
 void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
-                             const int32_t* d_offsets, bool accumulate, cudaStream_t stream,
+                             const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
                              CutlassConfig config = CutlassConfig::kAuto);
 
 }  // namespace moekit::cuda

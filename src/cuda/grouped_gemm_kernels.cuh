@@ -55,6 +55,7 @@ struct Params {
     int tiles_m;  // NT/NN: static bound on row tiles; TN: ceil(m / BM)
     int tiles_n;
     int accumulate;
+    int keep_empty;   // TN: a group with no rows leaves its block as it is (WgradWrite::accumulate / overwrite_nonempty)
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
     int staged_epilogue;  // TMA kernel: results leave through shared memory (nt/nn: bf16 full-line stores; tn: fp32
                           // bulk tensor stores / reduce-adds through map_c)
@@ -335,7 +336,7 @@ template <Op kOp>
 __device__ __forceinline__ void store_pair(const Params& p, const TileJob& job, int row, int col, float v0, float v1) {
     if constexpr (kOp == Op::kTN) {
         int gm = job.m0 + row, gn = job.n0 + col;
-        if (gm >= p.k || gn >= p.n) return;
+        if (gm >= p.k || gn >= p.n || (p.keep_empty && job.row_end == job.row0)) return;
         float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.C) + (int64_t(job.group) * p.k + gm) * p.n + gn);
         if (p.accumulate) {
             float2 old = *dst;

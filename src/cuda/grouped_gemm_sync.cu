@@ -77,15 +77,16 @@ void grouped_gemm_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __
 }
 
 void grouped_gemm_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
-                     const int32_t* d_offsets, bool accumulate, cudaStream_t stream) {
+                     const int32_t* d_offsets, WgradWrite write, cudaStream_t stream) {
     if (s.num_groups == 0 || s.n == 0 || s.k == 0) return;
+    const bool accumulate = write == WgradWrite::accumulate;
     auto off = host_offsets(s, d_offsets, stream);
     const int64_t m = s.k;
     for (int64_t g = 0; g < s.num_groups; ++g) {
         int64_t rows = off[g + 1] - off[g];
         float* Cg = C + g * m * s.n;
         if (rows == 0) {
-            if (!accumulate) MOEKIT_CUDA_CHECK(cudaMemsetAsync(Cg, 0, sizeof(float) * m * s.n, stream));
+            if (write == WgradWrite::overwrite) MOEKIT_CUDA_CHECK(cudaMemsetAsync(Cg, 0, sizeof(float) * m * s.n, stream));
             continue;
         }
         // C_gᵀ[n, m] = B_gᵀ[n, rows] · A_g[rows, m]  (A_g row-major [rows, m] = column-major [m, rows]: transpose)

@@ -14,7 +14,7 @@ void grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 void grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                      const int32_t* d_offsets, cudaStream_t stream);
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
-                     const int32_t* d_offsets, bool accumulate, cudaStream_t stream);
+                     const int32_t* d_offsets, WgradWrite write, cudaStream_t stream);
 
 // Host synchronisations made by the functions above since the process started (one per call with groups > 0).
 int64_t host_sync_count();

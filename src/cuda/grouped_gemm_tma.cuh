@@ -434,8 +434,9 @@ __global__ void __launch_bounds__(384, 1)
         }
         if constexpr (kOp == Op::kTN) {
             if (p.staged_epilogue) {
-                // An empty group adds nothing to an accumulated gradient: its tile is left as it is.
-                if (!(p.accumulate && nk == 0))
+                // An empty group adds nothing to an accumulated gradient, and an overwrite_nonempty one is not
+                // written: its tile is left as it is.
+                if (!(p.keep_empty && nk == 0))
                     tn_store_epilogue(p, job, &map_c, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64, lane, d,
                                       tn_chunks);
                 continue;

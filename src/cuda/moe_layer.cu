@@ -177,7 +177,8 @@ public:
         mark(stream, 1, LayerStage::combine, false);
         mark(stream, 1, LayerStage::fc2, true);
         // ECHO slot groups: clone weights for dgrad; their weight grads go to the slots' own buffers (fresh each
-        // step), which dispatch_backward adds into the home experts' grads.
+        // step), which dispatch_backward adds into the home experts' grads. A slot with no rows (no clone, or a
+        // clone given no tokens) is not added, so its block is not written either (overwrite_nonempty).
         const int32_t* slot_offsets = offsets + L;
         // Gated activations without ECHO slots: the activation's backward may ride in fc2's dgrad epilogue
         // (grouped_gemm_nn_glu_backward; opt-in, measured slower), leaving only the d(prob) partials to sum.
@@ -195,10 +196,11 @@ public:
                 gemm_.nn(GroupedGemmShape{S, M, F, H}, grad_rows, experts_.slot_fc2, grad_act_.get(), slot_offsets,
                          stream);
         }
-        gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows, act_out_.get(), buf_.grad_fc2, offsets, acc, stream);
+        gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows, act_out_.get(), buf_.grad_fc2, offsets, wgrad_write(acc),
+                 stream);
         if (S)
-            gemm_.tn(GroupedGemmShape{S, M, F, H}, grad_rows, act_out_.get(), experts_.slot_grad_fc2, slot_offsets, false,
-                     stream);
+            gemm_.tn(GroupedGemmShape{S, M, F, H}, grad_rows, act_out_.get(), experts_.slot_grad_fc2, slot_offsets,
+                     WgradWrite::overwrite_nonempty, stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
         if (fused_act) {
@@ -215,11 +217,11 @@ public:
         if (S)
             gemm_.nn(GroupedGemmShape{S, M, H, F1}, grad_fc1_out_.get(), experts_.slot_fc1, grad_x_rows_.get(), slot_offsets,
                      stream);
-        gemm_.tn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), experts_.rows, buf_.grad_fc1, offsets, acc,
-                 stream);
+        gemm_.tn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), experts_.rows, buf_.grad_fc1, offsets,
+                 wgrad_write(acc), stream);
         if (S)
             gemm_.tn(GroupedGemmShape{S, M, H, F1}, grad_fc1_out_.get(), experts_.rows, experts_.slot_grad_fc1,
-                     slot_offsets, false, stream);
+                     slot_offsets, WgradWrite::overwrite_nonempty, stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
         dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,

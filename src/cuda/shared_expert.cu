@@ -110,12 +110,14 @@ void shared_expert_backward(const SharedExpertShape& s, const SharedExpertTensor
     }
     // fc2: d act = gy · W2 [H, F]; dW2 [H, F] = gyᵀ · act.
     gemm.nn(GroupedGemmShape{1, T, F, H}, gy, t.fc2, t.grad_act, t.offsets, stream);
-    gemm.tn(GroupedGemmShape{1, T, F, H}, gy, t.act_out, t.grad_fc2, t.offsets, accumulate_grads, stream);
+    gemm.tn(GroupedGemmShape{1, T, F, H}, gy, t.act_out, t.grad_fc2, t.offsets, wgrad_write(accumulate_grads),
+            stream);
     activation_backward<float>(ActivationShape{T, F, s.gated_linear_unit, s.act}, nullptr, t.fc1_out, nullptr,
                                t.grad_act, t.grad_fc1_out, nullptr, stream);
     // fc1: dx = d fc1_out · W1 [F1, H]; dW1 [F1, H] = d fc1_outᵀ · x.
     gemm.nn(GroupedGemmShape{1, T, H, F1}, t.grad_fc1_out, t.fc1, t.grad_x, t.offsets, stream);
-    gemm.tn(GroupedGemmShape{1, T, H, F1}, t.grad_fc1_out, t.x, t.grad_fc1, t.offsets, accumulate_grads, stream);
+    gemm.tn(GroupedGemmShape{1, T, H, F1}, t.grad_fc1_out, t.x, t.grad_fc1, t.offsets, wgrad_write(accumulate_grads),
+            stream);
     const int grid = int(std::min<int64_t>(ceil_div(T * H, 256), 4096));
     add_input_grad_kernel<<<grid, 256, 0, stream>>>(T, H, t.grad_x, s.has_gate ? t.grad_gate_logit : nullptr, t.gate,
                                                     grad_input);

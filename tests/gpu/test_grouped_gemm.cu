@@ -216,11 +216,12 @@ void check_row_gemm(Op op, const std::vector<int>& counts, int slack_rows, int n
     reset_backend();
 }
 
-// tn: C[g] (+)= A_gᵀ·B_g in fp32 over the group's rows (zero rows: zeroed, or unchanged with accumulate).
-// c_shift = 2: C starts 8 bytes past a 16-byte boundary (the own TMA kernel's register stores instead of its bulk
-// tensor stores; only the backends that take such a C run).
-void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool accumulate, uint64_t seed,
+// tn: C[g] (+)= A_gᵀ·B_g in fp32 over the group's rows (zero rows: zeroed with overwrite, unchanged with
+// accumulate or overwrite_nonempty). c_shift = 2: C starts 8 bytes past a 16-byte boundary (the own TMA kernel's
+// register stores instead of its bulk tensor stores; only the backends that take such a C run).
+void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, WgradWrite write, uint64_t seed,
               int c_shift = 0) {
+    const bool accumulate = write == WgradWrite::accumulate, keep_empty = write != WgradWrite::overwrite;
     const int G = int(counts.size());
     auto off = offsets_of(counts);
     const int rows = off[G], max_rows = rows + slack_rows;
@@ -243,7 +244,7 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
     GroupedGemmShape shape{G, max_rows, n, m};
     for (Backend b : backends(c_shift != 0)) {
         SCOPED_TRACE(::testing::Message() << name(b) << " c_shift=" << c_shift << " tn G=" << G << " m=" << m
-                                          << " n=" << n << " rows=" << rows << " accumulate=" << accumulate
+                                          << " n=" << n << " rows=" << rows << " write=" << int(write)
                                           << " seed=" << seed);
         select(b);
         std::vector<float> shifted(size_t(c_shift), 0.f);
@@ -251,24 +252,32 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
         DeviceBuffer<float> dC(shifted);
         float* c_ptr = dC.ptr + c_shift;
         if (b == Backend::kSync)
-            sync_baseline::grouped_gemm_tn(shape, dA.ptr, dB.ptr, c_ptr, dOff.ptr, accumulate, nullptr);
+            sync_baseline::grouped_gemm_tn(shape, dA.ptr, dB.ptr, c_ptr, dOff.ptr, write, nullptr);
         else
-            grouped_gemm_tn(shape, dA.ptr, dB.ptr, c_ptr, dOff.ptr, accumulate, nullptr);
+            grouped_gemm_tn(shape, dA.ptr, dB.ptr, c_ptr, dOff.ptr, write, nullptr);
         MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
         auto all = dC.download();
         std::vector<float> C(all.begin() + c_shift, all.end());
         std::vector<double> got(C.begin(), C.end());
+        // Empty groups: compared bit for bit below; the error over the others (their C0 where left unchanged).
+        for (int g = 0; g < G; ++g)
+            if (counts[g] == 0 && keep_empty)
+                for (size_t i = size_t(g) * m * n; i < size_t(g + 1) * m * n; ++i) got[i] = ref[i] = C0[i];
         // fp32 accumulation of up to ~1e3 products of magnitude <= 1: relative error well under 1e-4.
         EXPECT_LT(rel_err(got, ref), 1e-4);
         for (int g = 0; g < G; ++g) {
             if (counts[g] != 0) continue;
             size_t bad = 0;
             for (size_t i = size_t(g) * m * n; i < size_t(g + 1) * m * n; ++i)
-                bad += accumulate ? C[i] != C0[i] : C[i] != 0.f;
-            EXPECT_EQ(bad, 0u) << "empty group " << g << " not " << (accumulate ? "left unchanged" : "zeroed");
+                bad += keep_empty ? bits(C[i]) != bits(C0[i]) : C[i] != 0.f;
+            EXPECT_EQ(bad, 0u) << "empty group " << g << " not " << (keep_empty ? "left unchanged" : "zeroed");
         }
     }
     reset_backend();
+}
+void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool accumulate, uint64_t seed,
+              int c_shift = 0) {
+    check_tn(counts, slack_rows, m, n, wgrad_write(accumulate), seed, c_shift);
 }
 
 }  // namespace
@@ -350,6 +359,19 @@ TEST(GroupedGemm, WgradGroupsSplitBySize) {
         check_tn(large, 7, 192, 256, acc, 113 + acc);
         check_tn(mixed, 7, 192, 256, acc, 115 + acc);
     }
+    check_tn(mixed, 7, 192, 256, WgradWrite::overwrite_nonempty, 117);
+}
+
+TEST(GroupedGemm, WgradEmptyGroupsLeftUnwritten) {
+    SKIP_WITHOUT_GPU();
+    // overwrite_nonempty (ECHO's spare-slot gradients): the non-empty groups' blocks are overwritten as with
+    // overwrite, the empty ones keep their previous bits on every backend; empty groups first, last, in runs,
+    // one group taking every row, and no rows at all.
+    for (const std::vector<int>& counts : std::vector<std::vector<int>>{
+             {0, 300, 0}, {13, 0, 0, 700, 0, 1}, {0, 0, 0, 520, 0}, {0, 0, 0}, random_counts(9, 1200, 131, 0.4)}) {
+        check_tn(counts, 3, 192, 256, WgradWrite::overwrite_nonempty, 132);
+        check_tn(counts, 2, 136, 64, WgradWrite::overwrite_nonempty, 133);
+    }
 }
 
 TEST(GroupedGemm, WgradGradientOffSixteenBytes) {
@@ -358,6 +380,7 @@ TEST(GroupedGemm, WgradGradientOffSixteenBytes) {
     std::vector<int> counts{0, 300, 17, 0, 129, 64};
     check_tn(counts, 5, 192, 264, false, 101, 2);
     check_tn(counts, 5, 192, 264, true, 102, 2);
+    check_tn(counts, 5, 192, 264, WgradWrite::overwrite_nonempty, 103, 2);
 }
 
 TEST(GroupedGemm, WgradHotColdInterleave) {
@@ -374,6 +397,7 @@ TEST(GroupedGemm, WgradHotColdInterleave) {
         set_tn_interleave(hot);
         check_tn(counts, 5, 256, 512, false, 98);
         check_tn(counts, 5, 384, 256, true, 99);
+        check_tn(counts, 5, 256, 512, WgradWrite::overwrite_nonempty, 100);
     }
     set_tn_interleave(-1);
 }
@@ -494,7 +518,7 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
         DeviceBuffer<float> dW(size_t(G) * k * n), dWeager(size_t(G) * k * n);
         auto step = [&](bf16* C, float* W) {
             grouped_gemm_nt(row_shape, dA.ptr, dB.ptr, C, dOff.ptr, stream);
-            grouped_gemm_tn(tn_shape, dA.ptr, dD.ptr, W, dOff.ptr, false, stream);
+            grouped_gemm_tn(tn_shape, dA.ptr, dD.ptr, W, dOff.ptr, WgradWrite::overwrite, stream);
         };
         // Memsets on `stream` itself: a cudaMemset goes on the legacy stream, which `stream` (non-blocking) would
         // not wait for (it raced the replay's writes: 1 failure in 2 suite runs, H100, 2026-11-23).

@@ -3,7 +3,8 @@
 // Sync-free: a one-block kernel turns the device offsets into CUTLASS's per-group problem shapes, pointers and
 // strides (in a per-stream argument buffer), and CUTLASS is given no host shapes: its persistent grid covers the
 // SMs and its group scheduler reads the shapes on the device. Empty groups get no tiles (M = 0); for wgrad without
-// accumulation their gradient block is zeroed by a separate kernel (CUTLASS would leave K = 0 accumulators unset).
+// accumulation (WgradWrite::overwrite) their gradient block is zeroed by a separate kernel (CUTLASS would leave K = 0
+// accumulators unset).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -145,7 +146,7 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     }
 }
 
-// tn without accumulation: a group with no rows gets a zero gradient block (grid: blocks x groups).
+// tn with WgradWrite::overwrite: a group with no rows gets a zero gradient block (grid: blocks x groups).
 __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems);
 
 // Bytes of device memory for one call's per-group arguments and CUTLASS's own workspace, served per stream
@@ -184,7 +185,7 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
 
 template <Op kOp, class Config>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, bool accumulate, cudaStream_t stream, Share share = Share::kAll) {
+                 const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll) {
     using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
@@ -203,7 +204,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         r.epilogue.ptr_D = a.ptr_d;
         r.epilogue.dD = a.stride_d;
         r.epilogue.thread.alpha = 1.f;
-        r.epilogue.thread.beta = kOp == Op::kTN && accumulate ? 1.f : 0.f;
+        r.epilogue.thread.beta = kOp == Op::kTN && write == WgradWrite::accumulate ? 1.f : 0.f;
         r.hw_info = hw;
         r.scheduler.raster_order = raster_along_n() ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                                     : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
@@ -218,7 +219,8 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, share,
                                                    wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
-    if (kOp == Op::kTN && !accumulate && share != Share::kPingpong) {  // once per GEMM (a split pair: its first)
+    // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched.
+    if (kOp == Op::kTN && write == WgradWrite::overwrite && share != Share::kPingpong) {  // a split pair: its first
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block);
@@ -238,24 +240,24 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-         const int32_t* d_offsets, bool accumulate, CutlassConfig requested, cudaStream_t stream) {
+         const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if constexpr (kOp == Op::kTN) {
         if (config == CutlassConfig::kSplitBySize) {
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream, Share::kCooperative);
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream, Share::kPingpong);
+            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
+            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
     }
     if (config == CutlassConfig::kPingpong)
-        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, accumulate, stream);
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
     else if (config == CutlassConfig::kCooperativeTall)
-        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, accumulate, stream);
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);
     else
-        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, accumulate, stream);
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail

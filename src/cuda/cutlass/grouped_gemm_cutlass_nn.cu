@@ -6,7 +6,7 @@ namespace moekit::cuda {
 void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
                              CutlassConfig config) {
-    cutlass_detail::run<cutlass_detail::Op::kNN>(shape, A, B, C, d_offsets, false, config, stream);
+    cutlass_detail::run<cutlass_detail::Op::kNN>(shape, A, B, C, d_offsets, WgradWrite::overwrite, config, stream);
 }
 
 }  // namespace moekit::cuda
