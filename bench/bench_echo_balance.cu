@@ -9,6 +9,7 @@
 //          [--warmup 2] [--seed 1234] [--json FILE]
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -284,44 +285,54 @@ struct Buffers {
 
 // One rank's expert MLP forward and backward in the layer's order (src/cuda/moe_layer.cu): fc1 nt, SwiGLU x probs,
 // fc2 nt; fc2 dgrad nn, fc2 wgrad tn, SwiGLU backward, fc1 dgrad nn, fc1 wgrad tn (fresh fp32 grads). As in the
-// layer, the S spare-slot groups (the last S of G) are GEMM launches of their own, and their wgrads leave an empty
-// slot's gradient unwritten (WgradWrite::overwrite_nonempty).
+// layer, the S spare-slot groups (the last S of G) take their weights and gradients from a second base in the same
+// launch (GroupedGemmShape::second_from), whose wgrad leaves an empty slot's gradient unwritten. MOEKIT_ECHO_SLOT_LAUNCH=1:
+// the slots in launches of their own instead (measured: docs/perf.md).
 constexpr int kStages = 8;
 constexpr const char* kStageNames[kStages] = {"fc1_fwd",   "swiglu_fwd", "fc2_fwd",   "fc2_dgrad",
                                               "fc2_wgrad", "swiglu_bwd", "fc1_dgrad", "fc1_wgrad"};
 // marks (kStages + 1 events, or null): recorded around every stage as event nodes of the graph being captured.
 void expert_step(Buffers& b, int64_t G, int64_t S, int64_t max_rows, const int32_t* d_off, cudaStream_t s,
                  const cudaEvent_t* marks = nullptr) {
+    using cuda::GroupedGemmShape;
     using cuda::WgradWrite;
     const int64_t H = b.H, F = b.F, L = G - S;
     const cuda::ActivationShape act{max_rows, F, true, Activation::silu};
     const int32_t* num_rows = d_off + G;  // offsets[G], read on the device
-    const int32_t* slot_off = d_off + L;
-    // Slot weights and grads: the buffers' groups L.. (distinct from the home experts', as the layer's are).
-    const int64_t w1s = L * 2 * F * H, w2s = L * H * F;
+    // Slot weights and grads: the buffers' groups L.. through a second base, as the layer's clone buffers are.
+    const bf16 *w1s = b.w1.ptr + L * 2 * F * H, *w2s = b.w2.ptr + L * H * F;
+    float *g1s = b.dw1.ptr + L * 2 * F * H, *g2s = b.dw2.ptr + L * H * F;
+    static const bool own_launch = [] {
+        const char* env = std::getenv("MOEKIT_ECHO_SLOT_LAUNCH");
+        return env && std::string(env) == "1";
+    }();
+    using Nt = decltype(&cuda::grouped_gemm_nt);
+    // One GEMM over home + slot groups: one launch with a second base, or (own_launch) two launches.
+    auto gemm = [&](Nt f, int64_t n, int64_t k, const bf16* A, const bf16* W, const bf16* Ws, bf16* C) {
+        if (S == 0 || !own_launch) return f(GroupedGemmShape{G, max_rows, n, k, S ? L : 0, Ws}, A, W, C, d_off, s);
+        f({L, max_rows, n, k}, A, W, C, d_off, s);
+        f({S, max_rows, n, k}, A, Ws, C, d_off + L, s);
+    };
+    auto wgrad = [&](int64_t n, int64_t k, const bf16* A, const bf16* B, float* D, float* Ds) {
+        if (S == 0 || !own_launch)
+            return cuda::grouped_gemm_tn(GroupedGemmShape{G, max_rows, n, k, S ? L : 0, Ds}, A, B, D, d_off,
+                                         WgradWrite::overwrite, s);
+        cuda::grouped_gemm_tn({L, max_rows, n, k}, A, B, D, d_off, WgradWrite::overwrite, s);
+        cuda::grouped_gemm_tn({S, max_rows, n, k}, A, B, Ds, d_off + L, WgradWrite::overwrite_nonempty, s);
+    };
     int stage = 0;
     auto mark = [&] {
         if (marks) MOEKIT_CUDA_CHECK(cudaEventRecordWithFlags(marks[stage], s, cudaEventRecordExternal));
         ++stage;
     };
-    mark(), cuda::grouped_gemm_nt({L, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr, b.h.ptr, d_off, s);
-    if (S) cuda::grouped_gemm_nt({S, max_rows, 2 * F, H}, b.x.ptr, b.w1.ptr + w1s, b.h.ptr, slot_off, s);
+    mark(), gemm(cuda::grouped_gemm_nt, 2 * F, H, b.x.ptr, b.w1.ptr, w1s, b.h.ptr);
     mark(), cuda::activation_forward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.act.ptr, s);
-    mark(), cuda::grouped_gemm_nt({L, max_rows, H, F}, b.act.ptr, b.w2.ptr, b.y.ptr, d_off, s);
-    if (S) cuda::grouped_gemm_nt({S, max_rows, H, F}, b.act.ptr, b.w2.ptr + w2s, b.y.ptr, slot_off, s);
-    mark(), cuda::grouped_gemm_nn({L, max_rows, F, H}, b.dy.ptr, b.w2.ptr, b.dact.ptr, d_off, s);
-    if (S) cuda::grouped_gemm_nn({S, max_rows, F, H}, b.dy.ptr, b.w2.ptr + w2s, b.dact.ptr, slot_off, s);
-    mark(), cuda::grouped_gemm_tn({L, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr, d_off, WgradWrite::overwrite, s);
-    if (S)
-        cuda::grouped_gemm_tn({S, max_rows, F, H}, b.dy.ptr, b.act.ptr, b.dw2.ptr + w2s, slot_off,
-                              WgradWrite::overwrite_nonempty, s);
+    mark(), gemm(cuda::grouped_gemm_nt, H, F, b.act.ptr, b.w2.ptr, w2s, b.y.ptr);
+    mark(), gemm(cuda::grouped_gemm_nn, F, H, b.dy.ptr, b.w2.ptr, w2s, b.dact.ptr);
+    mark(), wgrad(F, H, b.dy.ptr, b.act.ptr, b.dw2.ptr, g2s);
     mark(), cuda::activation_backward<float>(act, num_rows, b.h.ptr, b.prob.ptr, b.dact.ptr, b.dh.ptr, nullptr, s);
-    mark(), cuda::grouped_gemm_nn({L, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr, b.dx.ptr, d_off, s);
-    if (S) cuda::grouped_gemm_nn({S, max_rows, H, 2 * F}, b.dh.ptr, b.w1.ptr + w1s, b.dx.ptr, slot_off, s);
-    mark(), cuda::grouped_gemm_tn({L, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr, d_off, WgradWrite::overwrite, s);
-    if (S)
-        cuda::grouped_gemm_tn({S, max_rows, H, 2 * F}, b.dh.ptr, b.x.ptr, b.dw1.ptr + w1s, slot_off,
-                              WgradWrite::overwrite_nonempty, s);
+    mark(), gemm(cuda::grouped_gemm_nn, H, 2 * F, b.dh.ptr, b.w1.ptr, w1s, b.dx.ptr);
+    mark(), wgrad(H, 2 * F, b.dh.ptr, b.x.ptr, b.dw1.ptr, g1s);
     mark();
 }
 
@@ -607,7 +618,8 @@ int main(int argc, char** argv) {
                  "wgrad tn (fp32 grads, fresh) over the rank's groups, one CUDA graph per rank and configuration, "
                  "max_rows = the rank's rows; replays interleaved over configurations and ranks, median per rank. "
                  "no_echo: L home experts with their totals; echo: L home remainders + S slots from the device plan, "
-                 "the slots in GEMM launches of their own as in the layer (an empty slot's wgrad not written); "
+                 "the slots in the home groups' GEMM launches through a second base as in the layer (an empty slot's wgrad "
+                 "not written); "
                  "forced_balance: total/EP rows split evenly over L experts; forced_sampled: uniform top-k routing"},
                 {"runs", runs}};
             io::write_file_atomically(o.json_path, out.dump(1) + "\n");

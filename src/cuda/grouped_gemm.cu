@@ -17,7 +17,8 @@
 namespace moekit::cuda {
 
 std::string GroupedGemmShape::to_string() const {
-    return str("GroupedGemmShape{groups=", num_groups, ", max_rows=", max_rows, ", n=", n, ", k=", k, "}");
+    return str("GroupedGemmShape{groups=", num_groups, ", max_rows=", max_rows, ", n=", n, ", k=", k,
+               second_from > 0 ? str(", second base from group ", second_from) : std::string(), "}");
 }
 
 namespace {
@@ -220,31 +221,33 @@ int max_clusters(int smem) {
 template <gemm_detail::Op kOp, int kCluster>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
-    CUtensorMap a, b, c;
-    const int64_t rows = p.max_rows, G = p.G, n = p.n, k = p.k;
+    CUtensorMap a, b, c, second;
+    const int64_t rows = p.max_rows, n = p.n, k = p.k;
+    // Groups of the first base and of the second (groups >= p.second_from): 3-D maps over each.
+    const int64_t G = p.second_from > 0 ? p.second_from : p.G, G2 = p.G - G;
     gemm_detail::Params q = p;
-    q.staged_epilogue = tma_staged_epilogue() && reinterpret_cast<uintptr_t>(p.C) % 16 == 0 ? 1 : 0;
+    // tn's staged epilogue stores through tensor maps over both gradient bases: both 16-byte aligned.
+    const uintptr_t c_bits =
+        reinterpret_cast<uintptr_t>(p.C) | (kOp == Op::kTN && G2 > 0 ? reinterpret_cast<uintptr_t>(p.second) : 0);
+    q.staged_epilogue = tma_staged_epilogue() && c_bits % 16 == 0 ? 1 : 0;
     if constexpr (kOp == Op::kTN) {
         int64_t da[2] = {k, rows}, db[2] = {n, rows};
         uint32_t box[2] = {64, 64};
         a = tensor_map(p.A, 2, da, box);
         b = tensor_map(p.B, 2, db, box);
-        int64_t dc[3] = {n, k, G};
+        int64_t dc[3] = {n, k, G}, dc2[3] = {n, k, G2};
         uint32_t boxc[3] = {32, 64, 1};
-        c = q.staged_epilogue ? tensor_map(p.C, 3, dc, boxc, true) : a;
+        c = q.staged_epilogue && G > 0 ? tensor_map(p.C, 3, dc, boxc, true) : a;
+        second = q.staged_epilogue && G2 > 0 ? tensor_map(p.second, 3, dc2, boxc, true) : a;
     } else {
         int64_t da[2] = {k, rows};
         uint32_t boxa[2] = {64, kCluster > 1 ? 64u : 128u};  // cluster: each CTA loads (and multicasts) one half
         a = tensor_map(p.A, 2, da, boxa);
-        if constexpr (kOp == Op::kNT) {
-            int64_t db[3] = {k, n, G};
-            uint32_t boxb[3] = {64, 256, 1};
-            b = tensor_map(p.B, 3, db, boxb);
-        } else {
-            int64_t db[3] = {n, k, G};
-            uint32_t boxb[3] = {64, 64, 1};
-            b = tensor_map(p.B, 3, db, boxb);
-        }
+        const bool nt = kOp == Op::kNT;
+        int64_t db[3] = {nt ? k : n, nt ? n : k, G}, db2[3] = {db[0], db[1], G2};
+        uint32_t boxb[3] = {64, nt ? 256u : 64u, 1};
+        b = G > 0 ? tensor_map(p.B, 3, db, boxb) : a;
+        second = G2 > 0 ? tensor_map(p.second, 3, db2, boxb) : a;
         c = a;  // unused: bf16 results are stored without TMA
     }
     constexpr int kSmem = gemm_detail::kTmaSmemBytes;
@@ -258,7 +261,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
-        kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c);
+        kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
     } else {
         const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
         cudaLaunchConfig_t cfg{};
@@ -273,7 +276,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         cfg.stream = stream;
         cfg.attrs = &attr;
         cfg.numAttrs = 1;
-        MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, q, a, b, c));
+        MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, q, a, b, c, second));
     }
 }
 
@@ -307,6 +310,22 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     MOEKIT_CHECK((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 == 0, name,
                  ": A and B must be 16-byte aligned");
     MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 8 == 0, name, ": C must be 8-byte aligned");
+    MOEKIT_CHECK(s.second_from >= 0 && s.second_from <= s.num_groups && (s.second_from == 0 || s.second), name,
+                 ": the second operand base needs 0 < second_from <= groups and a pointer, got ", s.to_string());
+    MOEKIT_CHECK(s.second_from == 0 || reinterpret_cast<uintptr_t>(s.second) % 16 == 0, name,
+                 ": the second operand base must be 16-byte aligned");
+    MOEKIT_CHECK(!(glu && s.second_from > 0), name, ": no second operand base with the fused activation backward");
+    if (kOp == Op::kTN && s.second_from > 0 && write == WgradWrite::accumulate) {
+        // The first base accumulates, the second is written fresh: CUTLASS has one beta a launch, so two launches
+        // (the second base's groups as a GEMM of their own, over their rows' offsets).
+        GroupedGemmShape first = s, rest = s;
+        first.num_groups = s.second_from, first.second_from = 0, first.second = nullptr;
+        rest.num_groups = s.num_groups - s.second_from, rest.second_from = 0, rest.second = nullptr;
+        launch<kOp>(name, first, A, B, C, d_offsets, write, stream);
+        launch<kOp>(name, rest, A, B, const_cast<void*>(s.second), d_offsets + s.second_from,
+                    WgradWrite::overwrite_nonempty, stream);
+        return true;
+    }
 
     Params p{};
     p.A = A;
@@ -317,6 +336,8 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     p.max_rows = int(s.max_rows);
     p.n = int(s.n);
     p.k = int(s.k);
+    p.second_from = int(s.second_from);
+    p.second = const_cast<void*>(s.second);
     p.accumulate = write == WgradWrite::accumulate ? 1 : 0;
     p.keep_empty = write != WgradWrite::overwrite ? 1 : 0;
 

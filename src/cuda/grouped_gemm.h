@@ -20,8 +20,25 @@ struct GroupedGemmShape {
     int64_t max_rows = 0;    // static bound on offsets[G] (e.g. T*k): sizes the launch, never a count
     int64_t n = 0;           // output columns
     int64_t k = 0;           // reduction length (fixed per group for nt/nn)
+    // Groups [second_from, num_groups) take their per-group operand (nt / nn: the weights B; tn: the gradient C)
+    // from `second` instead, indexed from second_from (the same layout, 16-byte aligned): ECHO's spare slots, whose
+    // clone weights and gradients live apart from the home experts', in the same launch as the home groups (a launch
+    // of their own pays its own partial last wave: docs/perf.md). tn writes the second base's blocks fresh whatever
+    // `write` says of the first's, and leaves an empty group's block unwritten (as overwrite_nonempty): a spare
+    // slot's gradient is never accumulated, and nobody reads it when the slot got no rows. 0 = every group from B / C.
+    int64_t second_from = 0;
+    const void* second = nullptr;
     std::string to_string() const;
 };
+
+// Group g's block of a per-group operand (`block` elements a group): from `first`, or for groups >= second_from > 0
+// from `second`, indexed from there (GroupedGemmShape::second_from; every backend places blocks this way).
+template <typename T>
+__host__ __device__ inline T* group_block(T* first, const void* second, int64_t second_from, int64_t g, int64_t block) {
+    if (second_from > 0 && g >= second_from)
+        return static_cast<T*>(const_cast<void*>(second)) + (g - second_from) * block;
+    return first + g * block;
+}
 
 // C[r, :] = A[r, :] · B[g]ᵀ for r in group g.  A [max_rows, k], B [G, n, k] (weights [out, in]), C [max_rows, n].
 // (fc1 forward: X·W1ᵀ; fc2 forward: A·W2ᵀ.)

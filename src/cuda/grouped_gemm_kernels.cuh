@@ -9,6 +9,7 @@
 
 #include "core/activation_math.h"
 #include "core/tile_interleave_math.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_wgmma.cuh"
 
 namespace moekit::cuda {
@@ -54,6 +55,10 @@ struct Params {
     int k;        // NT/NN: reduction length; TN: output rows per group (m)
     int tiles_m;  // NT/NN: static bound on row tiles; TN: ceil(m / BM)
     int tiles_n;
+    // Groups [second_from, G) take their per-group operand (nt / nn: B; tn: C) from `second`, indexed from there
+    // (GroupedGemmShape::second_from; 0 = none).
+    int second_from;
+    void* second;
     int accumulate;
     int keep_empty;   // TN: a group with no rows leaves its block as it is (WgradWrite::accumulate / overwrite_nonempty)
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
@@ -305,6 +310,10 @@ __device__ __forceinline__ TileJob tn_interleaved_job(const Params& p, int first
     return job;
 }
 
+// Whether group g's per-group operand (nt / nn: B[g]; tn: C[g]) lies in the second base, and its index in its base.
+__device__ __forceinline__ bool in_second(const Params& p, int g) { return p.second_from > 0 && g >= p.second_from; }
+__device__ __forceinline__ int local_group(const Params& p, int g) { return in_second(p, g) ? g - p.second_from : g; }
+
 // Issue the cp.async copies of reduction tile kt for this CTA's job into one stage (A then B).
 template <Op kOp, int BM, int BN, int kThreads>
 __device__ __forceinline__ void load_stage(const Params& p, const TileJob& job, int kt, uint32_t sA, uint32_t sB,
@@ -316,7 +325,7 @@ __device__ __forceinline__ void load_stage(const Params& p, const TileJob& job, 
     } else {
         int k0 = kt * kBK;
         load_kmajor<BM, kThreads>(sA, p.A, job.row0, job.row_end, p.k, k0, p.k, tid);
-        const __nv_bfloat16* Bg = p.B + int64_t(job.group) * p.n * p.k;
+        const __nv_bfloat16* Bg = group_block(p.B, p.second, p.second_from, job.group, int64_t(p.n) * p.k);
         if constexpr (kOp == Op::kNT)
             load_kmajor<BN, kThreads>(sB, Bg, job.n0, p.n, p.k, k0, p.k, tid);
         else
@@ -336,8 +345,9 @@ template <Op kOp>
 __device__ __forceinline__ void store_pair(const Params& p, const TileJob& job, int row, int col, float v0, float v1) {
     if constexpr (kOp == Op::kTN) {
         int gm = job.m0 + row, gn = job.n0 + col;
-        if (gm >= p.k || gn >= p.n || (p.keep_empty && job.row_end == job.row0)) return;
-        float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.C) + (int64_t(job.group) * p.k + gm) * p.n + gn);
+        if (gm >= p.k || gn >= p.n || ((p.keep_empty || in_second(p, job.group)) && job.row_end == job.row0)) return;
+        float* Cg = group_block(static_cast<float*>(p.C), p.second, p.second_from, job.group, int64_t(p.k) * p.n);
+        float2* dst = reinterpret_cast<float2*>(Cg + int64_t(gm) * p.n + gn);
         if (p.accumulate) {
             float2 old = *dst;
             v0 += old.x;

@@ -60,7 +60,7 @@ void row_grouped_gemm(const GroupedGemmShape& s, const __nv_bfloat16* A, const _
             MOEKIT_CUDA_CHECK(cudaMemsetAsync(C + int64_t(off[g]) * s.n, 0, sizeof(*C) * rows * s.n, stream));
             continue;
         }
-        gemm(op_b, CUBLAS_OP_N, s.n, rows, s.k, B + g * s.n * s.k, ldb, A + int64_t(off[g]) * s.k, s.k,
+        gemm(op_b, CUBLAS_OP_N, s.n, rows, s.k, group_block(B, s.second, s.second_from, g, s.n * s.k), ldb, A + int64_t(off[g]) * s.k, s.k,
              C + int64_t(off[g]) * s.n, CUDA_R_16BF, s.n, 0.f, stream);
     }
 }
@@ -79,14 +79,17 @@ void grouped_gemm_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __
 void grouped_gemm_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                      const int32_t* d_offsets, WgradWrite write, cudaStream_t stream) {
     if (s.num_groups == 0 || s.n == 0 || s.k == 0) return;
-    const bool accumulate = write == WgradWrite::accumulate;
     auto off = host_offsets(s, d_offsets, stream);
     const int64_t m = s.k;
     for (int64_t g = 0; g < s.num_groups; ++g) {
         int64_t rows = off[g + 1] - off[g];
-        float* Cg = C + g * m * s.n;
+        float* Cg = group_block(C, s.second, s.second_from, g, m * s.n);
+        // The second base's blocks: fresh, and unwritten when empty (GroupedGemmShape::second_from).
+        const bool second = s.second_from > 0 && g >= s.second_from;
+        const bool accumulate = write == WgradWrite::accumulate && !second;
         if (rows == 0) {
-            if (write == WgradWrite::overwrite) MOEKIT_CUDA_CHECK(cudaMemsetAsync(Cg, 0, sizeof(float) * m * s.n, stream));
+            if (write == WgradWrite::overwrite && !second)
+                MOEKIT_CUDA_CHECK(cudaMemsetAsync(Cg, 0, sizeof(float) * m * s.n, stream));
             continue;
         }
         // C_gᵀ[n, m] = B_gᵀ[n, rows] · A_g[rows, m]  (A_g row-major [rows, m] = column-major [m, rows]: transpose)

@@ -214,9 +214,11 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
 // the register stores (H200, docs/perf.md): this kernel's wgrad main loop waits on its TMA loads, not on its stores.
 // `issued` counts this warpgroup's chunks.
 __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
-                                                  int cw, int ctid, uint32_t bufs, int r, int lane,
-                                                  const float (&d)[128], int& issued) {
+                                                  const CUtensorMap* map_c2, int cw, int ctid, uint32_t bufs, int r,
+                                                  int lane, const float (&d)[128], int& issued) {
     const bool leader = (ctid & 127) == 0;
+    const CUtensorMap* map = in_second(p, job.group) ? map_c2 : map_c;
+    const int z = local_group(p, job.group);
     const int m0 = job.m0 + 64 * cw;
     if (m0 >= p.k) return;  // uniform over the warpgroup: its rows lie past the gradient's
 #pragma unroll
@@ -238,9 +240,9 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
         named_barrier(2 + cw, 128);
         if (leader) {
             if (p.accumulate)
-                tma_reduce_add_3d(map_c, buf, job.n0 + c * 32, m0, job.group);
+                tma_reduce_add_3d(map, buf, job.n0 + c * 32, m0, z);
             else
-                tma_store_3d(map_c, buf, job.n0 + c * 32, m0, job.group);
+                tma_store_3d(map, buf, job.n0 + c * 32, m0, z);
             bulk_commit();
         }
         ++issued;
@@ -252,6 +254,8 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 //   NN: a as NT;                                   b = {n, k, G} box {64,64,1}  (4 boxes per stage)
 //   TN: a = {m, max_rows} box {64,64} (x2);        b = {n, max_rows} box {64,64} (x4)
 //   c (tn's staged epilogue only; a copy of a otherwise): fp32 {n, m, G} box {32,64,1}
+//   map_2 (groups >= p.second_from, GroupedGemmShape::second_from; a copy of a where unused): as b (nt / nn) or c (tn)
+//   over the second base's G - second_from groups
 // kCluster 2: the two CTAs of a cluster own n-neighbour tiles of the same row tile (TN: of the same group and
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
@@ -259,7 +263,7 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 template <Op kOp, int kCluster>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-               const __grid_constant__ CUtensorMap map_c) {
+               const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int BM = 128, BN = 256, kStages = 4;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
@@ -347,11 +351,14 @@ __global__ void __launch_bounds__(384, 1)
                     } else {
                         tma_2d(sA(s), &map_a, k0, int(job.row0), full(s));
                     }
+                    // B[g] of the first base or (groups >= p.second_from) of the second (map_2).
+                    const CUtensorMap* mb = in_second(p, job.group) ? &map_2 : &map_b;
+                    const int z = local_group(p, job.group);
                     if constexpr (kOp == Op::kNT) {
-                        if (b_boxes > 0) tma_3d(sB(s), &map_b, k0, job.n0, job.group, full(s));
+                        if (b_boxes > 0) tma_3d(sB(s), mb, k0, job.n0, z, full(s));
                     } else {
                         for (int j = 0; j < b_boxes; ++j)
-                            tma_3d(sB(s) + j * kBlockBytes, &map_b, job.n0 + 64 * j, k0, job.group, full(s));
+                            tma_3d(sB(s) + j * kBlockBytes, mb, job.n0 + 64 * j, k0, z, full(s));
                     }
                 }
             }
@@ -436,9 +443,9 @@ __global__ void __launch_bounds__(384, 1)
             if (p.staged_epilogue) {
                 // An empty group adds nothing to an accumulated gradient, and an overwrite_nonempty one is not
                 // written: its tile is left as it is.
-                if (!(p.keep_empty && nk == 0))
-                    tn_store_epilogue(p, job, &map_c, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64, lane, d,
-                                      tn_chunks);
+                if (!((p.keep_empty || in_second(p, job.group)) && nk == 0))
+                    tn_store_epilogue(p, job, &map_c, &map_2, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64,
+                                      lane, d, tn_chunks);
                 continue;
             }
         }

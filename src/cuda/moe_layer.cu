@@ -32,6 +32,13 @@ ExpertGemmKind default_gemm_kind() {
     return env && std::string(env) == "sync_baseline" ? ExpertGemmKind::sync_baseline : ExpertGemmKind::grouped;
 }
 
+// An expert GEMM over the L home groups and (ECHO) the S spare-slot groups after them in one launch: the slots take
+// their weights / gradients from slot_base (GroupedGemmShape::second_from). Two launches cost an ECHO rank 2-3 % of
+// its expert time (H200, bench_echo_balance, docs/perf.md).
+GroupedGemmShape home_and_slots(int64_t L, int64_t S, int64_t max_rows, int64_t n, int64_t k, const void* slot_base) {
+    return GroupedGemmShape{L + S, max_rows, n, k, S > 0 ? L : 0, S > 0 ? slot_base : nullptr};
+}
+
 template <typename R>
 class LayerImpl final : public CudaMoeLayer {
 public:
@@ -149,15 +156,15 @@ public:
         }
         mark(stream, 0, LayerStage::fc1, true);
         // ECHO: the S slot groups follow the L home groups in the rows; they compute with the clone weights.
-        gemm_.nt(GroupedGemmShape{L, M, F1, H}, experts_.rows, buf_.fc1, fc1_out_.get(), offsets, stream);
-        if (S) gemm_.nt(GroupedGemmShape{S, M, F1, H}, experts_.rows, experts_.slot_fc1, fc1_out_.get(), offsets + L, stream);
+        gemm_.nt(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(), offsets,
+                 stream);
         mark(stream, 0, LayerStage::fc1, false);
         mark(stream, 0, LayerStage::activation, true);
         activation_forward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, act_out_.get(), stream);
         mark(stream, 0, LayerStage::activation, false);
         mark(stream, 0, LayerStage::fc2, true);
-        gemm_.nt(GroupedGemmShape{L, M, H, F}, act_out_.get(), buf_.fc2, expert_out_.get(), offsets, stream);
-        if (S) gemm_.nt(GroupedGemmShape{S, M, H, F}, act_out_.get(), experts_.slot_fc2, expert_out_.get(), offsets + L, stream);
+        gemm_.nt(home_and_slots(L, S, M, H, F, experts_.slot_fc2), act_out_.get(), buf_.fc2, expert_out_.get(), offsets,
+                 stream);
         mark(stream, 0, LayerStage::fc2, false);
         mark(stream, 0, LayerStage::combine, true);
         dispatcher_->combine(plan(), expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
@@ -177,9 +184,8 @@ public:
         mark(stream, 1, LayerStage::combine, false);
         mark(stream, 1, LayerStage::fc2, true);
         // ECHO slot groups: clone weights for dgrad; their weight grads go to the slots' own buffers (fresh each
-        // step), which dispatch_backward adds into the home experts' grads. A slot with no rows (no clone, or a
-        // clone given no tokens) is not added, so its block is not written either (overwrite_nonempty).
-        const int32_t* slot_offsets = offsets + L;
+        // step, whatever acc says), which dispatch_backward adds into the home experts' grads. A slot with no rows
+        // (no clone, or a clone given no tokens) is not added, so its block is not written either.
         // Gated activations without ECHO slots: the activation's backward may ride in fc2's dgrad epilogue
         // (grouped_gemm_nn_glu_backward; opt-in, measured slower), leaving only the d(prob) partials to sum.
         bool fused_act = false;
@@ -190,17 +196,11 @@ public:
                     GluBackwardEpilogue{fc1_out_.get(), experts_.probs, grad_fc1_out_.get(), glu_dp_.get(), shape_.act},
                     stream);
         }
-        if (!fused_act) {
-            gemm_.nn(GroupedGemmShape{L, M, F, H}, grad_rows, buf_.fc2, grad_act_.get(), offsets, stream);
-            if (S)
-                gemm_.nn(GroupedGemmShape{S, M, F, H}, grad_rows, experts_.slot_fc2, grad_act_.get(), slot_offsets,
-                         stream);
-        }
-        gemm_.tn(GroupedGemmShape{L, M, F, H}, grad_rows, act_out_.get(), buf_.grad_fc2, offsets, wgrad_write(acc),
-                 stream);
-        if (S)
-            gemm_.tn(GroupedGemmShape{S, M, F, H}, grad_rows, act_out_.get(), experts_.slot_grad_fc2, slot_offsets,
-                     WgradWrite::overwrite_nonempty, stream);
+        if (!fused_act)
+            gemm_.nn(home_and_slots(L, S, M, F, H, experts_.slot_fc2), grad_rows, buf_.fc2, grad_act_.get(), offsets,
+                     stream);
+        gemm_.tn(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2,
+                 offsets, wgrad_write(acc), stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
         if (fused_act) {
@@ -213,15 +213,10 @@ public:
         }
         mark(stream, 1, LayerStage::activation, false);
         mark(stream, 1, LayerStage::fc1, true);
-        gemm_.nn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(), offsets, stream);
-        if (S)
-            gemm_.nn(GroupedGemmShape{S, M, H, F1}, grad_fc1_out_.get(), experts_.slot_fc1, grad_x_rows_.get(), slot_offsets,
-                     stream);
-        gemm_.tn(GroupedGemmShape{L, M, H, F1}, grad_fc1_out_.get(), experts_.rows, buf_.grad_fc1, offsets,
-                 wgrad_write(acc), stream);
-        if (S)
-            gemm_.tn(GroupedGemmShape{S, M, H, F1}, grad_fc1_out_.get(), experts_.rows, experts_.slot_grad_fc1,
-                     slot_offsets, WgradWrite::overwrite_nonempty, stream);
+        gemm_.nn(home_and_slots(L, S, M, H, F1, experts_.slot_fc1), grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(),
+                 offsets, stream);
+        gemm_.tn(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
+                 buf_.grad_fc1, offsets, wgrad_write(acc), stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
         dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,

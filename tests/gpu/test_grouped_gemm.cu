@@ -66,6 +66,11 @@ uint16_t bits(bf16 h) {
     std::memcpy(&b, &h, 2);
     return b;
 }
+uint32_t bits(float f) {  // exact: without it a float would convert to bf16 and compare rounded
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    return b;
+}
 
 // Random bf16 values in [-1, 1); the first `valid` elements random, the rest NaN (must never be read into results).
 std::vector<bf16> random_bf16(size_t n, uint64_t seed, size_t valid) {
@@ -280,6 +285,75 @@ void check_tn(const std::vector<int>& counts, int slack_rows, int m, int n, bool
     check_tn(counts, slack_rows, m, n, wgrad_write(accumulate), seed, c_shift);
 }
 
+// GroupedGemmShape::second_from (ECHO's spare slots in the home experts' launch): groups [L, G) take B (nt, nn) or
+// C (tn) from a second buffer. On every backend, against the same backend with one base holding both parts: nt / nn
+// bitwise equal; tn equal on the first base under `write`, and on the second base equal to a fresh (overwrite) run
+// where the group has rows and untouched where it has none; bitwise, except with accumulate, which runs the two
+// parts as launches of their own (a per-shape choice may then take another kernel: fp32 rounding).
+void check_second_base(const std::vector<int>& counts, int L, int n, int k, WgradWrite write, uint64_t seed) {
+    const int G = int(counts.size());
+    auto off = offsets_of(counts);
+    const int rows = off[G], max_rows = rows + 3;
+    auto A = random_bf16(size_t(max_rows) * k, seed, size_t(rows) * k);
+    auto W = random_bf16(size_t(G) * n * k, seed + 1, size_t(G) * n * k);   // nt / nn weights, both parts
+    auto Bt = random_bf16(size_t(max_rows) * n, seed + 2, size_t(rows) * n);  // tn: the other row operand
+    Rng rng(seed + 3);
+    std::vector<float> C0(size_t(G) * k * n);  // tn: gradients before the call
+    for (auto& x : C0) x = float(2 * rng.uniform() - 1);
+    const size_t split_w = size_t(L) * n * k;
+    DeviceBuffer<bf16> dA(A), dW(W), dBt(Bt);
+    DeviceBuffer<bf16> dW1(std::vector<bf16>(W.begin(), W.begin() + split_w)),
+        dW2(std::vector<bf16>(W.begin() + split_w, W.end()));
+    DeviceBuffer<int32_t> dOff(off);
+    const GroupedGemmShape one{G, max_rows, n, k}, two{G, max_rows, n, k, L, dW2.ptr};
+    for (Backend b : backends()) {
+        SCOPED_TRACE(::testing::Message() << name(b) << " second base from group " << L << " of " << G << " n=" << n
+                                          << " k=" << k << " write=" << int(write) << " seed=" << seed);
+        select(b);
+        const bool sync = b == Backend::kSync;
+        for (Op op : {Op::kNT, Op::kNN}) {
+            auto f = op == Op::kNT ? (sync ? sync_baseline::grouped_gemm_nt : grouped_gemm_nt)
+                                   : (sync ? sync_baseline::grouped_gemm_nn : grouped_gemm_nn);
+            DeviceBuffer<bf16> c1(size_t(max_rows) * n), c2(size_t(max_rows) * n);
+            f(one, dA.ptr, dW.ptr, c1.ptr, dOff.ptr, nullptr);
+            f(two, dA.ptr, dW1.ptr, c2.ptr, dOff.ptr, nullptr);
+            MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+            const auto r1 = c1.download(), r2 = c2.download();
+            size_t differ = 0;
+            for (size_t i = 0; i < size_t(rows) * n; ++i) differ += bits(r1[i]) != bits(r2[i]);
+            EXPECT_EQ(differ, 0u) << (op == Op::kNT ? "nt" : "nn") << ": the second base changes the result";
+        }
+        // tn over the same rows: C [G, k, n] with k output rows a group.
+        const GroupedGemmShape tn_one{G, max_rows, n, k};
+        auto tn = sync ? sync_baseline::grouped_gemm_tn : grouped_gemm_tn;
+        DeviceBuffer<float> ref_acc(C0), ref_fresh(C0);
+        tn(tn_one, dA.ptr, dBt.ptr, ref_acc.ptr, dOff.ptr, write, nullptr);
+        tn(tn_one, dA.ptr, dBt.ptr, ref_fresh.ptr, dOff.ptr, WgradWrite::overwrite, nullptr);
+        const size_t split_c = size_t(L) * k * n;
+        DeviceBuffer<float> d1(std::vector<float>(C0.begin(), C0.begin() + split_c)),
+            d2(std::vector<float>(C0.begin() + split_c, C0.end()));
+        tn(GroupedGemmShape{G, max_rows, n, k, L, d2.ptr}, dA.ptr, dBt.ptr, d1.ptr, dOff.ptr, write, nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto want_first = ref_acc.download(), want_second = ref_fresh.download();
+        const auto got1 = d1.download(), got2 = d2.download();
+        // |got - want| <= tol * (|want| + 1): 0 = bitwise (the sum of products of values <= 1 over <= 1200 rows).
+        const float tol = write == WgradWrite::accumulate ? 1e-5f : 0.f;
+        auto differs = [&](float got, float want) {
+            return tol == 0.f ? bits(got) != bits(want) : !(std::fabs(got - want) <= tol * (std::fabs(want) + 1.f));
+        };
+        size_t bad1 = 0, bad2 = 0;
+        for (size_t i = 0; i < split_c; ++i) bad1 += differs(got1[i], want_first[i]);
+        for (int g = L; g < G; ++g)
+            for (size_t i = 0; i < size_t(k) * n; ++i) {
+                const size_t at = size_t(g - L) * k * n + i, whole = size_t(g) * k * n + i;
+                bad2 += counts[g] > 0 ? differs(got2[at], want_second[whole]) : bits(got2[at]) != bits(C0[whole]);
+            }
+        EXPECT_EQ(bad1, 0u) << "tn: the first base's blocks differ from one base";
+        EXPECT_EQ(bad2, 0u) << "tn: the second base's blocks are not fresh where filled, untouched where empty";
+    }
+    reset_backend();
+}
+
 }  // namespace
 
 TEST(GroupedGemm, EmptyFirstGroupTiny) {
@@ -360,6 +434,17 @@ TEST(GroupedGemm, WgradGroupsSplitBySize) {
         check_tn(mixed, 7, 192, 256, acc, 115 + acc);
     }
     check_tn(mixed, 7, 192, 256, WgradWrite::overwrite_nonempty, 117);
+}
+
+TEST(GroupedGemm, SecondOperandBaseForTheLastGroups) {
+    SKIP_WITHOUT_GPU();
+    // ECHO's layout: L home groups, then S slot groups whose weights / gradients live in another buffer; slots with
+    // and without rows, an empty home group, one slot taking most rows; every wgrad mode (accumulate: two launches).
+    for (WgradWrite w : {WgradWrite::overwrite, WgradWrite::accumulate, WgradWrite::overwrite_nonempty}) {
+        check_second_base({300, 0, 129, 64, 517, 0}, 4, 256, 192, w, 141);
+        check_second_base({40, 70, 0, 90, 1200}, 3, 128, 136, w, 142);
+        check_second_base(random_counts(12, 3000, 143, 0.2), 10, 192, 256, w, 144);
+    }
 }
 
 TEST(GroupedGemm, WgradEmptyGroupsLeftUnwritten) {

@@ -117,10 +117,11 @@ enum class Share { kAll, kCooperative, kPingpong };
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
 template <Op kOp, class G>
 __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
-                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C, Share share,
-                                WgradSplit split) {
-    const auto* A_ = reinterpret_cast<const typename G::ElementAB*>(A);
-    const auto* B_ = reinterpret_cast<const typename G::ElementAB*>(B);
+                                const __nv_bfloat16* A, const __nv_bfloat16* B, void* C, int second_from,
+                                const void* second, Share share, WgradSplit split) {
+    using AB = typename G::ElementAB;
+    const auto* A_ = reinterpret_cast<const AB*>(A);
+    const auto* B_ = reinterpret_cast<const AB*>(B);
     auto* D_ = static_cast<typename G::ElementD*>(C);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
@@ -129,15 +130,15 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
             a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
             a.ptr_a[g] = A_ + r0 * k;
             a.ptr_b[g] = B_ + r0 * n;
-            a.ptr_c[g] = D_ + int64_t(g) * k * n;
-            a.ptr_d[g] = D_ + int64_t(g) * k * n;
+            a.ptr_d[g] = group_block(D_, second, second_from, g, int64_t(k) * n);
+            a.ptr_c[g] = a.ptr_d[g];
             a.stride_a[g] = leading<typename G::StrideA>(k);
             a.stride_b[g] = leading<typename G::StrideB>(n);
             a.stride_c[g] = leading<typename G::StrideC>(n);
         } else {
             a.shapes[g] = typename G::Shape(int(rows), n, k);
             a.ptr_a[g] = A_ + r0 * k;
-            a.ptr_b[g] = B_ + int64_t(g) * n * k;
+            a.ptr_b[g] = group_block(B_, second, second_from, g, int64_t(n) * k);
             a.ptr_d[g] = D_ + r0 * n;
             a.stride_a[g] = leading<typename G::StrideA>(k);
             a.stride_b[g] = leading<typename G::StrideB>(kOp == Op::kNT ? k : n);
@@ -147,7 +148,8 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
 }
 
 // tn with WgradWrite::overwrite: a group with no rows gets a zero gradient block (grid: blocks x groups).
-__global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems);
+__global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems, int64_t second_from,
+                                  const void* second);
 
 // Bytes of device memory for one call's per-group arguments and CUTLASS's own workspace, served per stream
 // (grouped_gemm_cutlass.cu): calls on one stream run in order, so one buffer a stream is never shared by two GEMMs
@@ -216,14 +218,14 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C, share,
-                                                   wgrad_split());
+    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C,
+                                                   int(s.second_from), s.second, share, wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
     // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched.
     if (kOp == Op::kTN && write == WgradWrite::overwrite && share != Share::kPingpong) {  // a split pair: its first
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
-                            stream>>>(d_offsets, static_cast<float*>(C), block);
+                            stream>>>(d_offsets, static_cast<float*>(C), block, s.second_from, s.second);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
     cutlass::Status st = gemm.can_implement(args);
