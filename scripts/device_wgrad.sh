@@ -51,9 +51,9 @@ for v in "${layer_runs[@]}"; do
 done
 [ "${TESTS:-1}" = 1 ] && left 200 "sanitizers" && {
   log "compute-sanitizer on the tn cases"
-  sanitize racecheck 120 $B/test_grouped_gemm '*EmptyFirst*:*WgradGradientOff*:*WgradGroupsSplit*:*WgradEmpty*'
+  sanitize racecheck 120 $B/test_grouped_gemm '*EmptyFirst*:*WgradGradientOff*:*WgradGroupsSplit*:*WgradEmpty*:*SecondOperand*'
   sanitize memcheck 90 $B/test_grouped_gemm \
-    '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*WgradGroupsSplit*:*WgradEmpty*:*GraphReplay*'
+    '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*WgradGroupsSplit*:*WgradEmpty*:*SecondOperand*:*GraphReplay*'
 }
 tar -czf "$OUT/bench.tar.gz" -C "$OUT" bench && rm -rf "$OUT/bench"
 log "done"
