@@ -224,7 +224,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     CUtensorMap a, b, c, second;
     const int64_t rows = p.max_rows, n = p.n, k = p.k;
     // Groups of the first base and of the second (groups >= p.second_from): 3-D maps over each.
-    const int64_t G = p.second_from > 0 ? p.second_from : p.G, G2 = p.G - G;
+    const int64_t G1 = p.second_from > 0 ? p.second_from : p.G, G2 = p.G - G1;
     gemm_detail::Params q = p;
     // tn's staged epilogue stores through tensor maps over both gradient bases: both 16-byte aligned.
     const uintptr_t c_bits =
@@ -235,18 +235,18 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         uint32_t box[2] = {64, 64};
         a = tensor_map(p.A, 2, da, box);
         b = tensor_map(p.B, 2, db, box);
-        int64_t dc[3] = {n, k, G}, dc2[3] = {n, k, G2};
+        int64_t dc[3] = {n, k, G1}, dc2[3] = {n, k, G2};
         uint32_t boxc[3] = {32, 64, 1};
-        c = q.staged_epilogue && G > 0 ? tensor_map(p.C, 3, dc, boxc, true) : a;
+        c = q.staged_epilogue && G1 > 0 ? tensor_map(p.C, 3, dc, boxc, true) : a;
         second = q.staged_epilogue && G2 > 0 ? tensor_map(p.second, 3, dc2, boxc, true) : a;
     } else {
         int64_t da[2] = {k, rows};
         uint32_t boxa[2] = {64, kCluster > 1 ? 64u : 128u};  // cluster: each CTA loads (and multicasts) one half
         a = tensor_map(p.A, 2, da, boxa);
         const bool nt = kOp == Op::kNT;
-        int64_t db[3] = {nt ? k : n, nt ? n : k, G}, db2[3] = {db[0], db[1], G2};
+        int64_t db[3] = {nt ? k : n, nt ? n : k, G1}, db2[3] = {db[0], db[1], G2};
         uint32_t boxb[3] = {64, nt ? 256u : 64u, 1};
-        b = G > 0 ? tensor_map(p.B, 3, db, boxb) : a;
+        b = G1 > 0 ? tensor_map(p.B, 3, db, boxb) : a;
         second = G2 > 0 ? tensor_map(p.second, 3, db2, boxb) : a;
         c = a;  // unused: bf16 results are stored without TMA
     }
@@ -256,7 +256,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
     // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
     const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
-    const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? G : 1);
+    const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
