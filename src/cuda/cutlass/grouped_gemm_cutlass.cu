@@ -51,14 +51,6 @@ bool raster_along_n() {
     return n;
 }
 
-bool small_group_wide_stores() {
-    static const bool on = [] {
-        const char* env = std::getenv("MOEKIT_WGRAD_SMALL_STORES");
-        return env && std::strcmp(env, "wide") == 0;
-    }();
-    return on;
-}
-
 int swizzle_size() {
     static const int s = [] {
         const char* env = std::getenv("MOEKIT_CUTLASS_SWIZZLE");

@@ -55,54 +55,20 @@ struct Pingpong {
     using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-// Wgrad of small groups (a few k-steps each) without accumulation: Cooperative's tiles, no source operand, and
-// kStagesD epilogue buffers in flight instead of CUTLASS's 2. Such a tile's time is its fp32 stores: with two
-// 16 KiB sub-tiles in flight an SM stores ~14 GB/s (docs/perf.md); the main loop needs few stages here.
-struct CooperativeWideStore : Cooperative {
-    static constexpr int kStagesD = 6;
-};
-
-template <class Config>
-constexpr int epilogue_stages_d() {
-    if constexpr (requires { Config::kStagesD; })
-        return Config::kStagesD;
-    else
-        return 0;
-}
-
-// The epilogue: CUTLASS's builder, or (kStagesD) the same TMA epilogue with kStagesD store buffers and no source.
-template <class Config, class ElementC, class ElementD, int kAlignC, int kAlignD, bool kWide = (epilogue_stages_d<Config>() > 0)>
-struct EpilogueFor {
-    using Op = typename cutlass::epilogue::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, cutlass::layout::RowMajor*, kAlignC,
-        ElementD, cutlass::layout::RowMajor*, kAlignD, typename Config::Epilogue,
-        cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
-};
-template <class Config, class ElementC, class ElementD, int kAlignC, int kAlignD>
-struct EpilogueFor<Config, ElementC, ElementD, kAlignC, kAlignD, true> {
-    static_assert(std::is_void_v<ElementC>, "the wide-store epilogue has no source operand");
-    using Schedule = typename Config::Epilogue;
-    using EpiTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
-                             ElementD, cutlass::epilogue::collective::EpilogueTileAuto, Schedule, typename Config::Tile>());
-    static constexpr int kFragment = int(cute::size(EpiTile{})) / 256;  // cooperative: two warpgroups store
-    using Policy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<1, Config::kStagesD, kFragment, false, false,
-                                                                      Schedule::NumEpilogueWarpGroups>;
-    using Op = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-        typename Config::Tile, EpiTile, float, float, void, cutlass::layout::RowMajor*, kAlignD, ElementD,
-        cutlass::layout::RowMajor*, kAlignD, cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>,
-        Policy>::CollectiveOp;
-};
 
 template <Op kOp, class Config>
 struct GemmFor {
     using Traits = OpTraits<kOp>;
     using ElementAB = cutlass::bfloat16_t;
-    using ElementC = std::conditional_t<(epilogue_stages_d<Config>() > 0), void, typename Traits::ElementC>;
+    using ElementC = typename Traits::ElementC;
     using ElementD = typename Traits::ElementD;
     static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
     static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
-    using CollectiveEpilogue = typename EpilogueFor<Config, ElementC, ElementD, kAlignC, kAlignD>::Op;
+    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, cutlass::layout::RowMajor*, kAlignC,
+        ElementD, cutlass::layout::RowMajor*, kAlignD, typename Config::Epilogue,
+        cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Traits::LayoutA*, 8, ElementAB,
         typename Traits::LayoutB*, 8, float, typename Config::Tile, typename Config::Cluster,
@@ -194,8 +160,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
 // so one weight tile serves them back to back) and its swizzle (MOEKIT_CUTLASS_SWIZZLE=1|2|4|8, default 1).
 bool raster_along_n();
 int swizzle_size();
-// The split wgrad's small groups through CooperativeWideStore (MOEKIT_WGRAD_SMALL_STORES=wide; default off).
-bool small_group_wide_stores();
 
 // The per-group arrays carved from `base` (256-byte aligned each); *bytes = the space they take. With a null base
 // it only measures.
@@ -285,10 +249,7 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         if (config == CutlassConfig::kSplitBySize) {
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            if (write != WgradWrite::accumulate && small_group_wide_stores())
-                run_grouped<kOp, CooperativeWideStore>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
-            else
-                run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
+            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
             run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
