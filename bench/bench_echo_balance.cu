@@ -286,8 +286,8 @@ struct Buffers {
 // One rank's expert MLP forward and backward in the layer's order (src/cuda/moe_layer.cu): fc1 nt, SwiGLU x probs,
 // fc2 nt; fc2 dgrad nn, fc2 wgrad tn, SwiGLU backward, fc1 dgrad nn, fc1 wgrad tn (fresh fp32 grads). As in the
 // layer, the S spare-slot groups (the last S of G) take their weights and gradients from a second base in the same
-// launch (GroupedGemmShape::second_from), whose wgrad leaves an empty slot's gradient unwritten. MOEKIT_ECHO_SLOT_LAUNCH=1:
-// the slots in launches of their own instead (measured: docs/perf.md).
+// launch (GroupedGemmShape::second_from), whose wgrad leaves an empty slot's gradient unwritten.
+// MOEKIT_ECHO_SLOT_LAUNCH=1: the slots in launches of their own instead (measured: docs/perf.md).
 constexpr int kStages = 8;
 constexpr const char* kStageNames[kStages] = {"fc1_fwd",   "swiglu_fwd", "fc2_fwd",   "fc2_dgrad",
                                               "fc2_wgrad", "swiglu_bwd", "fc1_dgrad", "fc1_wgrad"};
@@ -618,8 +618,8 @@ int main(int argc, char** argv) {
                  "wgrad tn (fp32 grads, fresh) over the rank's groups, one CUDA graph per rank and configuration, "
                  "max_rows = the rank's rows; replays interleaved over configurations and ranks, median per rank. "
                  "no_echo: L home experts with their totals; echo: L home remainders + S slots from the device plan, "
-                 "the slots in the home groups' GEMM launches through a second base as in the layer (an empty slot's wgrad "
-                 "not written); "
+                 "the slots in the home groups' GEMM launches through a second base as in the layer (an empty "
+                 "slot's wgrad not written); "
                  "forced_balance: total/EP rows split evenly over L experts; forced_sampled: uniform top-k routing"},
                 {"runs", runs}};
             io::write_file_atomically(o.json_path, out.dump(1) + "\n");

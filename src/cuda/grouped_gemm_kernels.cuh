@@ -60,7 +60,7 @@ struct Params {
     int second_from;
     void* second;
     int accumulate;
-    int keep_empty;   // TN: a group with no rows leaves its block as it is (WgradWrite::accumulate / overwrite_nonempty)
+    int keep_empty;  // TN: a group with no rows leaves its block as it is (WgradWrite accumulate, overwrite_nonempty)
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
     int staged_epilogue;  // TMA kernel: results leave through shared memory (nt/nn: bf16 full-line stores; tn: fp32
                           // bulk tensor stores / reduce-adds through map_c)

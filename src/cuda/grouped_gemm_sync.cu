@@ -60,8 +60,9 @@ void row_grouped_gemm(const GroupedGemmShape& s, const __nv_bfloat16* A, const _
             MOEKIT_CUDA_CHECK(cudaMemsetAsync(C + int64_t(off[g]) * s.n, 0, sizeof(*C) * rows * s.n, stream));
             continue;
         }
-        gemm(op_b, CUBLAS_OP_N, s.n, rows, s.k, group_block(B, s.second, s.second_from, g, s.n * s.k), ldb, A + int64_t(off[g]) * s.k, s.k,
-             C + int64_t(off[g]) * s.n, CUDA_R_16BF, s.n, 0.f, stream);
+        const __nv_bfloat16* Bg = group_block(B, s.second, s.second_from, g, s.n * s.k);
+        gemm(op_b, CUBLAS_OP_N, s.n, rows, s.k, Bg, ldb, A + int64_t(off[g]) * s.k, s.k, C + int64_t(off[g]) * s.n,
+             CUDA_R_16BF, s.n, 0.f, stream);
     }
 }
 }  // namespace
