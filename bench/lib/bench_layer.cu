@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include "cuda/expert_gemm.h"
 #include "cuda/grouped_gemm_sync.h"
@@ -251,18 +252,26 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         auto warming = [&] {
             return warm < o.warmup || std::chrono::steady_clock::now() - warm_start < std::chrono::seconds(2);
         };
+        // The four start the round in turn (round i: the i-th first): a measurement's place in the round moved it
+        // by up to 4 % (mixtral's eager step, always first after the floor, read 3.6 % under its replay, which
+        // timed phase by phase equals it: H200, 2026-11-26, docs/perf.md).
+        const std::function<void()> runs[4] = {
+            [&] { step(ExpertGemmKind::grouped); },
+            [&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, s)); },
+            [&] { step(ExpertGemmKind::sync_baseline); },
+            [&] {
+                for (int i = 0; i < 3; ++i) {
+                    dense_gemm(Op::kNT, R, 2 * F, H, b.rows, b.fc1, b.fc1_out, s);
+                    dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s);
+                }
+            }};
         for (int it = 0; warming() || it < warm + o.iters; ++it) {
-            const double e = time_ms([&] { step(ExpertGemmKind::grouped); }, s, 0, 1);
-            const double g = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, s)); }, s, 0, 1);
-            const double y = time_ms([&] { step(ExpertGemmKind::sync_baseline); }, s, 0, 1);
-            const double d = time_ms(
-                [&] {
-                    for (int i = 0; i < 3; ++i) {
-                        dense_gemm(Op::kNT, R, 2 * F, H, b.rows, b.fc1, b.fc1_out, s);
-                        dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s);
-                    }
-                },
-                s, 0, 1);
+            double t[4] = {};
+            for (int j = 0; j < 4; ++j) {
+                const int which = (it + j) % 4;
+                t[which] = time_ms(runs[which], s, 0, 1);
+            }
+            const double e = t[0], g = t[1], y = t[2], d = t[3];
             if (warming()) {
                 ++warm;
                 continue;
