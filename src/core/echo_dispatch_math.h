@@ -36,11 +36,11 @@ MOEKIT_HD int64_t echo_row_slot(const EchoDims& d, const int32_t* slot_expert, c
     return -2;  // past the source's tokens of e: a caller error
 }
 
-// Whether slot j's clone gradient goes into expert e's: the slot clones e and was given tokens. A clone with no
-// tokens adds nothing, so both executors skip it (the CUDA layer does not even write that slot's gradient block:
+// Whether slot j's clone gradient goes home: the slot holds a clone and it was given tokens. A clone with no tokens
+// adds nothing, so both executors skip it (the CUDA layer does not even write that slot's gradient block:
 // grouped_gemm_tn's overwrite_nonempty).
-MOEKIT_HD bool echo_clone_adds(const int32_t* slot_expert, const int64_t* slot_tokens, int64_t j, int64_t e) {
-    return slot_expert[j] == e && slot_tokens[j] > 0;
+MOEKIT_HD bool echo_clone_adds(const int32_t* slot_expert, const int64_t* slot_tokens, int64_t j) {
+    return slot_expert[j] >= 0 && slot_tokens[j] > 0;
 }
 
 // The expert a local bucket of rank r computes: buckets [0, L) are its home experts, [L, L + S) its

@@ -106,9 +106,7 @@ void EchoExperts<T>::finish_grads(MoeWeights<T>& grads) {
     // no tokens add nothing and are skipped (echo_clone_adds, as the CUDA layer does).
     const int32_t* slot_expert = plan.slot_expert.data();
     const int64_t* slot_tokens = plan.slot_tokens.data();
-    auto adds = [&](int64_t j) {
-        return slot_expert[j] >= 0 && echo_clone_adds(slot_expert, slot_tokens, j, slot_expert[j]);
-    };
+    auto adds = [&](int64_t j) { return echo_clone_adds(slot_expert, slot_tokens, j); };
     std::vector<T> send;
     std::vector<int64_t> sc(size_t(EP), 0), rc(size_t(EP), 0);
     // The send buffer is packed in destination (home rank) order, each block in ascending slot order.

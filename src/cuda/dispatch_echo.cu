@@ -93,14 +93,15 @@ __global__ void add_clone_grads_kernel(EchoDims d, const int32_t* slot_expert, c
     for (int64_t l = 0; l < L; ++l) {
         const int64_t e = int64_t(rank) * L + l;
         bool cloned = false;
-        for (int64_t j = 0; j < d.num_slots() && !cloned; ++j) cloned = echo_clone_adds(slot_expert, slot_tokens, j, e);
+        for (int64_t j = 0; j < d.num_slots() && !cloned; ++j)
+            cloned = slot_expert[j] == e && echo_clone_adds(slot_expert, slot_tokens, j);
         if (!cloned) continue;
         for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < v1 + v2; i += int64_t(gridDim.x) * blockDim.x) {
             const bool first = i < v1;
             float4* g = first ? gfc1 + l * v1 + i : gfc2 + l * v2 + (i - v1);
             float4 acc = *g;
             for (int64_t j = 0; j < d.num_slots(); ++j) {
-                if (!echo_clone_adds(slot_expert, slot_tokens, j, e)) continue;
+                if (slot_expert[j] != e || !echo_clone_adds(slot_expert, slot_tokens, j)) continue;
                 const char* base = peers[j / S] + (first ? r.grad_fc1 : r.grad_fc2);
                 const float4 c = reinterpret_cast<const float4*>(base)[(j % S) * (first ? v1 : v2) + (first ? i : i - v1)];
                 acc.x += c.x, acc.y += c.y, acc.z += c.z, acc.w += c.w;

@@ -31,12 +31,14 @@ struct GroupedGemmShape {
     std::string to_string() const;
 };
 
-// Group g's block of a per-group operand (`block` elements a group): from `first`, or for groups >= second_from > 0
-// from `second`, indexed from there (GroupedGemmShape::second_from; every backend places blocks this way).
+// Whether group g's per-group operand lies in the second base (GroupedGemmShape::second_from; 0 = none), and its
+// block (`block` elements a group) from `first` or `second`, indexed from its base: every backend places blocks so.
+__host__ __device__ inline bool in_second_base(int64_t second_from, int64_t g) {
+    return second_from > 0 && g >= second_from;
+}
 template <typename T>
 __host__ __device__ inline T* group_block(T* first, const void* second, int64_t second_from, int64_t g, int64_t block) {
-    if (second_from > 0 && g >= second_from)
-        return static_cast<T*>(const_cast<void*>(second)) + (g - second_from) * block;
+    if (in_second_base(second_from, g)) return static_cast<T*>(const_cast<void*>(second)) + (g - second_from) * block;
     return first + g * block;
 }
 

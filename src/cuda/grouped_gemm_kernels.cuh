@@ -311,7 +311,7 @@ __device__ __forceinline__ TileJob tn_interleaved_job(const Params& p, int first
 }
 
 // Whether group g's per-group operand (nt / nn: B[g]; tn: C[g]) lies in the second base, and its index in its base.
-__device__ __forceinline__ bool in_second(const Params& p, int g) { return p.second_from > 0 && g >= p.second_from; }
+__device__ __forceinline__ bool in_second(const Params& p, int g) { return in_second_base(p.second_from, g); }
 __device__ __forceinline__ int local_group(const Params& p, int g) { return in_second(p, g) ? g - p.second_from : g; }
 
 // Issue the cp.async copies of reduction tile kt for this CTA's job into one stage (A then B).

@@ -86,7 +86,7 @@ void grouped_gemm_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __
         int64_t rows = off[g + 1] - off[g];
         float* Cg = group_block(C, s.second, s.second_from, g, m * s.n);
         // The second base's blocks: fresh, and unwritten when empty (GroupedGemmShape::second_from).
-        const bool second = s.second_from > 0 && g >= s.second_from;
+        const bool second = in_second_base(s.second_from, g);
         const bool accumulate = write == WgradWrite::accumulate && !second;
         if (rows == 0) {
             if (write == WgradWrite::overwrite && !second)

@@ -89,7 +89,7 @@ void* stream_workspace(cudaStream_t stream, size_t bytes) {
 __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t block_elems, int64_t second_from,
                                   const void* second) {
     const int g = blockIdx.y;
-    if (offsets[g + 1] != offsets[g] || (second_from > 0 && g >= second_from)) return;  // second base: unwritten
+    if (offsets[g + 1] != offsets[g] || in_second_base(second_from, g)) return;  // second base: left unwritten
     float4* dst = reinterpret_cast<float4*>(group_block(C, second, second_from, g, block_elems));
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < block_elems / 4; i += int64_t(gridDim.x) * blockDim.x)
         dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
