@@ -145,6 +145,16 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
 
 std::atomic<int> g_cluster{0};
 std::atomic<int> g_tn_hot_rows{-1};
+std::atomic<int> g_tn_small_rows{-1};
+
+int tn_small_rows() {
+    int r = g_tn_small_rows.load();
+    if (r < 0) {
+        const char* env = std::getenv("MOEKIT_WGRAD_SMALL_ROWS");
+        r = env ? std::max(0, std::atoi(env)) : kTnSmallRows;
+    }
+    return r;
+}
 
 int tn_hot_rows() {
     int h = g_tn_hot_rows.load();
@@ -280,6 +290,52 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     }
 }
 
+// The small-group wgrad kernel (grouped_gemm_tn_small.cuh) for the groups of fewer than `below` rows: persistent,
+// as many CTAs as fit on the device (kMinBlocks a multiprocessor).
+template <int kStages, int kMinBlocks, bool kStaged>
+void launch_tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
+    using namespace gemm_detail;
+    constexpr auto kKernel = tn_small_kernel<kStages, kMinBlocks, kStaged>;
+    constexpr int kSmem = tn_small_smem_bytes<kStages>();
+    // The staged rows leave as 16-byte stores (the CUTLASS half beside it needs that alignment too).
+    MOEKIT_CHECK(!kStaged || (reinterpret_cast<uintptr_t>(p.C) | reinterpret_cast<uintptr_t>(p.second)) % 16 == 0,
+                 "the small-group wgrad kernel needs 16-byte aligned gradients");
+    p.tiles_n = int(ceil_div(p.n, 128));
+    p.tiles_m = int(ceil_div(p.k, 128));
+    p.total_tiles = p.tiles_m * p.tiles_n * p.G;
+    p.tn_small_below = below;
+    ensure_smem<kKernel>(kSmem);
+    static std::atomic<int> per_sm{0};
+    if (per_sm.load() == 0) {
+        int n = 0;
+        MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, 256, kSmem));
+        MOEKIT_CHECK(n > 0, "the small-group wgrad kernel does not fit on this device");
+        per_sm = n;
+        if (std::getenv("MOEKIT_GEMM_VERBOSE"))
+            std::fprintf(stderr, "small-group wgrad kernel: %d CTAs a multiprocessor\n", n);
+    }
+    const int64_t ctas = std::min<int64_t>(p.total_tiles, int64_t(per_sm.load()) * grouped_gemm_sm_count());
+    kKernel<<<unsigned(ctas), 256, kSmem, stream>>>(p);
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+// Which small-group kernel configuration runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=s2|s3|s2x3|s2d: ring stages,
+// x CTAs a multiprocessor (default 2), d = stores from registers; default s2).
+void tn_small(const gemm_detail::Params& p, int below, cudaStream_t stream) {
+    static const std::string variant = [] {
+        const char* env = std::getenv("MOEKIT_WGRAD_SMALL_KERNEL");
+        return std::string(env ? env : "s2");
+    }();
+    if (variant == "s3")
+        launch_tn_small<3, 2, true>(p, below, stream);
+    else if (variant == "s2x3")
+        launch_tn_small<2, 3, true>(p, below, stream);
+    else if (variant == "s2d")
+        launch_tn_small<2, 2, false>(p, below, stream);
+    else
+        launch_tn_small<2, 2, true>(p, below, stream);
+}
+
 // Whether the gated activation's backward may ride in the dgrad's epilogue (set_glu_backward_fusion, else
 // MOEKIT_FUSE_GLU_BACKWARD=1). Off by default: measured slower where it applies (H200, moekit bench, 2026-11-26:
 // fc2 backward + activation stages mixtral 8.09 vs 6.26 + 0.89 ms, dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91
@@ -344,6 +400,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     GroupedGemmKernel kernel = resolve_kernel();
     CutlassConfig config = CutlassConfig::kAuto;
     if (kernel == GroupedGemmKernel::kAuto && t_own_kernel_only > 0) kernel = GroupedGemmKernel::kTma;
+    const bool chosen_per_shape = kernel == GroupedGemmKernel::kAuto;  // not forced (tests, A/B runs)
     if (kernel == GroupedGemmKernel::kAuto) {
         const Choice c = choose_for_shape(kOp, s);
         kernel = c.kernel, config = c.config;
@@ -367,7 +424,12 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else if constexpr (kOp == Op::kNN)
             cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
-        else
+        else if (const int below = tn_small_rows(); below > 0 && chosen_per_shape) {
+            // Groups below `below` rows to the small-group kernel (it zeroes the empty ones where asked), the rest
+            // to CUTLASS, which gives those no tiles (a split-by-size pair keeps only its ping-pong half).
+            tn_small(p, below, stream);
+            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config, below);
+        } else
             cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config);
         return true;
     }
@@ -411,7 +473,7 @@ void cutlass_grouped_gemm_nn(const GroupedGemmShape&, const __nv_bfloat16*, cons
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*,
-                             const int32_t*, WgradWrite, cudaStream_t, CutlassConfig) {
+                             const int32_t*, WgradWrite, cudaStream_t, CutlassConfig, int64_t) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif
@@ -438,6 +500,7 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
+void set_tn_small_rows(int rows) { g_tn_small_rows = rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
 bool glu_backward_fusion_enabled() {
     const int set = g_glu_fusion.load();

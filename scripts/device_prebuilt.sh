@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One bounded device call on binaries built on the workstation (nvcc 13.0 = the device image's; sm_90a), carried in
+# the git-ignored prebuilt/ (`make -C build <targets>`, then strip them into prebuilt/: saves the device build's ~5
+# minutes). Runs STEPS, a ';'-separated list of "label|ENV=V ...|command" (command relative to prebuilt/, e.g.
+# "test_grouped_gemm --gtest_filter=*Wgrad*"), each bounded by the time left; a "sanitize:TOOL" label runs
+# compute-sanitizer TOOL on the command instead. usage: MOEKIT_COMMIT=<sha> STEPS=... scripts/device_prebuilt.sh;
+# results in $OUT (summary.txt first, one log a step).
+. "$(dirname "$0")/device_lib.sh"
+B=prebuilt
+IFS=';' read -ra steps <<<"${STEPS:?STEPS is empty}"
+i=0
+for st in "${steps[@]}"; do
+  IFS='|' read -r label envs cmd <<<"$st"
+  i=$((i + 1))
+  left 30 "$label" || break
+  log "$label: $envs $cmd"
+  budget=$((LIMIT - SECONDS - 10))
+  if [[ $label == sanitize:* ]]; then
+    env $envs timeout $budget compute-sanitizer --error-exitcode 9 --tool "${label#sanitize:}" $B/$cmd >"$OUT/step$i.log" 2>&1
+  else
+    env $envs timeout $budget $B/$cmd >"$OUT/step$i.log" 2>&1
+  fi
+  echo "exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)|^  (fc|gemm)|wgrad|^moekit|interleaved|roofline|SUMMARY|ERROR SUMMARY|tests passed" \
+    "$OUT/step$i.log" | head -40 | cut -c1-230 | tee -a "$OUT/summary.txt"
+done
+log "done"
