@@ -24,4 +24,5 @@ for st in "${steps[@]}"; do
   grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)|^  (fc|gemm)|wgrad|^moekit|interleaved|roofline|SUMMARY|ERROR SUMMARY|tests passed" \
     "$OUT/step$i.log" | head -40 | cut -c1-230 | tee -a "$OUT/summary.txt"
 done
+tar -czf "$OUT/steps.tar.gz" -C "$OUT" $(cd "$OUT" && ls step*.log) && rm -f "$OUT"/step*.log
 log "done"

@@ -228,7 +228,9 @@ int max_clusters(int smem) {
     return n;
 }
 
-template <gemm_detail::Op kOp, int kCluster>
+// kStages / kEpiBufs: tma_kernel's ring and tn staging buffers (kTnSmallStages / kTnSmallEpiBufs for the small-group
+// wgrad launch, p.tn_small_below > 0).
+template <gemm_detail::Op kOp, int kCluster, int kStages = 4, int kEpiBufs = 2>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
     CUtensorMap a, b, c, second;
@@ -260,15 +262,15 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         second = G2 > 0 ? tensor_map(p.second, 3, db2, boxb) : a;
         c = a;  // unused: bf16 results are stored without TMA
     }
-    constexpr int kSmem = gemm_detail::kTmaSmemBytes;
-    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster>;
+    constexpr int kSmem = gemm_detail::tma_smem_bytes<kStages, kEpiBufs>();
+    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster, kStages, kEpiBufs>;
     ensure_smem<kKernel>(kSmem);
     // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
     // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
     const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
-    q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
+    q.tn_hot_rows = kOp == Op::kTN && p.tn_small_below == 0 ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
@@ -319,21 +321,26 @@ void launch_tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// Which small-group kernel configuration runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=s2|s3|s2x3|s2d: ring stages,
-// x CTAs a multiprocessor (default 2), d = stores from registers; default s2).
-void tn_small(const gemm_detail::Params& p, int below, cudaStream_t stream) {
+// Which small-group kernel runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=tma|s2|s3|s2d): the own TMA kernel with 2
+// stages and a whole tile of store buffers (default), or the mma.sync kernel (ring stages, d = register stores).
+void tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
     static const std::string variant = [] {
         const char* env = std::getenv("MOEKIT_WGRAD_SMALL_KERNEL");
-        return std::string(env ? env : "s2");
+        return std::string(env ? env : "tma");
     }();
     if (variant == "s3")
         launch_tn_small<3, 2, true>(p, below, stream);
-    else if (variant == "s2x3")
-        launch_tn_small<2, 3, true>(p, below, stream);
+    else if (variant == "s2")
+        launch_tn_small<2, 2, true>(p, below, stream);
     else if (variant == "s2d")
         launch_tn_small<2, 2, false>(p, below, stream);
-    else
-        launch_tn_small<2, 2, true>(p, below, stream);
+    else {
+        p.tn_small_below = below;
+        p.tiles_n = int(ceil_div(p.n, 256));
+        p.tiles_m = int(ceil_div(p.k, 128));
+        launch_tma<gemm_detail::Op::kTN, 1, gemm_detail::kTnSmallStages, gemm_detail::kTnSmallEpiBufs>(p, stream);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+    }
 }
 
 // Whether the gated activation's backward may ride in the dgrad's epilogue (set_glu_backward_fusion, else
