@@ -21,7 +21,7 @@ for st in "${steps[@]}"; do
     env $envs timeout $budget $B/$cmd >"$OUT/step$i.log" 2>&1
   fi
   echo "exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)|^  (fc|gemm)|wgrad|^moekit|interleaved|roofline|SUMMARY|ERROR SUMMARY|tests passed" \
+  grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)|^  (fc|gemm)|wgrad|^moekit|interleaved|roofline|SUMMARY|ERROR SUMMARY|tests passed|^  tiles|^  strips|cudaMemset|^fp32" \
     "$OUT/step$i.log" | head -40 | cut -c1-230 | tee -a "$OUT/summary.txt"
 done
 tar -czf "$OUT/steps.tar.gz" -C "$OUT" $(cd "$OUT" && ls step*.log) && rm -f "$OUT"/step*.log

@@ -292,54 +292,40 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     }
 }
 
-// The small-group wgrad kernel (grouped_gemm_tn_small.cuh) for the groups of fewer than `below` rows: persistent,
-// as many CTAs as fit on the device (kMinBlocks a multiprocessor).
-template <int kStages, int kMinBlocks, bool kStaged>
-void launch_tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
+// The small-group wgrad (grouped_gemm_tn_small.cuh) for the groups of fewer than `below` rows (at most
+// kStripRows): one CTA a multiprocessor, each job a 256-column strip of a group over tn_strip_chunk row tiles, the
+// chunk as long as leaves ~16 jobs a multiprocessor (fewer B slab loads; more jobs for an even finish).
+void launch_tn_strip(gemm_detail::Params p, int below, cudaStream_t stream) {
     using namespace gemm_detail;
-    constexpr auto kKernel = tn_small_kernel<kStages, kMinBlocks, kStaged>;
-    constexpr int kSmem = tn_small_smem_bytes<kStages>();
-    // The staged rows leave as 16-byte stores (the CUTLASS half beside it needs that alignment too).
-    MOEKIT_CHECK(!kStaged || (reinterpret_cast<uintptr_t>(p.C) | reinterpret_cast<uintptr_t>(p.second)) % 16 == 0,
-                 "the small-group wgrad kernel needs 16-byte aligned gradients");
-    p.tiles_n = int(ceil_div(p.n, 128));
-    p.tiles_m = int(ceil_div(p.k, 128));
-    p.total_tiles = p.tiles_m * p.tiles_n * p.G;
-    p.tn_small_below = below;
-    ensure_smem<kKernel>(kSmem);
-    static std::atomic<int> per_sm{0};
-    if (per_sm.load() == 0) {
-        int n = 0;
-        MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, 256, kSmem));
-        MOEKIT_CHECK(n > 0, "the small-group wgrad kernel does not fit on this device");
-        per_sm = n;
-        if (std::getenv("MOEKIT_GEMM_VERBOSE"))
-            std::fprintf(stderr, "small-group wgrad kernel: %d CTAs a multiprocessor\n", n);
-    }
-    const int64_t ctas = std::min<int64_t>(p.total_tiles, int64_t(per_sm.load()) * grouped_gemm_sm_count());
-    kKernel<<<unsigned(ctas), 256, kSmem, stream>>>(p);
+    p.tn_small_below = std::min(below, kStripRows);
+    p.tiles_n = int(ceil_div(p.n, kStripBN));
+    p.tiles_m = int(ceil_div(p.k, kStripBM));
+    const int64_t sms = grouped_gemm_sm_count();
+    const int64_t tiles = int64_t(p.tiles_m) * p.tiles_n * p.G;
+    p.tn_strip_chunk = int(std::clamp<int64_t>(ceil_div(tiles, 16 * sms), 1, p.tiles_m));
+    const int64_t jobs = ceil_div(p.tiles_m, p.tn_strip_chunk) * p.tiles_n * p.G;
+    MOEKIT_CHECK(jobs < (int64_t(1) << 31), "grouped_gemm_tn: too many small-group jobs");
+    p.total_tiles = int(jobs);
+    ensure_smem<tn_strip_kernel<>>(kStripSmemBytes);
+    tn_strip_kernel<><<<unsigned(std::min(jobs, sms)), 256, kStripSmemBytes, stream>>>(p);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// Which small-group kernel runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=tma|s2|s3|s2d): the own TMA kernel with 2
-// stages and a whole tile of store buffers (default), or the mma.sync kernel (ring stages, d = register stores).
+// Which small-group kernel runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=strip|tma): the B-stationary strip kernel
+// (default), or the own TMA kernel with 2 stages and a whole tile of store buffers.
 void tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
     static const std::string variant = [] {
         const char* env = std::getenv("MOEKIT_WGRAD_SMALL_KERNEL");
-        return std::string(env ? env : "tma");
+        return std::string(env ? env : "strip");
     }();
-    if (variant == "s3")
-        launch_tn_small<3, 2, true>(p, below, stream);
-    else if (variant == "s2")
-        launch_tn_small<2, 2, true>(p, below, stream);
-    else if (variant == "s2d")
-        launch_tn_small<2, 2, false>(p, below, stream);
-    else {
+    if (variant == "tma") {
         p.tn_small_below = below;
         p.tiles_n = int(ceil_div(p.n, 256));
         p.tiles_m = int(ceil_div(p.k, 128));
         launch_tma<gemm_detail::Op::kTN, 1, gemm_detail::kTnSmallStages, gemm_detail::kTnSmallEpiBufs>(p, stream);
         MOEKIT_CUDA_LAUNCH_CHECK();
+    } else {
+        launch_tn_strip(p, below, stream);
     }
 }
 

@@ -71,7 +71,8 @@ struct Params {
                           // bulk tensor stores / reduce-adds through map_c)
     int tn_hot_rows;      // TMA kernel, tn: > 0 = groups of >= this many rows interleaved with the others
                           // (tn_interleaved_job); 0 = the groups in order
-    int tn_small_below;   // tn_small_kernel: the groups it computes have fewer rows (the others: another launch's)
+    int tn_small_below;   // small-group wgrad launch: the groups it computes have fewer rows (others: CUTLASS's)
+    int tn_strip_chunk;   // tn_strip_kernel: row tiles a job
     // TMA kernel, nn with the gated activation's backward in the epilogue (grouped_gemm_nn_glu_backward; glu_grad
     // non-null): C is not written; each bf16-rounded result dA[r, f] becomes glu_grad[r] = [d gate | d up] of
     // glu_in[r] = [gate | up] (rows 2n wide) with da = dA * glu_probs[r], and glu_dp[r * tiles_n + tile] gets the
