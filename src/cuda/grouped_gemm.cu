@@ -297,7 +297,8 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
 // chunk as long as leaves ~16 jobs a multiprocessor (fewer B slab loads; more jobs for an even finish).
 void launch_tn_strip(gemm_detail::Params p, int below, cudaStream_t stream) {
     using namespace gemm_detail;
-    p.tn_small_below = std::min(below, kStripRows);
+    MOEKIT_CHECK(below <= kStripRows, "the small-group wgrad takes groups below ", kStripRows, " rows, not ", below);
+    p.tn_small_below = below;
     p.tiles_n = int(ceil_div(p.n, kStripBN));
     p.tiles_m = int(ceil_div(p.k, kStripBM));
     const int64_t sms = grouped_gemm_sm_count();
@@ -417,7 +418,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else if constexpr (kOp == Op::kNN)
             cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
-        else if (const int below = tn_small_rows(); below > 0 && chosen_per_shape) {
+        else if (const int below = std::min(tn_small_rows(), gemm_detail::kStripRows); below > 0 && chosen_per_shape) {
             // Groups below `below` rows to the small-group kernel (it zeroes the empty ones where asked), the rest
             // to CUTLASS, which gives those no tiles (a split-by-size pair keeps only its ping-pong half).
             tn_small(p, below, stream);

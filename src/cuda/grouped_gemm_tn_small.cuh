@@ -23,6 +23,16 @@ constexpr int kStripBBytes = (kStripRows / kBK) * kStripBN * kBK * 2;  // 128 Ki
 constexpr int kStripABytes = kStripBM * kBK * 2;                       // 16 KiB a stage
 constexpr int kStripSmemBytes = kStripBBytes + kStripAStages * kStripABytes + 1024 /*alignment slack*/;
 
+// Two fp32 gradient values at dst (8-byte aligned), added to what is there with `accumulate`.
+__device__ __forceinline__ void store_f32x2(float* dst, float a, float b, int accumulate) {
+    float2* p2 = reinterpret_cast<float2*>(dst);
+    if (accumulate) {
+        const float2 old = *p2;
+        a += old.x, b += old.y;
+    }
+    *p2 = make_float2(a, b);
+}
+
 template <int kAStages = kStripAStages>  // (a template: this header is included by several translation units)
 __global__ void __launch_bounds__(256, 1) tn_strip_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -43,66 +53,56 @@ __global__ void __launch_bounds__(256, 1) tn_strip_kernel(Params p) {
         if (rows == 0 && (p.keep_empty || in_second(p, g))) continue;  // left as it is
         const int r = job - g * per_group, tn = r / chunks, chunk = r - tn * chunks;
         const int tm0 = chunk * p.tn_strip_chunk, tm1 = min(p.tiles_m, tm0 + p.tn_strip_chunk);
-        TileJob tile{};
-        tile.group = g;
-        tile.row0 = p.offsets[g];
-        tile.row_end = p.offsets[g + 1];
-        tile.n0 = tn * kStripBN;
-        tile.active = true;
+        const int64_t row0 = p.offsets[g], row_end = row0 + rows;
+        const int n0 = tn * kStripBN;
         const int nk = (rows + kBK - 1) / kBK, steps = (tm1 - tm0) * nk;
         // Step s: row tile tm0 + s / nk, reduction block s % nk.
         auto load_a = [&](int s) {
-            const int tm = tm0 + s / nk, kt = s % nk;
-            load_mnmajor<kStripBM, 256>(sA(s % kAStages), p.A, tile.row0 + int64_t(kt) * kBK, tile.row_end, p.k,
-                                        tm * kStripBM, p.k, tid);
+            load_mnmajor<kStripBM, 256>(sA(s % kAStages), p.A, row0 + int64_t(s % nk) * kBK, row_end, p.k,
+                                        (tm0 + s / nk) * kStripBM, p.k, tid);
         };
         for (int kt = 0; kt < nk; ++kt)  // the strip's B slab, in the first copy group with step 0's A
-            load_mnmajor<kStripBN, 256>(sB + kt * (kStripBN * kBK * 2), p.B, tile.row0 + int64_t(kt) * kBK,
-                                        tile.row_end, p.n, tile.n0, p.n, tid);
+            load_mnmajor<kStripBN, 256>(sB + kt * (kStripBN * kBK * 2), p.B, row0 + int64_t(kt) * kBK, row_end, p.n,
+                                        n0, p.n, tid);
 #pragma unroll
         for (int s = 0; s < kAhead; ++s) {
             if (s < steps) load_a(s);
             cp_async_commit();
         }
+        float* Cg = group_block(static_cast<float*>(p.C), p.second, p.second_from, g, int64_t(p.k) * p.n);
+        const int row = wg * 64 + w * 16 + (lane >> 2), cols_left = p.n - n0;
         float d[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0.f;
-        for (int s = 0; s < steps; ++s) {
-            cp_async_wait<kAhead - 1>();
-            fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async proxy
-            __syncthreads();      // step s visible to all; both warpgroups retired their wgmmas of step s - 2
-            const int kt = s % nk;
-            const uint32_t a_s = sA(s % kAStages), b_s = sB + kt * (kStripBN * kBK * 2);
-            wgmma_fence();
+        int s = 0;
+        for (int tm = tm0; tm < tm1; ++tm) {
+            for (int kt = 0; kt < nk; ++kt, ++s) {
+                cp_async_wait<kAhead - 1>();
+                fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+                __syncthreads();      // step s visible to all; both warpgroups retired their wgmmas of step s - 2
+                const uint32_t a_s = sA(s % kAStages), b_s = sB + kt * (kStripBN * kBK * 2);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBK / 16; ++kk)
-                wgmma_m64n256k16<1, 1>(d, make_desc(a_s + wg * kBlockBytes + kk * 2048, kBlockBytes, 1024),
-                                       make_desc(b_s + kk * 2048, kBlockBytes, 1024), 1);
-            wgmma_commit();
-            if (s + kAhead < steps) load_a(s + kAhead);  // its stage last held step s - 2
-            cp_async_commit();
-            wgmma_wait<1>();
-            if (kt == nk - 1) {  // the row tile is complete: store it, start the next from zero
-                wgmma_wait<0>();
-                tile.m0 = (tm0 + s / nk) * kStripBM;
-                const int row = wg * 64 + w * 16 + (lane >> 2);
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    const int col = i * 8 + (lane & 3) * 2;
-                    store_pair<Op::kTN>(p, tile, row, col, d[4 * i], d[4 * i + 1]);
-                    store_pair<Op::kTN>(p, tile, row + 8, col, d[4 * i + 2], d[4 * i + 3]);
-                    d[4 * i] = d[4 * i + 1] = d[4 * i + 2] = d[4 * i + 3] = 0.f;
-                }
+                for (int kk = 0; kk < kBK / 16; ++kk)
+                    wgmma_m64n256k16<1, 1>(d, make_desc(a_s + wg * kBlockBytes + kk * 2048, kBlockBytes, 1024),
+                                           make_desc(b_s + kk * 2048, kBlockBytes, 1024), 1);
+                wgmma_commit();
+                if (s + kAhead < steps) load_a(s + kAhead);  // its stage last held step s - 2
+                cp_async_commit();
+                wgmma_wait<1>();
             }
-        }
-        if (nk == 0) {  // an empty group written (overwrite): zeros over the job's row tiles
-            const int row = wg * 64 + w * 16 + (lane >> 2);
-            for (int tm = tm0; tm < tm1; ++tm) {
-                tile.m0 = tm * kStripBM;
-                for (int i = 0; i < 32; ++i) {
-                    store_pair<Op::kTN>(p, tile, row, i * 8 + (lane & 3) * 2, 0.f, 0.f);
-                    store_pair<Op::kTN>(p, tile, row + 8, i * 8 + (lane & 3) * 2, 0.f, 0.f);
+            wgmma_wait<0>();
+            // The row tile is complete (zeros for an empty group): store it from registers, start the next at zero.
+            const int gm = tm * kStripBM + row;
+            float* c = Cg + int64_t(gm) * p.n + n0 + (lane & 3) * 2;
+            const bool top = gm < p.k, bottom = gm + 8 < p.k;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                if (i * 8 < cols_left) {
+                    if (top) store_f32x2(c + i * 8, d[4 * i], d[4 * i + 1], p.accumulate);
+                    if (bottom) store_f32x2(c + 8 * int64_t(p.n) + i * 8, d[4 * i + 2], d[4 * i + 3], p.accumulate);
                 }
+                d[4 * i] = d[4 * i + 1] = d[4 * i + 2] = d[4 * i + 3] = 0.f;
             }
         }
         wgmma_wait<0>();
