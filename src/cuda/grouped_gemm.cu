@@ -293,27 +293,39 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
 }
 
 // The small-group wgrad (grouped_gemm_tn_small.cuh) for the groups of fewer than `below` rows (at most
-// kStripRows): one CTA a multiprocessor, each job a 256-column strip of a group over tn_strip_chunk row tiles, the
-// chunk as long as leaves ~16 jobs a multiprocessor (fewer B slab loads; more jobs for an even finish).
+// kStripRows): as many CTAs as fit (StripConfig), each job a kBN-column strip of a group over tn_strip_chunk row
+// tiles, the chunk as long as leaves ~16 jobs a CTA (fewer B slab loads; more jobs for an even finish).
+template <int kBN>
 void launch_tn_strip(gemm_detail::Params p, int below, cudaStream_t stream) {
     using namespace gemm_detail;
+    constexpr auto kKernel = tn_strip_kernel<kBN>;
+    constexpr int kSmem = StripConfig<kBN>::kSmemBytes;
     MOEKIT_CHECK(below <= kStripRows, "the small-group wgrad takes groups below ", kStripRows, " rows, not ", below);
     p.tn_small_below = below;
-    p.tiles_n = int(ceil_div(p.n, kStripBN));
+    p.tiles_n = int(ceil_div(p.n, kBN));
     p.tiles_m = int(ceil_div(p.k, kStripBM));
-    const int64_t sms = grouped_gemm_sm_count();
+    ensure_smem<kKernel>(kSmem);
+    static std::atomic<int> per_sm{0};
+    if (per_sm.load() == 0) {
+        int n = 0;
+        MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, 256, kSmem));
+        MOEKIT_CHECK(n > 0, "the small-group wgrad kernel does not fit on this device");
+        per_sm = n;
+        if (std::getenv("MOEKIT_GEMM_VERBOSE"))
+            std::fprintf(stderr, "small-group wgrad (%d-column strips): %d CTAs a multiprocessor\n", kBN, n);
+    }
+    const int64_t ctas_max = int64_t(per_sm.load()) * grouped_gemm_sm_count();
     const int64_t tiles = int64_t(p.tiles_m) * p.tiles_n * p.G;
-    p.tn_strip_chunk = int(std::clamp<int64_t>(ceil_div(tiles, 16 * sms), 1, p.tiles_m));
+    p.tn_strip_chunk = int(std::clamp<int64_t>(ceil_div(tiles, 16 * ctas_max), 1, p.tiles_m));
     const int64_t jobs = ceil_div(p.tiles_m, p.tn_strip_chunk) * p.tiles_n * p.G;
     MOEKIT_CHECK(jobs < (int64_t(1) << 31), "grouped_gemm_tn: too many small-group jobs");
     p.total_tiles = int(jobs);
-    ensure_smem<tn_strip_kernel<>>(kStripSmemBytes);
-    tn_strip_kernel<><<<unsigned(std::min(jobs, sms)), 256, kStripSmemBytes, stream>>>(p);
+    kKernel<<<unsigned(std::min(jobs, ctas_max)), 256, kSmem, stream>>>(p);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// Which small-group kernel runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=strip|tma): the B-stationary strip kernel
-// (default), or the own TMA kernel with 2 stages and a whole tile of store buffers.
+// Which small-group kernel runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=strip|strip256|tma): B-stationary strips of
+// 128 columns (default) or 256, or the own TMA kernel with 2 stages and a whole tile of store buffers.
 void tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
     static const std::string variant = [] {
         const char* env = std::getenv("MOEKIT_WGRAD_SMALL_KERNEL");
@@ -325,8 +337,10 @@ void tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
         p.tiles_m = int(ceil_div(p.k, 128));
         launch_tma<gemm_detail::Op::kTN, 1, gemm_detail::kTnSmallStages, gemm_detail::kTnSmallEpiBufs>(p, stream);
         MOEKIT_CUDA_LAUNCH_CHECK();
+    } else if (variant == "strip256") {
+        launch_tn_strip<256>(p, below, stream);
     } else {
-        launch_tn_strip(p, below, stream);
+        launch_tn_strip<128>(p, below, stream);
     }
 }
 
