@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One bounded device call on binaries built on the workstation (nvcc 13.0 = the device image's; sm_90a), carried in
-# the git-ignored prebuilt/ (`make -C build <targets>`, then strip them into prebuilt/: saves the device build's ~5
-# minutes). Runs STEPS, a ';'-separated list of "label|ENV=V ...|command" (command relative to prebuilt/, e.g.
+# the git-ignored prebuilt/ (`ninja -C build <targets>`, then strip them into prebuilt/, or pack them there as
+# prebuilt/bin.tgz when they pass the carry's 64 MiB: unpacked here first; saves the device build's ~5 minutes).
+# Runs STEPS, a ';'-separated list of "label|ENV=V ...|command" (command relative to prebuilt/, e.g.
 # "test_grouped_gemm --gtest_filter=*Wgrad*"), each bounded by the time left; a "sanitize:TOOL" label runs
 # compute-sanitizer TOOL on the command instead. usage: MOEKIT_COMMIT=<sha> STEPS=... scripts/device_prebuilt.sh;
 # results in $OUT (summary.txt first, one log a step).
 . "$(dirname "$0")/device_lib.sh"
 B=prebuilt
+[ -f $B/bin.tgz ] && tar -xzf $B/bin.tgz -C $B
 IFS=';' read -ra steps <<<"${STEPS:?STEPS is empty}"
 i=0
 for st in "${steps[@]}"; do

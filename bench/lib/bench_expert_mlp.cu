@@ -208,23 +208,16 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     r["cutlass_split_ms"] = t([&] { run_case(kGrouped, q, c, s); });
                 }
                 set_cutlass_config(CutlassConfig::kAuto);
-                if (c.op == Op::kTN) {
-                    // The per-shape choice with and without the small-group kernel, and the floor of a write-bound
-                    // wgrad: filling the fp32 gradients once (cudaMemsetAsync).
-                    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
-                    set_tn_small_rows(0);
-                    r["auto_no_small_ms"] = t([&] { run_case(kGrouped, q, c, s); });
-                    set_tn_small_rows(-1);
-                    r["auto_ms"] = t([&] { run_case(kGrouped, q, c, s); });
-                    const size_t bytes = size_t(q.E) * size_t(c.n) * size_t(c.k) * sizeof(float);
-                    r["fill_ms"] = t([&] { MOEKIT_CUDA_CHECK(cudaMemsetAsync(c.C, 0, bytes, s)); });
-                }
             }
         } else {
             set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
             r["mma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
         }
         set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+        if (c.op == Op::kTN) {  // the floor of a write-bound wgrad: filling its fp32 gradients once
+            const size_t bytes = size_t(q.E) * size_t(c.n) * size_t(c.k) * sizeof(float);
+            r["fill_ms"] = t([&] { MOEKIT_CUDA_CHECK(cudaMemsetAsync(c.C, 0, bytes, s)); });
+        }
         r["sync_ms"] = time_ms([&] { run_case(kSync, q, c, s); }, s, o.warmup, o.iters);
         r["dense_ms"] = t([&] { dense_gemm(c.op, q.rows, c.n, c.k, c.A, c.B, c.C, s); });
         out["gemms"].push_back(r);
@@ -241,27 +234,25 @@ std::string format_gemm_table(const nlohmann::json& r) {
     char line[256];
     // tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90);
     // cl-split = wgrad groups split between cooperative and ping-pong by size (wgrad_split());
-    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column. wgrad only: auto = the per-shape
-    // choice (groups below kTnSmallRows rows on the small-group kernel), auto-cl = the same without it (CUTLASS
-    // only), fill = cudaMemsetAsync of the fp32 gradients (a write-bound wgrad's floor).
-    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s | %8s %8s %8s\n",
+    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; fill (wgrad only) =
+    // cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
+    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s | %8s\n",
                   "gemm", "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "mma ms", "sync ms",
-                  "dense ms", "TFLOP/s", "dense", "vs dns", "auto", "auto-cl", "fill");
+                  "dense ms", "TFLOP/s", "dense", "vs dns", "fill");
     out += line;
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
         double best = INFINITY;
-        for (const char* key : {"mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms", "cutlass_pingpong_ms",
-                                "cutlass_split_ms", "auto_ms"})
+        for (const char* key :
+             {"mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms", "cutlass_pingpong_ms", "cutlass_split_ms"})
             if (g.contains(key)) best = std::min(best, g[key].get<double>());
         double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
         std::snprintf(line, sizeof line,
-                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx | %8.3f "
-                      "%8.3f %8.3f\n",
+                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx | %8.3f\n",
                       g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
                       ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
                       ms(g, "cutlass_split_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best,
-                      gf / dense, best / dense, ms(g, "auto_ms"), ms(g, "auto_no_small_ms"), ms(g, "fill_ms"));
+                      gf / dense, best / dense, ms(g, "fill_ms"));
         out += line;
     }
     return out;

@@ -145,16 +145,6 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
 
 std::atomic<int> g_cluster{0};
 std::atomic<int> g_tn_hot_rows{-1};
-std::atomic<int> g_tn_small_rows{-1};
-
-int tn_small_rows() {
-    int r = g_tn_small_rows.load();
-    if (r < 0) {
-        const char* env = std::getenv("MOEKIT_WGRAD_SMALL_ROWS");
-        r = env ? std::max(0, std::atoi(env)) : kTnSmallRows;
-    }
-    return r;
-}
 
 int tn_hot_rows() {
     int h = g_tn_hot_rows.load();
@@ -228,9 +218,7 @@ int max_clusters(int smem) {
     return n;
 }
 
-// kStages / kEpiBufs: tma_kernel's ring and tn staging buffers (kTnSmallStages / kTnSmallEpiBufs for the small-group
-// wgrad launch, p.tn_small_below > 0).
-template <gemm_detail::Op kOp, int kCluster, int kStages = 4, int kEpiBufs = 2>
+template <gemm_detail::Op kOp, int kCluster>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
     CUtensorMap a, b, c, second;
@@ -262,15 +250,15 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         second = G2 > 0 ? tensor_map(p.second, 3, db2, boxb) : a;
         c = a;  // unused: bf16 results are stored without TMA
     }
-    constexpr int kSmem = gemm_detail::tma_smem_bytes<kStages, kEpiBufs>();
-    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster, kStages, kEpiBufs>;
+    constexpr int kSmem = gemm_detail::kTmaSmemBytes;
+    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster>;
     ensure_smem<kKernel>(kSmem);
     // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
     // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
     const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
-    q.tn_hot_rows = kOp == Op::kTN && p.tn_small_below == 0 ? tn_hot_rows() : 0;
+    q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
@@ -289,58 +277,6 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         cfg.attrs = &attr;
         cfg.numAttrs = 1;
         MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, q, a, b, c, second));
-    }
-}
-
-// The small-group wgrad (grouped_gemm_tn_small.cuh) for the groups of fewer than `below` rows (at most
-// kStripRows): as many CTAs as fit (StripConfig), each job a kBN-column strip of a group over tn_strip_chunk row
-// tiles, the chunk as long as leaves ~16 jobs a CTA (fewer B slab loads; more jobs for an even finish).
-template <int kBN>
-void launch_tn_strip(gemm_detail::Params p, int below, cudaStream_t stream) {
-    using namespace gemm_detail;
-    constexpr auto kKernel = tn_strip_kernel<kBN>;
-    constexpr int kSmem = StripConfig<kBN>::kSmemBytes;
-    MOEKIT_CHECK(below <= kStripRows, "the small-group wgrad takes groups below ", kStripRows, " rows, not ", below);
-    p.tn_small_below = below;
-    p.tiles_n = int(ceil_div(p.n, kBN));
-    p.tiles_m = int(ceil_div(p.k, kStripBM));
-    ensure_smem<kKernel>(kSmem);
-    static std::atomic<int> per_sm{0};
-    if (per_sm.load() == 0) {
-        int n = 0;
-        MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, 256, kSmem));
-        MOEKIT_CHECK(n > 0, "the small-group wgrad kernel does not fit on this device");
-        per_sm = n;
-        if (std::getenv("MOEKIT_GEMM_VERBOSE"))
-            std::fprintf(stderr, "small-group wgrad (%d-column strips): %d CTAs a multiprocessor\n", kBN, n);
-    }
-    const int64_t ctas_max = int64_t(per_sm.load()) * grouped_gemm_sm_count();
-    const int64_t tiles = int64_t(p.tiles_m) * p.tiles_n * p.G;
-    p.tn_strip_chunk = int(std::clamp<int64_t>(ceil_div(tiles, 16 * ctas_max), 1, p.tiles_m));
-    const int64_t jobs = ceil_div(p.tiles_m, p.tn_strip_chunk) * p.tiles_n * p.G;
-    MOEKIT_CHECK(jobs < (int64_t(1) << 31), "grouped_gemm_tn: too many small-group jobs");
-    p.total_tiles = int(jobs);
-    kKernel<<<unsigned(std::min(jobs, ctas_max)), 256, kSmem, stream>>>(p);
-    MOEKIT_CUDA_LAUNCH_CHECK();
-}
-
-// Which small-group kernel runs (an A/B knob, MOEKIT_WGRAD_SMALL_KERNEL=strip|strip256|tma): B-stationary strips of
-// 128 columns (default) or 256, or the own TMA kernel with 2 stages and a whole tile of store buffers.
-void tn_small(gemm_detail::Params p, int below, cudaStream_t stream) {
-    static const std::string variant = [] {
-        const char* env = std::getenv("MOEKIT_WGRAD_SMALL_KERNEL");
-        return std::string(env ? env : "strip");
-    }();
-    if (variant == "tma") {
-        p.tn_small_below = below;
-        p.tiles_n = int(ceil_div(p.n, 256));
-        p.tiles_m = int(ceil_div(p.k, 128));
-        launch_tma<gemm_detail::Op::kTN, 1, gemm_detail::kTnSmallStages, gemm_detail::kTnSmallEpiBufs>(p, stream);
-        MOEKIT_CUDA_LAUNCH_CHECK();
-    } else if (variant == "strip256") {
-        launch_tn_strip<256>(p, below, stream);
-    } else {
-        launch_tn_strip<128>(p, below, stream);
     }
 }
 
@@ -408,7 +344,6 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     GroupedGemmKernel kernel = resolve_kernel();
     CutlassConfig config = CutlassConfig::kAuto;
     if (kernel == GroupedGemmKernel::kAuto && t_own_kernel_only > 0) kernel = GroupedGemmKernel::kTma;
-    const bool chosen_per_shape = kernel == GroupedGemmKernel::kAuto;  // not forced (tests, A/B runs)
     if (kernel == GroupedGemmKernel::kAuto) {
         const Choice c = choose_for_shape(kOp, s);
         kernel = c.kernel, config = c.config;
@@ -432,12 +367,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
         else if constexpr (kOp == Op::kNN)
             cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
-        else if (const int below = std::min(tn_small_rows(), gemm_detail::kStripRows); below > 0 && chosen_per_shape) {
-            // Groups below `below` rows to the small-group kernel (it zeroes the empty ones where asked), the rest
-            // to CUTLASS, which gives those no tiles (a split-by-size pair keeps only its ping-pong half).
-            tn_small(p, below, stream);
-            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config, below);
-        } else
+        else
             cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config);
         return true;
     }
@@ -481,7 +411,7 @@ void cutlass_grouped_gemm_nn(const GroupedGemmShape&, const __nv_bfloat16*, cons
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, float*,
-                             const int32_t*, WgradWrite, cudaStream_t, CutlassConfig, int64_t) {
+                             const int32_t*, WgradWrite, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif
@@ -508,7 +438,6 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
-void set_tn_small_rows(int rows) { g_tn_small_rows = rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
 bool glu_backward_fusion_enabled() {
     const int set = g_glu_fusion.load();

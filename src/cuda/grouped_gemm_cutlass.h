@@ -43,10 +43,8 @@ void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16*
 void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
                              CutlassConfig config = CutlassConfig::kAuto);
-// rows_from > 0: only the groups of at least rows_from rows are computed; the others get no tiles and are not
-// written at all (another launch's: the small-group kernel, grouped_gemm.cu).
 void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                              const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
-                             CutlassConfig config = CutlassConfig::kAuto, int64_t rows_from = 0);
+                             CutlassConfig config = CutlassConfig::kAuto);
 
 }  // namespace moekit::cuda

@@ -33,11 +33,6 @@ void set_grouped_gemm_cluster(int size);
 // fc1 wgrad 6.39 ms vs 6.38 under forced balance, H200, 2026-11-26) but the own kernel's wgrad is slower than
 // CUTLASS's in group order (5.2-5.4 ms there), which the per-shape choice takes.
 void set_tn_interleave(int hot_rows);
-// wgrad (tn) where the per-shape choice takes CUTLASS: groups of fewer than `rows` rows go to the own small-group
-// kernel (grouped_gemm_tn_small.cuh), the rest to CUTLASS, two launches. 0 = off (CUTLASS for all); -1 (default) =
-// the environment variable MOEKIT_WGRAD_SMALL_ROWS=N, else kTnSmallRows.
-constexpr int kTnSmallRows = 256;
-void set_tn_small_rows(int rows);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {
@@ -71,8 +66,6 @@ struct Params {
                           // bulk tensor stores / reduce-adds through map_c)
     int tn_hot_rows;      // TMA kernel, tn: > 0 = groups of >= this many rows interleaved with the others
                           // (tn_interleaved_job); 0 = the groups in order
-    int tn_small_below;   // small-group wgrad launch: the groups it computes have fewer rows (others: CUTLASS's)
-    int tn_strip_chunk;   // tn_strip_kernel: row tiles a job
     // TMA kernel, nn with the gated activation's backward in the epilogue (grouped_gemm_nn_glu_backward; glu_grad
     // non-null): C is not written; each bf16-rounded result dA[r, f] becomes glu_grad[r] = [d gate | d up] of
     // glu_in[r] = [gate | up] (rows 2n wide) with da = dA * glu_probs[r], and glu_dp[r * tiles_n + tile] gets the
@@ -374,4 +367,3 @@ __device__ __forceinline__ void store_pair(const Params& p, const TileJob& job, 
 
 #include "cuda/grouped_gemm_mma.cuh"
 #include "cuda/grouped_gemm_tma.cuh"
-#include "cuda/grouped_gemm_tn_small.cuh"

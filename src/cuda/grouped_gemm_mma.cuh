@@ -37,13 +37,16 @@ __device__ __forceinline__ uint32_t mnmajor_off(int krow, int mn) {
     return (mn >> 6) * kBlockBytes + krow * 128 + (((((mn & 63) >> 3) ^ krow) & 7) << 4);
 }
 
-// The mma.sync main loop of one 128x128 job over its reduction tiles: 8 warps of 64x32 (warp w: rows (w >> 2) * 64,
-// columns (w & 3) * 32), a kStages-deep cp.async ring at `base`; acc[mi][ni] = the m16n8 fragment (mi, ni) of the
-// warp. Returns with every copy landed; the caller syncs the block before the ring is written again.
-template <Op kOp, int kStages>
-__device__ __forceinline__ void mma_mainloop(const Params& p, const TileJob& job, uint32_t base, float (&acc)[4][4][4]) {
-    constexpr int BM = 128, BN = 128, kThreads = 256;
+template <Op kOp>
+__global__ void __launch_bounds__(256, 1) mma_kernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int BM = 128, BN = 128, kStages = 4, kThreads = 256;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2;
+    extern __shared__ uint8_t smem_raw[];
+    uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    int* s_job = reinterpret_cast<int*>(smem_raw + (base - smem_u32(smem_raw)) + kStages * (kStageA + kStageB));
+    TileJob job = find_job<kOp, BM, BN>(p, s_job);
+    if (!job.active) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;
     const int nk = num_ktiles<kOp>(p, job);
@@ -55,12 +58,7 @@ __device__ __forceinline__ void mma_mainloop(const Params& p, const TileJob& job
         if (s < nk) load_stage<kOp, BM, BN, kThreads>(p, job, s, sA(s), sB(s), tid);
         cp_async_commit();
     }
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+    float acc[4][4][4] = {};
     const int mat = lane >> 3, r8 = lane & 7;
     for (int kt = 0; kt < nk; ++kt) {
         cp_async_wait<kStages - 2>();
@@ -100,33 +98,14 @@ __device__ __forceinline__ void mma_mainloop(const Params& p, const TileJob& job
         }
     }
     cp_async_wait<0>();
-}
-
-// Where fragment element pair (mi, ni, half) of `lane` in warp (wm, wn) lies in the 128x128 tile.
-__device__ __forceinline__ int frag_row(int wm, int mi, int lane, int half) { return wm * 64 + mi * 16 + (lane >> 2) + half * 8; }
-__device__ __forceinline__ int frag_col(int wn, int ni, int lane) { return wn * 32 + ni * 8 + (lane & 3) * 2; }
-
-template <Op kOp>
-__global__ void __launch_bounds__(256, 1) mma_kernel(Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int BM = 128, BN = 128, kStages = 4;
-    constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2;
-    extern __shared__ uint8_t smem_raw[];
-    uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    int* s_job = reinterpret_cast<int*>(smem_raw + (base - smem_u32(smem_raw)) + kStages * (kStageA + kStageB));
-    TileJob job = find_job<kOp, BM, BN>(p, s_job);
-    if (!job.active) return;
-    float acc[4][4][4];
-    mma_mainloop<kOp, kStages>(p, job, base, acc);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                store_pair<kOp>(p, job, frag_row(wm, mi, lane, h), frag_col(wn, ni, lane), acc[mi][ni][2 * h],
-                                acc[mi][ni][2 * h + 1]);
+        for (int ni = 0; ni < 4; ++ni) {
+            int row = wm * 64 + mi * 16 + (lane >> 2), col = wn * 32 + ni * 8 + (lane & 3) * 2;
+            store_pair<kOp>(p, job, row, col, acc[mi][ni][0], acc[mi][ni][1]);
+            store_pair<kOp>(p, job, row + 8, col, acc[mi][ni][2], acc[mi][ni][3]);
+        }
 #endif
 }
 

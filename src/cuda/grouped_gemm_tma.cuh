@@ -88,22 +88,11 @@ constexpr int kEpiRow = 144, kEpiBytes = 64 * kEpiRow;
 // Epilogue staging (tn, fp32 gradients): per consumer warpgroup two buffers of 64 rows x 32 columns (8 KB, one TMA
 // box with the 128-byte swizzle, 1024-byte aligned).
 constexpr int kEpiF32Bytes = 64 * 32 * 4;
-template <int kEpiBufs>
-constexpr int epi_region_bytes() {
-    return 2 * kEpiBufs * kEpiF32Bytes > 2 * kEpiBytes ? 2 * kEpiBufs * kEpiF32Bytes : 2 * kEpiBytes;
-}
-// Dynamic shared memory of tma_kernel: kStages stages of A [128x64] + B [256x64] bf16, 1 KB for the 1024-byte
-// alignment of the swizzled stages, 1 KB holding the mbarriers (keeps the epilogue region 1024-byte aligned), the
-// epilogue staging region (bf16 buffers for nt/nn, kEpiBufs fp32 buffers a consumer warpgroup for tn).
-template <int kStages, int kEpiBufs>
-constexpr int tma_smem_bytes() {
-    return kStages * (128 + 256) * kBK * 2 + 1024 + 1024 + epi_region_bytes<kEpiBufs>();
-}
-constexpr int kTmaSmemBytes = tma_smem_bytes<4, 2>();
-// The small-group wgrad configuration (groups below Params::tn_small_below rows: one to four reduction steps a
-// tile): 2 stages, and 8 fp32 buffers a warpgroup, its whole 64 x 256 share of a tile, so a tile's stores drain
-// while the next tile's copies and wgmmas run instead of holding the warpgroup in its epilogue.
-constexpr int kTnSmallStages = 2, kTnSmallEpiBufs = 8;
+constexpr int kEpiRegion = 4 * kEpiF32Bytes > 2 * kEpiBytes ? 4 * kEpiF32Bytes : 2 * kEpiBytes;
+// Dynamic shared memory of tma_kernel: 4 stages of A [128x64] + B [256x64] bf16, 1 KB for the 1024-byte alignment
+// of the swizzled stages, 1 KB holding the mbarriers (keeps the epilogue region 1024-byte aligned), the epilogue
+// staging region (bf16 buffers for nt/nn, fp32 buffers for tn).
+constexpr int kTmaSmemBytes = 4 * (128 + 256) * kBK * 2 + 1024 + 1024 + kEpiRegion;
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -223,8 +212,7 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
 // reduce-add (the fp32 main grad is read-modified-written at L2 instead of through the SM's registers). Nothing
 // waits for a store to land: a buffer is reused once its previous store has read it out. Measured about even with
 // the register stores (H200, docs/perf.md): this kernel's wgrad main loop waits on its TMA loads, not on its stores.
-// kEpiBufs buffers a warpgroup (2; 8 = its whole share of the tile, kTnSmallEpiBufs). `issued` counts its chunks.
-template <int kEpiBufs>
+// `issued` counts this warpgroup's chunks.
 __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
                                                   const CUtensorMap* map_c2, int cw, int ctid, uint32_t bufs, int r,
                                                   int lane, const float (&d)[128], int& issued) {
@@ -236,9 +224,9 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
         if (job.n0 + c * 32 >= p.n) continue;  // uniform over the warpgroup
-        const uint32_t buf = bufs + (issued % kEpiBufs) * kEpiF32Bytes;
-        if (issued >= kEpiBufs) {  // the store kEpiBufs chunks ago used this buffer
-            if (leader) bulk_wait_read<kEpiBufs - 1>();
+        const uint32_t buf = bufs + (issued & 1) * kEpiF32Bytes;
+        if (issued >= 2) {  // the store before last used this buffer
+            if (leader) bulk_wait_read<1>();
             named_barrier(2 + cw, 128);
         }
 #pragma unroll
@@ -272,17 +260,17 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
 // released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
-template <Op kOp, int kCluster, int kStages = 4, int kEpiBufs = 2>
+template <Op kOp, int kCluster>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int BM = 128, BN = 256;
+    constexpr int BM = 128, BN = 256, kStages = 4;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t bars = base + kStages * kStageBytes;  // full[kStages], empty[kStages]
-    const uint32_t epi = bars + 1024;                    // epilogue staging (epi_region_bytes, 1024-aligned)
+    const uint32_t epi = bars + 1024;                    // epilogue staging (kEpiRegion bytes, 1024-aligned)
     auto full = [&](int s) { return bars + 8 * s; };
     auto empty = [&](int s) { return bars + 8 * (kStages + s); };
     auto sA = [&](int s) { return base + s * kStageBytes; };
@@ -317,8 +305,6 @@ __global__ void __launch_bounds__(384, 1)
         const int pid = first + i * stride;
         if (pid >= p.total_tiles) return false;
         job = find_job_warp<kOp, BM, BN, kCluster>(p, pid, rank);
-        if constexpr (kOp == Op::kTN)  // the small-group launch: groups of more rows are another launch's
-            if (p.tn_small_below > 0 && job.row_end - job.row0 >= p.tn_small_below) job.active = false;
         return true;
     };
 
@@ -458,8 +444,8 @@ __global__ void __launch_bounds__(384, 1)
                 // An empty group adds nothing to an accumulated gradient, and an overwrite_nonempty one is not
                 // written: its tile is left as it is.
                 if (!((p.keep_empty || in_second(p, job.group)) && nk == 0))
-                    tn_store_epilogue<kEpiBufs>(p, job, &map_c, &map_2, cw, ctid, epi + cw * kEpiBufs * kEpiF32Bytes,
-                                                row - cw * 64, lane, d, tn_chunks);
+                    tn_store_epilogue(p, job, &map_c, &map_2, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64,
+                                      lane, d, tn_chunks);
                 continue;
             }
         }

@@ -110,7 +110,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kAuto, kTnSmall, kSync
+    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -122,7 +122,6 @@ const char* name(Backend b) {
            : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
-           : b == Backend::kTnSmall       ? "per-shape choice, every wgrad group small (own small-group kernel)"
                                            : "sync-cublas";
 }
 
@@ -148,13 +147,10 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassPingpong);
             out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kAuto);
-            out.push_back(Backend::kTnSmall);  // nt / nn: as kAuto
         }
     }
     return out;
 }
-
-int g_small_bound = -1;  // the per-shape choice's small-group wgrad bound in select() (-1: the default)
 
 void select(Backend b) {
     if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
@@ -169,14 +165,12 @@ void select(Backend b) {
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
                                                             : CutlassConfig::kPingpong);
     }
-    if (b == Backend::kAuto || b == Backend::kTnSmall) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
-    set_tn_small_rows(b == Backend::kTnSmall ? 1 << 30 : g_small_bound);
+    if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
 }
 void reset_backend() {
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
     set_grouped_gemm_cluster(0);
     set_cutlass_config(CutlassConfig::kAuto);
-    set_tn_small_rows(-1);
 }
 
 enum class Op { kNT, kNN };
@@ -472,27 +466,6 @@ TEST(GroupedGemm, WgradGradientOffSixteenBytes) {
     check_tn(counts, 5, 192, 264, false, 101, 2);
     check_tn(counts, 5, 192, 264, true, 102, 2);
     check_tn(counts, 5, 192, 264, WgradWrite::overwrite_nonempty, 103, 2);
-}
-
-TEST(GroupedGemm, WgradSmallGroupsKernel) {
-    SKIP_WITHOUT_GPU();
-    // The per-shape choice's wgrad split between the own small-group kernel (groups below the bound) and CUTLASS (the
-    // rest), at bounds that give the small kernel none, some and all of the groups: sizes at the bound and at the
-    // reduction tile's edges (63, 64, 65, 255, 256), empty groups first, last and in runs, one group of 1500 rows
-    // among small ones, and more tiles than the persistent grid's CTAs (35 groups of 2 x 3 tiles each), so a CTA
-    // skips other launches' groups and walks several tiles; every wgrad mode; gradients off the tile grid (m 200).
-    std::vector<int> mixed{0, 63, 64, 65, 1500, 0, 0, 255, 256, 1, 300, 0};
-    std::vector<int> many = random_counts(35, 3000, 161, 0.3);
-    many[7] = 700;
-    for (int bound : {1, 64, 256, 1 << 30}) {
-        SCOPED_TRACE(::testing::Message() << "small below " << bound);
-        for (WgradWrite w : {WgradWrite::overwrite, WgradWrite::accumulate, WgradWrite::overwrite_nonempty}) {
-            g_small_bound = bound;
-            check_tn(mixed, 3, 200, 256, w, 162 + int(w));
-            check_tn(many, 3, 256, 384, w, 165 + int(w));
-        }
-    }
-    g_small_bound = -1;
 }
 
 TEST(GroupedGemm, WgradHotColdInterleave) {

@@ -110,10 +110,9 @@ __device__ Stride leading(int64_t ld) {
     return s;
 }
 
-// Which groups a launch computes: all (kAll), or one half of a split by size (core/wgrad_split_math.h): the groups
-// wgrad_group_cooperative says (kSplitCooperative: kSplitBySize's cooperative launch) or the others (kSplitOthers:
-// its ping-pong launch, or the CUTLASS half beside the small-group kernel).
-enum class Share { kAll, kSplitCooperative, kSplitOthers };
+// Which groups a launch computes: all (kAll), or one half of a kSplitBySize pair: the cooperative launch's
+// (kCooperative) or the ping-pong launch's (kPingpong); core/wgrad_split_math.h.
+enum class Share { kAll, kCooperative, kPingpong };
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
 template <Op kOp, class G>
@@ -126,7 +125,7 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     auto* D_ = static_cast<typename G::ElementD*>(C);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
-        const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kSplitCooperative);
+        const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kCooperative);
         if constexpr (kOp == Op::kTN) {
             a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
             a.ptr_a[g] = A_ + r0 * k;
@@ -188,8 +187,7 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
 
 template <Op kOp, class Config>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll,
-                 WgradSplit split = wgrad_split()) {
+                 const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll) {
     using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
@@ -221,11 +219,10 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
     fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C,
-                                                   int(s.second_from), s.second, share, split);
+                                                   int(s.second_from), s.second, share, wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
-    // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched; in a
-    // split, by the half that owns them (rows 0 is below any bound: the cooperative or the small-group kernel).
-    if (kOp == Op::kTN && write == WgradWrite::overwrite && share != Share::kSplitOthers) {
+    // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched.
+    if (kOp == Op::kTN && write == WgradWrite::overwrite && share != Share::kPingpong) {  // a split pair: its first
         const int64_t block = s.k * s.n;
         zero_empty_groups<<<dim3(unsigned(std::min<int64_t>(64, (block / 4 + 255) / 256)), unsigned(groups)), 256, 0,
                             stream>>>(d_offsets, static_cast<float*>(C), block, s.second_from, s.second);
@@ -243,33 +240,26 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// rows_from > 0 (tn): only the groups of at least rows_from rows (cutlass_grouped_gemm_tn).
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-         const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream,
-         int64_t rows_from = 0) {
+         const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
-    CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
-    Share share = Share::kAll;
-    WgradSplit split = wgrad_split();
+    const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if constexpr (kOp == Op::kTN) {
-        if (rows_from > 0) {
-            share = Share::kSplitOthers, split = WgradSplit{rows_from, 0};
-            if (config == CutlassConfig::kSplitBySize) config = CutlassConfig::kPingpong;
-        } else if (config == CutlassConfig::kSplitBySize) {
+        if (config == CutlassConfig::kSplitBySize) {
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kSplitCooperative);
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kSplitOthers);
+            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
+            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
     }
     if (config == CutlassConfig::kPingpong)
-        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, share, split);
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
     else if (config == CutlassConfig::kCooperativeTall)
-        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream, share, split);
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);
     else
-        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, share, split);
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail

@@ -5,8 +5,8 @@ namespace moekit::cuda {
 
 void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                              const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
-                             CutlassConfig config, int64_t rows_from) {
-    cutlass_detail::run<cutlass_detail::Op::kTN>(shape, A, B, C, d_offsets, write, config, stream, rows_from);
+                             CutlassConfig config) {
+    cutlass_detail::run<cutlass_detail::Op::kTN>(shape, A, B, C, d_offsets, write, config, stream);
 }
 
 }  // namespace moekit::cuda
