@@ -3,8 +3,9 @@
 // cudaMemset fills the same bytes at ~4.5. This times, on the same bytes, the memset, and a persistent kernel that
 // writes the gradients tile by tile in the wgrad kernels' order (groups in turn, row tiles fastest) with plain
 // 16-byte stores, for several tile shapes, alone and with each tile also reading its reduction slabs (K rows of
-// the A and B operands, bf16, as a wgrad tile loads them), so the table says whether the store pattern, the loads
-// beside it, or neither, costs the time.
+// the A and B operands, bf16, as a wgrad tile loads them), and in a B-stationary order (a strip's B slab read
+// once, A a tile), so the table says whether the store pattern, the loads beside it, or neither, costs the time
+// (docs/perf.md: the loads beside the stores).
 // usage: bench_wgrad_stores [--groups 256] [--m 4096] [--n 7168] [--rows 128] [--iters 10] [--json FILE]
 #include <cstdio>
 #include <fstream>
@@ -81,30 +82,17 @@ __global__ void __launch_bounds__(256) store_strips(Shape s, float* C, const bf1
     }
 }
 
-template <int TR, int TC>
-double time_strips(const Shape& s, float* C, const bf16* A, const bf16* B, cudaStream_t st, int iters) {
+// The median ms of one of the kernels above on a persistent grid: as many 256-thread CTAs as fit at once.
+template <typename Kernel>
+double time_persistent(Kernel kernel, const Shape& s, float* C, const bf16* A, const bf16* B, cudaStream_t st,
+                       int iters) {
     int per_sm = 0, sms = 0, dev = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, store_strips<TR, TC>, 256, 0));
+    MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0));
     return time_ms(
         [&] {
-            store_strips<TR, TC><<<per_sm * sms, 256, 0, st>>>(s, C, A, B);
-            MOEKIT_CUDA_LAUNCH_CHECK();
-        },
-        st, 2, iters);
-}
-
-template <int TR, int TC, bool kLoads>
-double time_tiles(const Shape& s, float* C, const bf16* A, const bf16* B, cudaStream_t st, int iters) {
-    int per_sm = 0, sms = 0, dev = 0;
-    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, store_tiles<TR, TC, kLoads>, 256, 0));
-    const int grid = per_sm * sms;
-    return time_ms(
-        [&] {
-            store_tiles<TR, TC, kLoads><<<grid, 256, 0, st>>>(s, C, A, B);
+            kernel<<<per_sm * sms, 256, 0, st>>>(s, C, A, B);
             MOEKIT_CUDA_LAUNCH_CHECK();
         },
         st, 2, iters);
@@ -124,16 +112,23 @@ int main(int argc, char** argv) {
                 MOEKIT_REQUIRE(i + 1 < argc, a, " needs a value");
                 return argv[++i];
             };
-            if (a == "--groups") s.groups = std::stoi(value());
-            else if (a == "--m") s.m = std::stoi(value());
-            else if (a == "--n") s.n = std::stoi(value());
-            else if (a == "--rows") s.rows = std::stoi(value());
-            else if (a == "--iters") iters = std::stoi(value());
-            else if (a == "--json") json_path = value();
-            else throw moekit::UsageError("unknown flag " + a);
+            if (a == "--groups")
+                s.groups = std::stoi(value());
+            else if (a == "--m")
+                s.m = std::stoi(value());
+            else if (a == "--n")
+                s.n = std::stoi(value());
+            else if (a == "--rows")
+                s.rows = std::stoi(value());
+            else if (a == "--iters")
+                iters = std::stoi(value());
+            else if (a == "--json")
+                json_path = value();
+            else
+                throw moekit::UsageError("unknown flag " + a);
         }
-        MOEKIT_REQUIRE(s.groups > 0 && s.m % 256 == 0 && s.n % 1024 == 0 && s.rows > 0, "--m must be a multiple of 256, ",
-                       "--n of 1024, --groups and --rows positive");
+        MOEKIT_REQUIRE(s.groups > 0 && s.m % 256 == 0 && s.n % 1024 == 0 && s.rows > 0,
+                       "--m must be a multiple of 256, ", "--n of 1024, --groups and --rows positive");
         const size_t c_elems = size_t(s.groups) * s.m * s.n;
         DevBuf<float> C(c_elems);
         DevBuf<bf16> A(size_t(s.groups) * s.rows * s.m), B(size_t(s.groups) * s.rows * s.n);
@@ -149,10 +144,12 @@ int main(int argc, char** argv) {
             std::printf("  %-30s %9.3f ms %7.2f TB/s written\n", what.c_str(), ms, gb / ms);
             out["rows_ms"][what] = ms;
         };
-        row("cudaMemsetAsync", time_ms([&] { MOEKIT_CUDA_CHECK(cudaMemsetAsync(C.ptr, 0, c_elems * 4, st)); }, st, 2, iters));
-#define MOEKIT_TILE_ROWS(TR, TC)                                                                                  \
-    row("tiles " #TR "x" #TC, time_tiles<TR, TC, false>(s, C.ptr, A.ptr, B.ptr, st, iters));                       \
-    row("tiles " #TR "x" #TC " + slab loads", time_tiles<TR, TC, true>(s, C.ptr, A.ptr, B.ptr, st, iters));
+        row("cudaMemsetAsync",
+            time_ms([&] { MOEKIT_CUDA_CHECK(cudaMemsetAsync(C.ptr, 0, c_elems * 4, st)); }, st, 2, iters));
+#define MOEKIT_TILE_ROWS(TR, TC)                                                                               \
+    row("tiles " #TR "x" #TC, time_persistent(store_tiles<TR, TC, false>, s, C.ptr, A.ptr, B.ptr, st, iters)); \
+    row("tiles " #TR "x" #TC " + slab loads",                                                                  \
+        time_persistent(store_tiles<TR, TC, true>, s, C.ptr, A.ptr, B.ptr, st, iters));
         MOEKIT_TILE_ROWS(128, 128)
         MOEKIT_TILE_ROWS(128, 256)
         MOEKIT_TILE_ROWS(256, 128)
@@ -160,9 +157,9 @@ int main(int argc, char** argv) {
         MOEKIT_TILE_ROWS(32, 1024)
         MOEKIT_TILE_ROWS(8, 1024)
 #undef MOEKIT_TILE_ROWS
-        row("strips 128x256 (B slab once)", time_strips<128, 256>(s, C.ptr, A.ptr, B.ptr, st, iters));
-        row("strips 128x512 (B slab once)", time_strips<128, 512>(s, C.ptr, A.ptr, B.ptr, st, iters));
-        row("strips 64x256 (B slab once)", time_strips<64, 256>(s, C.ptr, A.ptr, B.ptr, st, iters));
+        row("strips 128x256 (B slab once)", time_persistent(store_strips<128, 256>, s, C.ptr, A.ptr, B.ptr, st, iters));
+        row("strips 128x512 (B slab once)", time_persistent(store_strips<128, 512>, s, C.ptr, A.ptr, B.ptr, st, iters));
+        row("strips 64x256 (B slab once)", time_persistent(store_strips<64, 256>, s, C.ptr, A.ptr, B.ptr, st, iters));
         MOEKIT_CUDA_CHECK(cudaStreamDestroy(st));
         if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
     } catch (const moekit::UsageError& e) {

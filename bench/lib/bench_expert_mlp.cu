@@ -247,12 +247,12 @@ std::string format_gemm_table(const nlohmann::json& r) {
              {"mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms", "cutlass_pingpong_ms", "cutlass_split_ms"})
             if (g.contains(key)) best = std::min(best, g[key].get<double>());
         double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
-        std::snprintf(line, sizeof line,
-                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx | %8.3f\n",
-                      g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
-                      ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
-                      ms(g, "cutlass_split_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best,
-                      gf / dense, best / dense, ms(g, "fill_ms"));
+        std::snprintf(
+            line, sizeof line,
+            "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx | %8.3f\n",
+            g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
+            ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"), ms(g, "cutlass_split_ms"),
+            ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense, ms(g, "fill_ms"));
         out += line;
     }
     return out;
