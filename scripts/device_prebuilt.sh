@@ -9,6 +9,9 @@
 . "$(dirname "$0")/device_lib.sh"
 B=prebuilt
 [ -f $B/bin.tgz ] && tar -xzf $B/bin.tgz -C $B
+# The lines of a step's log that go to the summary: gtest verdicts and failures, the benchmarks' table rows.
+SUMMARY_LINES='^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)'
+SUMMARY_LINES+='|^  (fc|gemm)|wgrad|^moekit|interleaved|roofline|ERROR SUMMARY|^  tiles|^  strips|cudaMemset|^fp32'
 IFS=';' read -ra steps <<<"${STEPS:?STEPS is empty}"
 i=0
 for st in "${steps[@]}"; do
@@ -23,8 +26,7 @@ for st in "${steps[@]}"; do
     env $envs timeout $budget $B/$cmd >"$OUT/step$i.log" 2>&1
   fi
   echo "exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)|^  (fc|gemm)|wgrad|^moekit|interleaved|roofline|SUMMARY|ERROR SUMMARY|tests passed|^  tiles|^  strips|cudaMemset|^fp32" \
-    "$OUT/step$i.log" | head -40 | cut -c1-230 | tee -a "$OUT/summary.txt"
+  grep -E "$SUMMARY_LINES" "$OUT/step$i.log" | head -40 | cut -c1-230 | tee -a "$OUT/summary.txt"
 done
 tar -czf "$OUT/steps.tar.gz" -C "$OUT" $(cd "$OUT" && ls step*.log) && rm -f "$OUT"/step*.log
 log "done"
