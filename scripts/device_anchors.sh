@@ -5,7 +5,8 @@
 # moekit / peer ratios. Every step is bounded (LIMIT, default 540 s); a failing peer becomes a line of the table.
 # usage (device, repo root; from scripts/prepare_third_party.sh and prepare_anchors.sh carry
 #   [".third_party/nlohmann", ".third_party/wheels", ".anchors"]: 62.5 MiB with the tree; GoogleTest would pass the
-#   64 MiB carry limit, so the build here has no tests):
+#   64 MiB carry limit, so the build here has no tests; or carry [".anchors", "prebuilt"] with `moekit` built on the
+#   workstation and packed there as prebuilt/bin.tgz: no build here):
 #   bash scripts/device_anchors.sh    env: ITERS=10 CONFIGS="mixtral dsv3-ep8@zipf1.2 ..." PEERS="torch sonic"
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
@@ -39,10 +40,18 @@ else
   INSTALL_PID=$!
 fi
 
-log "build moekit ($B)"
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a $TESTS >"$OUT/build.log" 2>&1 &&
-  timeout $((LIMIT - SECONDS - PEER_RESERVE - 60)) cmake --build $B --target moekit >>"$OUT/build.log" 2>&1
-BUILD_RC=$?
+# A `moekit` built here and carried in prebuilt/ (scripts/device_prebuilt.sh: stripped, or packed as bin.tgz) spares
+# the build's minutes for the peers' autotuning, and .third_party need not travel: carry [".anchors", "prebuilt"].
+[ -f prebuilt/bin.tgz ] && tar -xzf prebuilt/bin.tgz -C prebuilt
+if [ -x prebuilt/moekit ]; then
+  B=prebuilt; BUILD_RC=0
+  log "moekit from prebuilt/ (no build)"
+else
+  log "build moekit ($B)"
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a $TESTS >"$OUT/build.log" 2>&1 &&
+    timeout $((LIMIT - SECONDS - PEER_RESERVE - 60)) cmake --build $B --target moekit >>"$OUT/build.log" 2>&1
+  BUILD_RC=$?
+fi
 [ $BUILD_RC = 0 ] || { log "build failed or timed out (rc $BUILD_RC): no moekit rows"; grep -E "error" "$OUT/build.log" | head -10 | tee -a "$OUT/summary.txt"; }
 
 if [ $BUILD_RC = 0 ]; then
