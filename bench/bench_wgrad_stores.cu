@@ -127,8 +127,10 @@ int main(int argc, char** argv) {
             else
                 throw moekit::UsageError("unknown flag " + a);
         }
-        MOEKIT_REQUIRE(s.groups > 0 && s.m % 256 == 0 && s.n % 1024 == 0 && s.rows > 0,
-                       "--m must be a multiple of 256, ", "--n of 1024, --groups and --rows positive");
+        MOEKIT_REQUIRE(s.groups > 0 && s.m > 0 && s.m % 256 == 0 && s.n > 0 && s.n % 1024 == 0 && s.rows > 0,
+                       "--groups ", s.groups, " --m ", s.m, " --n ", s.n, " --rows ", s.rows,
+                       ": --m must be a positive multiple of 256 (the tiles' rows), --n of 1024 (their columns), "
+                       "--groups and --rows positive");
         const size_t c_elems = size_t(s.groups) * s.m * s.n;
         DevBuf<float> C(c_elems);
         DevBuf<bf16> A(size_t(s.groups) * s.rows * s.m), B(size_t(s.groups) * s.rows * s.n);
