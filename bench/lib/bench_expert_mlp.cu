@@ -203,10 +203,6 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     set_cutlass_config(config);
                     r[key] = t([&] { run_case(kGrouped, q, c, s); });
                 }
-                if (c.op == Op::kTN) {  // cooperative on a 2x2 cluster (both operands multicast)
-                    set_cutlass_config(CutlassConfig::kCooperative2x2);
-                    r["cutlass_coop22_ms"] = t([&] { run_case(kGrouped, q, c, s); });
-                }
                 if (c.op == Op::kTN && wgrad_split_on()) {  // wgrad groups split by size between the two
                     set_cutlass_config(CutlassConfig::kSplitBySize);
                     r["cutlass_split_ms"] = t([&] { run_case(kGrouped, q, c, s); });
@@ -238,11 +234,11 @@ std::string format_gemm_table(const nlohmann::json& r) {
     char line[256];
     // tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90);
     // cl-split = wgrad groups split between cooperative and ping-pong by size (wgrad_split());
-    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; wgrad only: cl-2x2 = cooperative on
-    // a 2x2 cluster, fill = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores).
-    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s | %8s %8s\n",
+    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; fill (wgrad only) =
+    // cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
+    std::snprintf(line, sizeof line, "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s | %8s\n",
                   "gemm", "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "mma ms", "sync ms",
-                  "dense ms", "TFLOP/s", "dense", "vs dns", "cl-2x2", "fill");
+                  "dense ms", "TFLOP/s", "dense", "vs dns", "fill");
     out += line;
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
@@ -253,11 +249,10 @@ std::string format_gemm_table(const nlohmann::json& r) {
         double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
         std::snprintf(
             line, sizeof line,
-            "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx | %8.3f %8.3f\n",
+            "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | %5.2fx | %8.3f\n",
             g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
             ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"), ms(g, "cutlass_split_ms"),
-            ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense,
-            ms(g, "cutlass_coop22_ms"), ms(g, "fill_ms"));
+            ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense, gf / best, gf / dense, best / dense, ms(g, "fill_ms"));
         out += line;
     }
     return out;

@@ -22,13 +22,11 @@ bool cutlass_grouped_gemm_built();
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
-//   kCooperative2x2:  tn only (nt/nn take kCooperative): as kCooperative on a 2x2 cluster, both operands multicast
-//                     (a small group's wgrad tile loads half its B rows; an A/B knob, MOEKIT_CUTLASS_CONFIG=coop22).
 //   kSplitBySize (tn only; nt/nn take kAuto's choice): cooperative and ping-pong are both launched, one after the
 //                     other; on the device each takes its share of the groups by size (core/wgrad_split_math.h:
 //                     cooperative for wgrad_split()'s small groups, as an ECHO rank's cold experts, and large ones)
 //                     and gives the others no tiles.
-enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize, kCooperative2x2 };
+enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;

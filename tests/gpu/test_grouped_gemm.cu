@@ -110,8 +110,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassCoop22, kAuto,
-    kSync
+    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -123,7 +122,6 @@ const char* name(Backend b) {
            : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
-           : b == Backend::kCutlassCoop22 ? "cutlass-cooperative-2x2-cluster (tn; nt/nn: cooperative)"
                                            : "sync-cublas";
 }
 
@@ -148,7 +146,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassTall);
             out.push_back(Backend::kCutlassPingpong);
             out.push_back(Backend::kCutlassSplit);
-            out.push_back(Backend::kCutlassCoop22);
             out.push_back(Backend::kAuto);
         }
     }
@@ -161,12 +158,11 @@ void select(Backend b) {
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassCoop22) {
+        b == Backend::kCutlassSplit) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
-                           : b == Backend::kCutlassCoop22  ? CutlassConfig::kCooperative2x2
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

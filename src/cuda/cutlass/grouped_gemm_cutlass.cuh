@@ -49,12 +49,6 @@ struct CooperativeTall {
     using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-struct Cooperative2x2 {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-    using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-    using Cluster = cute::Shape<cute::_2, cute::_2, cute::_1>;
-};
 struct Pingpong {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
@@ -257,12 +251,6 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
             run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
             run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
-            return;
-        }
-    }
-    if constexpr (kOp == Op::kTN) {
-        if (config == CutlassConfig::kCooperative2x2) {
-            run_grouped<kOp, Cooperative2x2>(s, A, B, C, d_offsets, write, stream);
             return;
         }
     }
