@@ -25,6 +25,7 @@
 #include "echo/trace.h"
 #include "io/atomic_file.h"
 #include "lib/bench_expert_mlp.h"
+#include "lib/bench_main.h"
 #include "lib/bench_util.cuh"
 #include "moekit/error.h"
 
@@ -458,7 +459,7 @@ nlohmann::json config_json(const Config& cfg) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    try {
+    return moekit::cuda::bench::bench_main("bench_echo_balance", [&]() -> int {
         const Options o = parse(argc, argv);
         const cuda::bench::Preset& pr = cuda::bench::find_preset(o.preset);
         for (int64_t ep : o.eps) {  // flag errors before the GPU check, so they exit 2 everywhere
@@ -629,12 +630,6 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "bench_echo_balance: a GPU plan differs from the CPU executor's plan\n");
             return 1;
         }
-    } catch (const UsageError& e) {
-        std::fprintf(stderr, "bench_echo_balance: error: %s\n", e.what());
-        return 2;
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_echo_balance: %s\n", e.what());
-        return 1;
-    }
-    return 0;
+        return 0;
+    });
 }

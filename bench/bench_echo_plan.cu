@@ -14,6 +14,7 @@
 #include "echo/planner.h"
 #include "echo/trace.h"
 #include "io/atomic_file.h"
+#include "lib/bench_main.h"
 #include "moekit/error.h"
 
 namespace {
@@ -121,7 +122,7 @@ Row bench_one(const EchoDims& d, EchoAlgorithm alg, const std::vector<int64_t>& 
 int main(int argc, char** argv) {
     int iters = 1000;
     std::string json_path, which = "all";
-    try {
+    return moekit::cuda::bench::bench_main("bench_echo_plan", [&]() -> int {
         for (int i = 1; i < argc; ++i) {
             const std::string a = argv[i];
             auto value = [&]() -> std::string {
@@ -201,12 +202,6 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "bench_echo_plan: a GPU plan differs from the CPU plan\n");
             return 1;
         }
-    } catch (const UsageError& e) {
-        std::fprintf(stderr, "bench_echo_plan: error: %s\n", e.what());
-        return 2;
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_echo_plan: %s\n", e.what());
-        return 1;
-    }
-    return 0;
+        return 0;
+    });
 }

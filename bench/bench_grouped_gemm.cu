@@ -3,10 +3,11 @@
 // usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--iters N] [--json FILE] [--mlp]
 // (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
 #include <cstdio>
-#include <fstream>
 #include <string>
 
+#include "io/atomic_file.h"
 #include "lib/bench_expert_mlp.h"
+#include "lib/bench_main.h"
 #include "moekit/error.h"
 
 int main(int argc, char** argv) {
@@ -14,7 +15,7 @@ int main(int argc, char** argv) {
     std::string preset = "all", json_path;
     Options o;
     bool mlp = false;
-    try {
+    return moekit::cuda::bench::bench_main("bench_grouped_gemm", [&]() -> int {
         for (int i = 1; i < argc; ++i) {
             std::string a = argv[i];
             auto value = [&]() -> std::string {
@@ -48,13 +49,7 @@ int main(int argc, char** argv) {
                 all.push_back(m);
             }
         }
-        if (!json_path.empty()) std::ofstream(json_path) << all.dump(1) << "\n";
-    } catch (const moekit::UsageError& e) {
-        std::fprintf(stderr, "bench_grouped_gemm: error: %s\n", e.what());
-        return 2;
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_grouped_gemm: %s\n", e.what());
-        return 1;
-    }
-    return 0;
+        if (!json_path.empty()) moekit::io::write_file_atomically(json_path, all.dump(1) + "\n");
+        return 0;
+    });
 }

@@ -8,10 +8,11 @@
 // (docs/perf.md: the loads beside the stores).
 // usage: bench_wgrad_stores [--groups 256] [--m 4096] [--n 7168] [--rows 128] [--iters 10] [--json FILE]
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "io/atomic_file.h"
+#include "lib/bench_main.h"
 #include "lib/bench_util.cuh"
 #include "moekit/error.h"
 
@@ -105,7 +106,7 @@ int main(int argc, char** argv) {
     Shape s{256, 4096, 7168, 128};
     int iters = 10;
     std::string json_path;
-    try {
+    return moekit::cuda::bench::bench_main("bench_wgrad_stores", [&]() -> int {
         for (int i = 1; i < argc; ++i) {
             std::string a = argv[i];
             auto value = [&]() -> std::string {
@@ -163,13 +164,7 @@ int main(int argc, char** argv) {
         row("strips 128x512 (B slab once)", time_persistent(store_strips<128, 512>, s, C.ptr, A.ptr, B.ptr, st, iters));
         row("strips 64x256 (B slab once)", time_persistent(store_strips<64, 256>, s, C.ptr, A.ptr, B.ptr, st, iters));
         MOEKIT_CUDA_CHECK(cudaStreamDestroy(st));
-        if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
-    } catch (const moekit::UsageError& e) {
-        std::fprintf(stderr, "bench_wgrad_stores: error: %s\n", e.what());
-        return 2;
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_wgrad_stores: %s\n", e.what());
-        return 1;
-    }
-    return 0;
+        if (!json_path.empty()) moekit::io::write_file_atomically(json_path, out.dump(1) + "\n");
+        return 0;
+    });
 }
