@@ -62,7 +62,12 @@ public:
             output_.resize(T * H), grad_input_.resize(T * H);
             grad_router_weight_.resize(E * H), grad_fc1_.resize(L * F1 * H), grad_fc2_.resize(L * H * F);
         }
-        hidden_r_.resize(T * H), weight_r_.resize(E * H), logits_.resize(T * E), probs_.resize(T * E);
+        // The gating linear on tensor cores needs no upcast copies of x and W, only its backward's bf16 parts.
+        if (r.linear_on_tensor_cores(sizeof(R) != sizeof(float)))
+            grad_logits_split_.resize(T * 3 * E), weight3_.resize(3 * E * H), grad_weight3_.resize(3 * E * H);
+        else
+            hidden_r_.resize(T * H), weight_r_.resize(E * H);
+        logits_.resize(T * E), probs_.resize(T * E);
         map_.resize(T * E), topk_idx_.resize(T * K), jitter_seed_.resize(1);
         if (r.sinkhorn) sinkhorn_.resize(T * E), sinkhorn_d0_.resize(T);
         aux_scores_.resize(T * E), aux_map_.resize(T * E), lse_.resize(T);
@@ -274,6 +279,8 @@ private:
         RouterTensors<R> t{buf_.hidden,   buf_.router_weight, bias,         buf_.padding_mask, hidden_r_.get(),
                            weight_r_.get(), logits_.get(),    topk_idx_.get(), probs_.get(),    map_.get()};
         t.jitter_seed = buf_.jitter_seed, t.sinkhorn = sinkhorn_.get(), t.sinkhorn_d0 = sinkhorn_d0_.get();
+        t.grad_logits_split = grad_logits_split_.get(), t.weight3 = weight3_.get();
+        t.grad_weight3 = grad_weight3_.get();
         return t;
     }
     LossTensors<R> loss_tensors() {
@@ -317,6 +324,7 @@ private:
         add(expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_, shared_fc1_, shared_fc2_, shared_gate_);
         add(s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_, s_grad_fc1_out_, s_grad_x_, grad_shared_fc1_);
         add(grad_shared_fc2_, grad_shared_gate_, s_gate_, s_grad_logit_, s_gate_partial_, glu_dp_);
+        add(grad_logits_split_, weight3_, grad_weight3_);
         return n + dispatcher_->allocated_bytes();
     }
     size_t saved_bytes() const {
@@ -393,6 +401,8 @@ private:
     DeviceBuffer<uint64_t> jitter_seed_;
     DeviceBuffer<float> sinkhorn_, sinkhorn_d0_;
     DeviceBuffer<bf16> fc1_out_, act_out_, expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_;
+    DeviceBuffer<bf16> grad_logits_split_, weight3_;  // the tensor-core gating linear's backward (router.cuh)
+    DeviceBuffer<float> grad_weight3_;
     DeviceBuffer<float> glu_dp_;  // the fused dgrad + activation backward's d(prob) partials (gated, fusion on)
     DeviceBuffer<bf16> shared_fc1_, shared_fc2_, shared_gate_, s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_;
     DeviceBuffer<bf16> s_grad_fc1_out_, s_grad_x_;

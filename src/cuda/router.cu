@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/bf16.h"
 #include "cuda/cuda_check.h"
 #include "cuda/router.cuh"
 #include "core/loss_math.h"
@@ -263,6 +264,34 @@ void gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, i
     MOEKIT_CUBLAS_CHECK(cublasDgemm(h, tb, ta, n, m, k, &alpha, B, ldb, A, lda, &beta, C, ldc));
 }
 
+// Row-major C[m, n] fp32 (= or +=, beta) = op(A) · op(B) with bf16 A and B on tensor cores (fp32 accumulation).
+void gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+               const __nv_bfloat16* A, int lda, const __nv_bfloat16* B, int ldb, float beta, float* C, int ldc) {
+    const float alpha = 1.0f;
+    MOEKIT_CUBLAS_CHECK(cublasGemmEx(h, tb, ta, n, m, k, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
+                                     CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// grad logits [T, E] fp32 -> [T, 3E] bf16: row t = hi | mid | lo of its E values (core/bf16.h split_to_bf16x3).
+__global__ void split_bf16x3_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int64_t T,
+                                    int64_t E) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * E; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t t = i / E, e = i - t * E;
+        const Bf16x3 p = split_to_bf16x3(src[i]);
+        __nv_bfloat16* row = dst + t * 3 * E + e;
+        row[0] = __nv_bfloat16_raw{p.hi}, row[E] = __nv_bfloat16_raw{p.mid}, row[2 * E] = __nv_bfloat16_raw{p.lo};
+    }
+}
+
+// dW [E, H] (= or +=) the sum of grad_weight3's three [E, H] parts, (hi + mid) + lo.
+__global__ void sum_three_parts_kernel(const float* __restrict__ parts, float* __restrict__ dst, int64_t n,
+                                       bool accumulate) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        const float v = (parts[i] + parts[n + i]) + parts[2 * n + i];
+        dst[i] = accumulate ? dst[i] + v : v;
+    }
+}
+
 template <typename R>
 void set_smem(const void* kernel, size_t bytes) {
     if (bytes > 48 * 1024)
@@ -329,8 +358,8 @@ void RouterShape::validate() const {
 }
 
 template <typename R>
-void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream,
-                    bool training) {
+void upcast_inputs_and_gemm(const RouterShape& s, const RouterTensors<R>& t, cublasHandle_t cublas,
+                            cudaStream_t stream) {
     const int64_t T = s.num_tokens, E = s.num_experts, H = s.hidden;
     if (s.jitter_eps > 0) {
         MOEKIT_CHECK(t.jitter_seed, "router: --moe-input-jitter-eps needs the device jitter seed");
@@ -342,10 +371,14 @@ void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandl
     MOEKIT_CUDA_LAUNCH_CHECK();
     upcast_kernel<R><<<grid_for(E * H), 256, 0, stream>>>(t.weight, t.weight_r, E * H);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    MOEKIT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
     // logits [T, E] = x [T, H] · Wᵀ
     gemm(cublas, CUBLAS_OP_N, CUBLAS_OP_T, int(T), int(E), int(H), t.hidden_r, int(H), t.weight_r, int(H), R(0),
          t.logits, int(E));
+}
+
+template <typename R>
+void route_after_logits(const RouterShape& s, const RouterTensors<R>& t, cudaStream_t stream, bool training) {
+    const int64_t T = s.num_tokens, E = s.num_experts;
     const bool sinkhorn = s.sinkhorn && training;
     if (sinkhorn) {
         MOEKIT_CHECK(t.sinkhorn && t.sinkhorn_d0, "router: Sinkhorn routing needs its [T, E] and [T] buffers");
@@ -365,6 +398,23 @@ void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandl
         capacity_kernel<R><<<int(E), 256, csmem, stream>>>(s, t.padding_mask, t.probs, t.routing_map);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
+}
+
+template <typename R>
+void router_forward(const RouterShape& s, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream,
+                    bool training) {
+    MOEKIT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+    if constexpr (sizeof(R) == sizeof(float)) {
+        if (s.linear_on_tensor_cores(false)) {
+            // logits [T, E] = x [T, H] · Wᵀ: bf16 operands as they are (exact products), fp32 sums; no upcast copies.
+            const int T = int(s.num_tokens), E = int(s.num_experts), H = int(s.hidden);
+            gemm_bf16(cublas, CUBLAS_OP_N, CUBLAS_OP_T, T, E, H, t.hidden, H, t.weight, H, 0.0f, t.logits, E);
+            route_after_logits(s, t, stream, training);
+            return;
+        }
+    }
+    upcast_inputs_and_gemm(s, t, cublas, stream);
+    route_after_logits(s, t, stream, training);
 }
 
 template <typename R>
@@ -399,6 +449,28 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
         MOEKIT_CUDA_LAUNCH_CHECK();
     };
     MOEKIT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+    if constexpr (sizeof(R) == sizeof(float)) {
+        if (s.linear_on_tensor_cores(false)) {
+            // dL = hi + mid + lo exactly (bf16 parts, [T, 3E]), so both products run on bf16 tensor cores with
+            // exact products and fp32 sums. dX [T, H] += [hi|mid|lo] [T, 3E] · [W; W; W] [3E, H] (one GEMM, dX read
+            // and written once); dW3 [3E, H] = [hi|mid|lo]ᵀ · x (x read once), then dW (+)= the three parts' sum.
+            MOEKIT_CHECK(t.grad_logits_split && t.weight3 && t.grad_weight3,
+                         "router: the tensor-core gating linear needs its split, weight3 and grad_weight3 buffers");
+            const int64_t EH = int64_t(E) * H;
+            split_bf16x3_kernel<<<grid_for(int64_t(T) * E), 256, 0, stream>>>(grad_logits, t.grad_logits_split, T, E);
+            MOEKIT_CUDA_LAUNCH_CHECK();
+            for (int part = 0; part < 3; ++part)
+                MOEKIT_CUDA_CHECK(cudaMemcpyAsync(t.weight3 + part * EH, t.weight, EH * sizeof(__nv_bfloat16),
+                                                  cudaMemcpyDeviceToDevice, stream));
+            gemm_bf16(cublas, CUBLAS_OP_T, CUBLAS_OP_N, 3 * E, H, T, t.grad_logits_split, 3 * E, t.hidden, H, 0.0f,
+                      t.grad_weight3, H);
+            sum_three_parts_kernel<<<grid_for(EH), 256, 0, stream>>>(t.grad_weight3, grad_weight, EH, accumulate);
+            MOEKIT_CUDA_LAUNCH_CHECK();
+            gemm_bf16(cublas, CUBLAS_OP_N, CUBLAS_OP_N, T, H, 3 * E, t.grad_logits_split, 3 * E, t.weight3, H, 1.0f,
+                      grad_input, H);
+            return;
+        }
+    }
     if (s.jitter_eps > 0) {
         // dX += (dL · W) * jitter: the product goes through scratch (written after dW has read x_R).
         if constexpr (sizeof(R) == sizeof(float)) {

@@ -37,6 +37,10 @@ struct RouterShape {
     bool pad_to_capacity = false;
     DropPolicy drop_policy = DropPolicy::probs;
     double jitter_eps = 0;         // > 0: router input *= jitter_factor(seed, t*H+h, eps) (core/router_math.h)
+    // The gating linear of an fp32 router on bf16 tensor cores (router.cu): the forward's operands are bf16 (exact
+    // products, fp32 sums), the backward's fp32 gradient enters as three bf16 parts (core/bf16.h split_to_bf16x3).
+    // false, jitter (an fp32 input) or an fp64 router: fp32 / fp64 cuBLAS GEMMs on upcast copies.
+    bool tensor_core_linear = true;
     // Sinkhorn routing (§2.6): training selects the top-k of the fp32 Sinkhorn matrix; probs are
     // the activation (score_function = sigmoid if k == 1 else softmax, pre_softmax) at the picks;
     // no group limit, bias or scaling in the selection (from_config sets those fields so).
@@ -46,6 +50,9 @@ struct RouterShape {
     bool dropless() const { return capacity_factor < 0; }
     // Rows the permutation can produce: T*k (dropless, drop) or E*min(capacity(T), T) (pad).
     int64_t max_rows() const;
+    // Whether an R-typed router takes the tensor-core gating linear (then t.hidden_r / t.weight_r and the backward's
+    // scratch are not used, and t.grad_logits_split / weight3 / grad_weight3 are).
+    bool linear_on_tensor_cores(bool fp64) const { return tensor_core_linear && jitter_eps <= 0 && !fp64; }
     void validate() const;
     std::string to_string() const;
 };
@@ -66,6 +73,10 @@ struct RouterTensors {
     const uint64_t* jitter_seed = nullptr;  // [1] seed of this step's jitter draws (device: graph replays read it)
     float* sinkhorn = nullptr;              // [T, E] fp32 Sinkhorn matrix (valid rows; needed with shape.sinkhorn)
     float* sinkhorn_d0 = nullptr;           // [T] row scaling of the Sinkhorn iteration
+    // The tensor-core gating linear's backward (RouterShape::linear_on_tensor_cores):
+    __nv_bfloat16* grad_logits_split = nullptr;  // [T, 3E] each row's grad logits as hi | mid | lo parts
+    __nv_bfloat16* weight3 = nullptr;            // [3E, H] the weight three times (dX = split · weight3)
+    float* grad_weight3 = nullptr;               // [3E, H] splitᵀ · x, summed over the three parts into dW
 };
 
 // Sinkhorn iteration limit (Megatron loops until converged; the CPU twin caps at the same count)

@@ -4,6 +4,7 @@
 // router backward (fp32 tolerance). The GPU stage's own inputs are fed to the CPU stage, so each
 // comparison isolates one stage. Jitter draws are checked through the logits (exact draws or the
 // logits would differ by ~eps), Sinkhorn through its matrix against cpu::sinkhorn.
+#include <cmath>
 #include <cstdio>
 
 #include "cpu/losses.h"
@@ -16,6 +17,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/moe_layer.h"
+#include "cuda/router.cuh"
 #include "cuda/sinkhorn.cuh"
 #include "gpu/cuda_layer_test_util.h"
 
@@ -210,6 +212,80 @@ void check_activation_backward(int64_t F, bool gated, Activation act, bool with_
     EXPECT_LT(rel_err(got_dp, dp_ref), 2e-5) << "d prob (fp32 sums of up to 2048 terms)";
     for (int64_t i = rows * in_cols; i < N * in_cols; ++i) ASSERT_EQ(grad[size_t(i)], 5.0f) << "row past num_rows written";
     for (int64_t r = rows; r < N; ++r) ASSERT_EQ(dp[size_t(r)], 9.0f) << "d prob past num_rows written";
+}
+
+// The fp32 router's gating linear on bf16 tensor cores (RouterShape::tensor_core_linear) and on fp32 cuBLAS GEMMs
+// of upcast copies, each against a double reference on the same bf16 x, W and fp32 grad logits: logits, dW
+// (overwritten and accumulated) and dX (+=). Grad logits span 2^-20..2^20 with full 24-bit significands, so a
+// split that dropped its mid or lo part would miss by 2^-9 or 2^-17 relative; both paths must sit at fp32 rounding.
+void check_gating_linear(bool tensor_cores, bool accumulate, uint64_t seed) {
+    SCOPED_TRACE(::testing::Message() << "tensor cores " << tensor_cores << " accumulate " << accumulate);
+    const int64_t T = 300, E = 24, H = 136;
+    cuda::RouterShape s;
+    s.num_tokens = T, s.seq_length = T, s.num_experts = E, s.hidden = H, s.topk = 2;
+    s.tensor_core_linear = tensor_cores;
+    Rng rng(seed);
+    auto bf = [&](int64_t n) {
+        std::vector<float> v(static_cast<size_t>(n));
+        for (auto& x : v) x = round_to_bf16(float(2 * rng.uniform() - 1));
+        return v;
+    };
+    const std::vector<float> x = bf(T * H), w = bf(E * H);
+    std::vector<float> gl(static_cast<size_t>(T * E)), gx0(static_cast<size_t>(T * H)), gw0(static_cast<size_t>(E * H));
+    for (auto& v : gl) v = std::ldexp(float(2 * rng.uniform() - 1), int(rng.uniform() * 40) - 20);
+    for (auto& v : gx0) v = float(2 * rng.uniform() - 1);
+    for (auto& v : gw0) v = float(2 * rng.uniform() - 1);
+    cuda::DeviceBuffer<bf16> d_x(T * H), d_w(E * H), d_split(T * 3 * E), d_w3(3 * E * H);
+    cuda::DeviceBuffer<float> d_xr(T * H), d_wr(E * H), d_logits(T * E), d_probs(T * E), d_gl(T * E), d_gx(T * H);
+    cuda::DeviceBuffer<float> d_gw(E * H), d_gw3(3 * E * H);
+    cuda::DeviceBuffer<int32_t> d_topk(T * 2);
+    cuda::DeviceBuffer<uint8_t> d_map(T * E);
+    d_x.upload(bf16_of(x)), d_w.upload(bf16_of(w)), d_gl.upload(gl), d_gx.upload(gx0), d_gw.upload(gw0);
+    cuda::RouterTensors<float> t;
+    t.hidden = d_x.get(), t.weight = d_w.get(), t.hidden_r = d_xr.get(), t.weight_r = d_wr.get();
+    t.logits = d_logits.get(), t.topk_idx = d_topk.get(), t.probs = d_probs.get(), t.routing_map = d_map.get();
+    t.grad_logits_split = d_split.get(), t.weight3 = d_w3.get(), t.grad_weight3 = d_gw3.get();
+    cublasHandle_t h = nullptr;
+    MOEKIT_CUBLAS_CHECK(cublasCreate(&h));
+    cuda::router_forward<float>(s, t, h, nullptr);
+    cuda::router_backward_linear<float>(s, t, d_gl.get(), d_gw.get(), d_gx.get(), d_xr.get(), h, nullptr, accumulate);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    MOEKIT_CUBLAS_CHECK(cublasDestroy(h));
+    std::vector<float> logits_ref(static_cast<size_t>(T * E)), gw_ref(static_cast<size_t>(E * H)),
+        gx_ref(static_cast<size_t>(T * H));
+    for (int64_t i = 0; i < T; ++i)
+        for (int64_t e = 0; e < E; ++e) {
+            double acc = 0;
+            for (int64_t k = 0; k < H; ++k) acc += double(x[size_t(i * H + k)]) * w[size_t(e * H + k)];
+            logits_ref[size_t(i * E + e)] = float(acc);
+        }
+    for (int64_t e = 0; e < E; ++e)
+        for (int64_t k = 0; k < H; ++k) {
+            double acc = accumulate ? gw0[size_t(e * H + k)] : 0.0;
+            for (int64_t i = 0; i < T; ++i) acc += double(gl[size_t(i * E + e)]) * x[size_t(i * H + k)];
+            gw_ref[size_t(e * H + k)] = float(acc);
+        }
+    for (int64_t i = 0; i < T; ++i)
+        for (int64_t k = 0; k < H; ++k) {
+            double acc = gx0[size_t(i * H + k)];
+            for (int64_t e = 0; e < E; ++e) acc += double(gl[size_t(i * E + e)]) * w[size_t(e * H + k)];
+            gx_ref[size_t(i * H + k)] = float(acc);
+        }
+    const double e_logits = rel_err(cuda::download(d_logits.get(), T * E), logits_ref);
+    const double e_gw = rel_err(cuda::download(d_gw.get(), E * H), gw_ref);
+    const double e_gx = rel_err(cuda::download(d_gx.get(), T * H), gx_ref);
+    std::printf("  gating linear (%s%s): rel err logits %.2e dW %.2e dX %.2e\n", tensor_cores ? "tensor cores" : "fp32",
+                accumulate ? ", accumulate" : "", e_logits, e_gw, e_gx);
+    EXPECT_LT(e_logits, 2e-6) << "logits";
+    EXPECT_LT(e_gw, 2e-6) << "router weight grad";
+    EXPECT_LT(e_gx, 2e-6) << "grad input";
+}
+
+TEST(CudaStages, GatingLinearOnTensorCoresAtFp32Accuracy) {
+    SKIP_WITHOUT_GPU();
+    uint64_t seed = 900;
+    for (bool tc : {true, false})
+        for (bool acc : {false, true}) check_gating_linear(tc, acc, ++seed);
 }
 
 TEST(CudaStages, ActivationBackwardAtEveryVectorWidth) {
