@@ -1,9 +1,9 @@
-// CUDA activation forward/backward (see activation.cuh): one block per row, 16-byte vectors when
-// F % 8 == 0, fp32 maths on the
-// bf16 fc1 output, the scalar formulas of src/core/activation_math.h; d(prob) is a fixed-order
-// block reduction, so it is bitwise reproducible.
+// CUDA activation forward/backward (see activation.cuh): a warp per row where rows are narrow, else a block per
+// row; vectors of up to 16 bytes, fp32 maths on the bf16 fc1 output, the scalar formulas of
+// src/core/activation_math.h; d(prob) is a fixed-order warp or block reduction, so it is bitwise reproducible.
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
@@ -13,6 +13,8 @@ namespace moekit::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// Rows of at most this many vectors take a warp each (row_threads; 16 a lane at most).
+constexpr int64_t kWarpRowMaxVectors = 512;
 
 // kPer columns per thread: 8, 4 or 2 (16-, 8-, 4-byte vectors, F % kPer == 0) or 1.
 template <int kPer>
@@ -32,16 +34,28 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
     *reinterpret_cast<Vec<kPer>*>(p) = v;
 }
 
-template <typename R, int kPer>
+// A row is taken by kRowThreads consecutive threads of a block (a warp, or the whole block): narrow rows (F of a
+// few hundred vectors) give a warp each, so no thread idles on a row too short for the block and d(prob) is a
+// warp shuffle instead of a block reduction with a barrier a step.
+template <int kRowThreads>
+struct RowGroup {
+    static constexpr int kRowsPerBlock = kThreads / kRowThreads;
+    __device__ static int64_t first() { return int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads; }
+    __device__ static int64_t stride() { return int64_t(gridDim.x) * kRowsPerBlock; }
+    __device__ static int lane() { return int(threadIdx.x % kRowThreads); }
+};
+
+template <typename R, int kPer, int kRowThreads>
 __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
                                           const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
                                           __nv_bfloat16* __restrict__ out) {
+    using G = RowGroup<kRowThreads>;
     const int64_t n = num_rows ? min(int64_t(*num_rows), s.max_rows) : s.max_rows;
     const int64_t F = s.ffn, in_cols = s.gated ? 2 * F : F;
-    for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    for (int64_t r = G::first(); r < n; r += G::stride()) {
         const __nv_bfloat16* row = fc1 + r * in_cols;
         const R p = probs ? probs[r] : R(1);
-        for (int64_t f = threadIdx.x * kPer; f < F; f += blockDim.x * kPer) {
+        for (int64_t f = G::lane() * kPer; f < F; f += kRowThreads * kPer) {
             float g[kPer], u[kPer], a[kPer];
             load<kPer>(row + f, g);
             if (s.gated) load<kPer>(row + F + f, u);
@@ -52,20 +66,41 @@ __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __re
     }
 }
 
-template <typename R, int kPer>
+// The sum of a row group's partials in a fixed order (reproducible), returned to all of them. A warp: butterfly
+// shuffles (its 32 lanes take the same rows, so all are present); the block: a shared-memory tree.
+template <int kRowThreads>
+__device__ __forceinline__ float row_sum(float v, float* red) {
+    if constexpr (kRowThreads == 32) {
+        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+        return v;
+    } else {
+        red[threadIdx.x] = v;
+        __syncthreads();
+        for (int w = kThreads / 2; w > 0; w >>= 1) {
+            if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+            __syncthreads();
+        }
+        const float total = red[0];
+        __syncthreads();
+        return total;
+    }
+}
+
+template <typename R, int kPer, int kRowThreads>
 __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
                                            const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
                                            const __nv_bfloat16* __restrict__ grad_out,
                                            __nv_bfloat16* __restrict__ grad_fc1, R* __restrict__ grad_probs) {
-    __shared__ float red[kThreads];
+    using G = RowGroup<kRowThreads>;
+    __shared__ float red[kRowThreads == 32 ? 1 : kThreads];
     const int64_t n = num_rows ? min(int64_t(*num_rows), s.max_rows) : s.max_rows;
     const int64_t F = s.ffn, in_cols = s.gated ? 2 * F : F;
-    for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    for (int64_t r = G::first(); r < n; r += G::stride()) {
         const __nv_bfloat16* row = fc1 + r * in_cols;
         __nv_bfloat16* grow = grad_fc1 + r * in_cols;
         const float p = probs ? float(probs[r]) : 1.0f;
         float dp = 0.0f;
-        for (int64_t f = threadIdx.x * kPer; f < F; f += blockDim.x * kPer) {
+        for (int64_t f = G::lane() * kPer; f < F; f += kRowThreads * kPer) {
             float go[kPer], g[kPer], u[kPer], dg[kPer], du[kPer];
             load<kPer>(grad_out + r * F + f, go);
             load<kPer>(row + f, g);
@@ -85,16 +120,26 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
             if (s.gated) store<kPer>(grow + F + f, du);
         }
         if (grad_probs) {
-            red[threadIdx.x] = dp;
-            __syncthreads();
-            for (int w = kThreads / 2; w > 0; w >>= 1) {
-                if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
-                __syncthreads();
-            }
-            if (threadIdx.x == 0) grad_probs[r] = R(red[0]);
-            __syncthreads();
+            const float total = row_sum<kRowThreads>(dp, red);
+            if (G::lane() == 0) grad_probs[r] = R(total);
         }
     }
+}
+
+// Threads a row (MOEKIT_ACT_ROW_THREADS=32|256 forces one): a warp where a row's vectors would leave most of a
+// 256-thread block idle, else the block.
+int row_threads(int64_t vectors_per_row) {
+    static const int forced = [] {
+        const char* env = std::getenv("MOEKIT_ACT_ROW_THREADS");
+        const int v = env ? std::atoi(env) : 0;
+        return v == 32 || v == kThreads ? v : 0;
+    }();
+    if (forced) return forced;
+    return vectors_per_row <= kWarpRowMaxVectors ? 32 : kThreads;
+}
+
+int grid_for_rows(int64_t max_rows, int row_threads) {
+    return int(std::min<int64_t>(std::max<int64_t>(ceil_div(max_rows, kThreads / row_threads), 1), 16384));
 }
 
 }  // namespace
@@ -102,12 +147,13 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
 template <typename R>
 void activation_forward(const ActivationShape& s, const int32_t* num_rows, const __nv_bfloat16* fc1_out,
                         const R* probs, __nv_bfloat16* out, cudaStream_t stream) {
-    const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
-    if (s.ffn % 8 == 0) {
-        activation_forward_kernel<R, 8><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out);
-    } else {
-        activation_forward_kernel<R, 1><<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out);
-    }
+    const int per = s.ffn % 8 == 0 ? 8 : 1;
+    const int rt = row_threads(ceil_div(s.ffn, per)), grid = grid_for_rows(s.max_rows, rt);
+    auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out); };
+    if (per == 8)
+        rt == 32 ? launch(activation_forward_kernel<R, 8, 32>) : launch(activation_forward_kernel<R, 8, kThreads>);
+    else
+        rt == 32 ? launch(activation_forward_kernel<R, 1, 32>) : launch(activation_forward_kernel<R, 1, kThreads>);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
@@ -115,7 +161,6 @@ template <typename R>
 void activation_backward(const ActivationShape& s, const int32_t* num_rows, const __nv_bfloat16* fc1_out,
                          const R* probs, const __nv_bfloat16* grad_out, __nv_bfloat16* grad_fc1, R* grad_probs,
                          cudaStream_t stream) {
-    const int grid = int(std::min<int64_t>(std::max<int64_t>(s.max_rows, 1), 16384));
     // Width of the backward's vectors (MOEKIT_ACT_BWD_VEC=1|2|4|8 forces one). H100, interleaved moekit bench:
     // mixtral 1.465 / 1.338 / 1.349 / 2.221 ms, dsv3-ep8 0.490 / 0.425 / 0.436 / 0.704 ms for 1 / 2 / 4 / 8 (scalar
     // loads move half a cache line per warp; 8-wide costs five 8-float arrays of registers per thread). Two or four
@@ -131,15 +176,22 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
         const int v = env ? std::atoi(env) : 0;
         return v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
     }();
-    const int vec = forced ? forced : s.ffn >= 4 * kThreads ? 4 : 2;
+    // A warp a row (narrow rows, row_threads) always takes 4-wide vectors: its lanes are all busy either way.
+    const int rt = row_threads(ceil_div(s.ffn, 4)), grid = grid_for_rows(s.max_rows, rt);
+    const int vec = forced ? forced : rt == 32 || s.ffn >= 4 * kThreads ? 4 : 2;
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
     };
-    if (width == 8) launch(activation_backward_kernel<R, 8>);
-    else if (width == 4) launch(activation_backward_kernel<R, 4>);
-    else if (width == 2) launch(activation_backward_kernel<R, 2>);
-    else launch(activation_backward_kernel<R, 1>);
+    auto launch_width = [&](auto row_threads_tag) {
+        constexpr int kRt = decltype(row_threads_tag)::value;
+        if (width == 8) launch(activation_backward_kernel<R, 8, kRt>);
+        else if (width == 4) launch(activation_backward_kernel<R, 4, kRt>);
+        else if (width == 2) launch(activation_backward_kernel<R, 2, kRt>);
+        else launch(activation_backward_kernel<R, 1, kRt>);
+    };
+    if (rt == 32) launch_width(std::integral_constant<int, 32>{});
+    else launch_width(std::integral_constant<int, kThreads>{});
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 

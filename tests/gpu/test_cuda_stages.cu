@@ -158,9 +158,10 @@ void check_stages(MoeConfig c, bool padding) {
     EXPECT_LT(rel_err(cuda::download(b.grad_router_weight, E * H), gw.data), 1e-4) << "router weight grad";
 }
 
-// The activation backward on its own against a double reference on the same bf16 inputs, at output widths that
-// take each vector width of its kernel (40: 2-wide, 1030: scalar, 1024 and 2048: 4-wide), gated SwiGLU / GeGLU
-// with and without probs, ungated GELU; rows past *num_rows untouched.
+// The activation backward and forward on their own against a double reference on the same bf16 inputs, at output
+// widths that take each row mapping and vector width of the kernels (a warp a row: 40, 1024, 2048 4-wide, 1030
+// scalar; a block a row: 4104 4-wide, 6150 scalar), gated SwiGLU / GeGLU with and without probs, ungated GELU;
+// rows past *num_rows untouched.
 void check_activation_backward(int64_t F, bool gated, Activation act, bool with_probs, uint64_t seed) {
     SCOPED_TRACE(::testing::Message() << "F=" << F << " gated=" << gated << " act=" << activation_name(act)
                                       << " probs=" << with_probs);
@@ -185,7 +186,22 @@ void check_activation_backward(int64_t F, bool gated, Activation act, bool with_
     cuda::activation_backward<float>(cuda::ActivationShape{N, F, gated, act}, d_rows.get(), d_fc1.get(),
                                      with_probs ? d_probs.get() : nullptr, d_go.get(), d_grad.get(), d_dp.get(),
                                      nullptr);
+    cuda::DeviceBuffer<bf16> d_out(N * F);
+    d_out.upload(bf16_of(std::vector<float>(size_t(N * F), 5.0f)));
+    cuda::activation_forward<float>(cuda::ActivationShape{N, F, gated, act}, d_rows.get(), d_fc1.get(),
+                                    with_probs ? d_probs.get() : nullptr, d_out.get(), nullptr);
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> out = float_of(cuda::download(d_out.get(), N * F));
+    std::vector<float> out_ref(static_cast<size_t>(rows * F));
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t f = 0; f < F; ++f) {
+            const double g = fc1[size_t(r * in_cols + f)], p = with_probs ? probs[size_t(r)] : 1.0;
+            const double a = gated ? glu_forward(act, g, double(fc1[size_t(r * in_cols + F + f)]))
+                                   : activation_forward(act, g);
+            out_ref[size_t(r * F + f)] = float(a * p);
+        }
+    EXPECT_LT(rel_err(std::vector<float>(out.begin(), out.begin() + rows * F), out_ref), 4e-3) << "forward";
+    for (int64_t i = rows * F; i < N * F; ++i) ASSERT_EQ(out[size_t(i)], 5.0f) << "forward row past num_rows written";
     const std::vector<float> grad = float_of(cuda::download(d_grad.get(), N * in_cols));
     const std::vector<float> dp = cuda::download(d_dp.get(), N);
     std::vector<float> grad_ref(static_cast<size_t>(rows * in_cols)), dp_ref(static_cast<size_t>(rows));
@@ -239,11 +255,13 @@ void check_gating_linear(bool tensor_cores, bool accumulate, uint64_t seed) {
     cuda::DeviceBuffer<float> d_xr(T * H), d_wr(E * H), d_logits(T * E), d_probs(T * E), d_gl(T * E), d_gx(T * H);
     cuda::DeviceBuffer<float> d_gw(E * H), d_gw3(3 * E * H);
     cuda::DeviceBuffer<int32_t> d_topk(T * 2);
-    cuda::DeviceBuffer<uint8_t> d_map(T * E);
+    cuda::DeviceBuffer<uint8_t> d_map(T * E), d_pad(T);
     d_x.upload(bf16_of(x)), d_w.upload(bf16_of(w)), d_gl.upload(gl), d_gx.upload(gx0), d_gw.upload(gw0);
+    d_pad.upload(std::vector<uint8_t>(size_t(T), 0));
     cuda::RouterTensors<float> t;
     t.hidden = d_x.get(), t.weight = d_w.get(), t.hidden_r = d_xr.get(), t.weight_r = d_wr.get();
     t.logits = d_logits.get(), t.topk_idx = d_topk.get(), t.probs = d_probs.get(), t.routing_map = d_map.get();
+    t.padding_mask = d_pad.get();
     t.grad_logits_split = d_split.get(), t.weight3 = d_w3.get(), t.grad_weight3 = d_gw3.get();
     cublasHandle_t h = nullptr;
     MOEKIT_CUBLAS_CHECK(cublasCreate(&h));
@@ -291,7 +309,8 @@ TEST(CudaStages, GatingLinearOnTensorCoresAtFp32Accuracy) {
 TEST(CudaStages, ActivationBackwardAtEveryVectorWidth) {
     SKIP_WITHOUT_GPU();
     uint64_t seed = 500;
-    for (int64_t F : {40, 1030, 1024, 2048}) {
+    // Rows of up to 512 vectors take a warp (40 .. 2048), wider ones a block (4104: 4-wide, 6150: scalar).
+    for (int64_t F : {40, 1030, 1024, 2048, 4104, 6150}) {
         check_activation_backward(F, true, Activation::silu, true, ++seed);
         check_activation_backward(F, true, Activation::gelu, false, ++seed);
         check_activation_backward(F, false, Activation::gelu, true, ++seed);
