@@ -13,8 +13,8 @@ namespace moekit::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Rows of at most this many vectors take a warp each (row_threads; 16 a lane at most).
-constexpr int64_t kWarpRowMaxVectors = 512;
+// Rows of at most this many activations take a warp each (row_threads).
+constexpr int64_t kWarpRowMaxFfn = 1024;
 
 // kPer columns per thread: 8, 4 or 2 (16-, 8-, 4-byte vectors, F % kPer == 0) or 1.
 template <int kPer>
@@ -37,12 +37,15 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
 // A row is taken by kRowThreads consecutive threads of a block (a warp, or the whole block): narrow rows (F of a
 // few hundred vectors) give a warp each, so no thread idles on a row too short for the block and d(prob) is a
 // warp shuffle instead of a block reduction with a barrier a step.
+// (A block's column step stays a runtime blockDim.x: with a constant one the compiler unrolls the column loop and
+// the mixtral passes took 15% longer, H200 2026-11-27.)
 template <int kRowThreads>
 struct RowGroup {
     static constexpr int kRowsPerBlock = kThreads / kRowThreads;
     __device__ static int64_t first() { return int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads; }
     __device__ static int64_t stride() { return int64_t(gridDim.x) * kRowsPerBlock; }
     __device__ static int lane() { return int(threadIdx.x % kRowThreads); }
+    __device__ static int64_t columns_step() { return kRowThreads == 32 ? 32 : int64_t(blockDim.x); }
 };
 
 template <typename R, int kPer, int kRowThreads>
@@ -55,7 +58,7 @@ __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __re
     for (int64_t r = G::first(); r < n; r += G::stride()) {
         const __nv_bfloat16* row = fc1 + r * in_cols;
         const R p = probs ? probs[r] : R(1);
-        for (int64_t f = G::lane() * kPer; f < F; f += kRowThreads * kPer) {
+        for (int64_t f = G::lane() * kPer; f < F; f += G::columns_step() * kPer) {
             float g[kPer], u[kPer], a[kPer];
             load<kPer>(row + f, g);
             if (s.gated) load<kPer>(row + F + f, u);
@@ -100,7 +103,7 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
         __nv_bfloat16* grow = grad_fc1 + r * in_cols;
         const float p = probs ? float(probs[r]) : 1.0f;
         float dp = 0.0f;
-        for (int64_t f = G::lane() * kPer; f < F; f += kRowThreads * kPer) {
+        for (int64_t f = G::lane() * kPer; f < F; f += G::columns_step() * kPer) {
             float go[kPer], g[kPer], u[kPer], dg[kPer], du[kPer];
             load<kPer>(grad_out + r * F + f, go);
             load<kPer>(row + f, g);
@@ -126,16 +129,17 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
     }
 }
 
-// Threads a row (MOEKIT_ACT_ROW_THREADS=32|256 forces one): a warp where a row's vectors would leave most of a
-// 256-thread block idle, else the block.
-int row_threads(int64_t vectors_per_row) {
+// Threads a row (MOEKIT_ACT_ROW_THREADS=32|256 forces one): a warp up to F = 1024, else the block. H200,
+// moekit bench, 2026-11-27, warp vs block fwd / bwd ms: qwen3-30b (F 768) 0.23 / 0.37 vs 0.25 / 0.53; F 2048
+// (dsv3-ep8, dsv3-e256) 0.16 / 0.26 vs 0.15 / 0.26.
+int row_threads(int64_t ffn) {
     static const int forced = [] {
         const char* env = std::getenv("MOEKIT_ACT_ROW_THREADS");
         const int v = env ? std::atoi(env) : 0;
         return v == 32 || v == kThreads ? v : 0;
     }();
     if (forced) return forced;
-    return vectors_per_row <= kWarpRowMaxVectors ? 32 : kThreads;
+    return ffn <= kWarpRowMaxFfn ? 32 : kThreads;
 }
 
 int grid_for_rows(int64_t max_rows, int row_threads) {
@@ -148,7 +152,7 @@ template <typename R>
 void activation_forward(const ActivationShape& s, const int32_t* num_rows, const __nv_bfloat16* fc1_out,
                         const R* probs, __nv_bfloat16* out, cudaStream_t stream) {
     const int per = s.ffn % 8 == 0 ? 8 : 1;
-    const int rt = row_threads(ceil_div(s.ffn, per)), grid = grid_for_rows(s.max_rows, rt);
+    const int rt = row_threads(s.ffn), grid = grid_for_rows(s.max_rows, rt);
     auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out); };
     if (per == 8)
         rt == 32 ? launch(activation_forward_kernel<R, 8, 32>) : launch(activation_forward_kernel<R, 8, kThreads>);
@@ -177,7 +181,7 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
         return v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
     }();
     // A warp a row (narrow rows, row_threads) always takes 4-wide vectors: its lanes are all busy either way.
-    const int rt = row_threads(ceil_div(s.ffn, 4)), grid = grid_for_rows(s.max_rows, rt);
+    const int rt = row_threads(s.ffn), grid = grid_for_rows(s.max_rows, rt);
     const int vec = forced ? forced : rt == 32 || s.ffn >= 4 * kThreads ? 4 : 2;
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {
