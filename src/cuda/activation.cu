@@ -37,15 +37,29 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
 // A row is taken by kRowThreads consecutive threads of a block (a warp, or the whole block): narrow rows (F of a
 // few hundred vectors) give a warp each, so no thread idles on a row too short for the block and d(prob) is a
 // warp shuffle instead of a block reduction with a barrier a step.
-// (A block's column step stays a runtime blockDim.x: with a constant one the compiler unrolls the column loop and
-// the mixtral passes took 15% longer, H200 2026-11-27.)
+// The block case keeps 32-bit index maths (blockIdx, threadIdx, blockDim as they are): with 64-bit row-group
+// maths its forward took 39 registers instead of 32, a quarter of the threads an SM, and the mixtral passes 15%
+// longer (H200, 2026-11-27).
 template <int kRowThreads>
 struct RowGroup {
+    static constexpr bool kBlock = kRowThreads == kThreads;
     static constexpr int kRowsPerBlock = kThreads / kRowThreads;
-    __device__ static int64_t first() { return int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads; }
-    __device__ static int64_t stride() { return int64_t(gridDim.x) * kRowsPerBlock; }
-    __device__ static int lane() { return int(threadIdx.x % kRowThreads); }
-    __device__ static int64_t columns_step() { return kRowThreads == 32 ? 32 : int64_t(blockDim.x); }
+    __device__ static int64_t first() {
+        if constexpr (kBlock) return blockIdx.x;
+        else return int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads;
+    }
+    __device__ static int64_t stride() {
+        if constexpr (kBlock) return gridDim.x;
+        else return int64_t(gridDim.x) * kRowsPerBlock;
+    }
+    __device__ static unsigned lane() {
+        if constexpr (kBlock) return threadIdx.x;
+        else return threadIdx.x % kRowThreads;
+    }
+    __device__ static unsigned columns_step() {
+        if constexpr (kBlock) return blockDim.x;
+        else return kRowThreads;
+    }
 };
 
 template <typename R, int kPer, int kRowThreads>
