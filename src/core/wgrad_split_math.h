@@ -13,9 +13,11 @@
 namespace moekit {
 
 // Which groups take the cooperative launch: those below small_below rows, and those from large_from rows on (0:
-// none), where its 128x256 tiles' math outruns ping-pong's 128x128; the rest take ping-pong.
+// none), where its 128x256 tiles' math outruns ping-pong's 128x128; the rest take ping-pong. small_below = 384:
+// bench_echo_balance (zipf 1.2, R = 512, H200, 2026-11-27, four runs each), ECHO's busiest rank / sampled forced
+// balance EP=8 1.039-1.042 vs 1.048-1.057 at 256, EP=4 1.013-1.020 vs 1.018-1.037.
 struct WgradSplit {
-    int64_t small_below = 256, large_from = 0;
+    int64_t small_below = 384, large_from = 0;
 };
 
 MOEKIT_HD bool wgrad_group_cooperative(int64_t rows, WgradSplit split) {

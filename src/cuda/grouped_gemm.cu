@@ -66,7 +66,7 @@ struct Choice {
 //    tile, so each weight tile is read once: 20-25% faster than 128-row tiles, faster than cuBLAS per expert);
 //    tn CUTLASS cooperative 128x256 (5% faster);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
-//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 256 rows (an ECHO
+//    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
 //    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);

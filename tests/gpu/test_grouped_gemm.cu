@@ -426,8 +426,8 @@ TEST(GroupedGemm, WgradGroupsSplitBySize) {
     // for the rest, each giving the other's groups no tiles: only small groups, only mid-sized ones, an ECHO rank's
     // mix (large, small and empty interleaved, sizes at the bound), with and without accumulation.
     ASSERT_EQ(wgrad_split().small_below, WgradSplit{}.small_below) << "run without MOEKIT_WGRAD_SPLIT_ROWS";
-    const std::vector<int> small{40, 200, 90, 255}, large{300, 310, 290, 305, 296},
-        mixed{1500, 40, 0, 256, 255, 900, 0, 60, 1};
+    const std::vector<int> small{40, 200, 90, 383, 256}, large{400, 410, 390, 405, 396},
+        mixed{1500, 40, 0, 384, 383, 900, 0, 60, 1, 256};
     for (bool acc : {false, true}) {
         check_tn(small, 7, 192, 256, acc, 111 + acc);
         check_tn(large, 7, 192, 256, acc, 113 + acc);
