@@ -43,14 +43,13 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
 template <int kRowThreads>
 struct RowGroup {
     static constexpr bool kBlock = kRowThreads == kThreads;
-    static constexpr int kRowsPerBlock = kThreads / kRowThreads;
     __device__ static int64_t first() {
         if constexpr (kBlock) return blockIdx.x;
-        else return int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads;
+        else return int64_t(blockIdx.x) * (kThreads / kRowThreads) + threadIdx.x / kRowThreads;
     }
     __device__ static int64_t stride() {
         if constexpr (kBlock) return gridDim.x;
-        else return int64_t(gridDim.x) * kRowsPerBlock;
+        else return int64_t(gridDim.x) * (kThreads / kRowThreads);
     }
     __device__ static unsigned lane() {
         if constexpr (kBlock) return threadIdx.x;

@@ -41,6 +41,12 @@ std::vector<float> download_r(const void* p, int64_t n, bool fp64) {
     const std::vector<double> d = cuda::download(static_cast<const double*>(p), n);
     return std::vector<float>(d.begin(), d.end());
 }
+// n values uniform in [-scale, scale), each rounded to bf16 (so the CPU reference sees the kernels' inputs exactly).
+std::vector<float> uniform_bf16(Rng& rng, int64_t n, double scale) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& x : v) x = round_to_bf16(float(scale * (2 * rng.uniform() - 1)));
+    return v;
+}
 std::vector<int64_t> as_i64(const std::vector<int32_t>& v) {
     return std::vector<int64_t>(v.begin(), v.end());
 }
@@ -167,12 +173,7 @@ void check_activation_backward(int64_t F, bool gated, Activation act, bool with_
                                       << " probs=" << with_probs);
     const int64_t N = 37, rows = 33, in_cols = gated ? 2 * F : F;
     Rng rng(seed);
-    auto bf = [&](int64_t n) {
-        std::vector<float> v(static_cast<size_t>(n));
-        for (auto& x : v) x = round_to_bf16(float(4 * rng.uniform() - 2));
-        return v;
-    };
-    const std::vector<float> fc1 = bf(N * in_cols), go = bf(N * F);
+    const std::vector<float> fc1 = uniform_bf16(rng, N * in_cols, 2.0), go = uniform_bf16(rng, N * F, 2.0);
     std::vector<float> probs(static_cast<size_t>(N));
     for (auto& p : probs) p = float(rng.uniform());
     cuda::DeviceBuffer<bf16> d_fc1(N * in_cols), d_go(N * F), d_grad(N * in_cols);
@@ -241,12 +242,7 @@ void check_gating_linear(bool tensor_cores, bool accumulate, uint64_t seed) {
     s.num_tokens = T, s.seq_length = T, s.num_experts = E, s.hidden = H, s.topk = 2;
     s.tensor_core_linear = tensor_cores;
     Rng rng(seed);
-    auto bf = [&](int64_t n) {
-        std::vector<float> v(static_cast<size_t>(n));
-        for (auto& x : v) x = round_to_bf16(float(2 * rng.uniform() - 1));
-        return v;
-    };
-    const std::vector<float> x = bf(T * H), w = bf(E * H);
+    const std::vector<float> x = uniform_bf16(rng, T * H, 1.0), w = uniform_bf16(rng, E * H, 1.0);
     std::vector<float> gl(static_cast<size_t>(T * E)), gx0(static_cast<size_t>(T * H)), gw0(static_cast<size_t>(E * H));
     for (auto& v : gl) v = std::ldexp(float(2 * rng.uniform() - 1), int(rng.uniform() * 40) - 20);
     for (auto& v : gx0) v = float(2 * rng.uniform() - 1);
