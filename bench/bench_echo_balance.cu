@@ -2,7 +2,9 @@
 // device, the GPU planner (src/cuda/echo_plan.cu, checked bit for bit against the CPU executor) plans the spare
 // slots, and a simulated EP step times every rank's expert MLP fwd+bwd (grouped GEMMs over its groups, SwiGLU x probs
 // kernels included, one CUDA graph per rank, replays timed with events, median) rank by rank in one call, for
-// no ECHO, ECHO, forced balance (mean load split evenly) and sampled forced balance (uniform routing).
+// no ECHO, ECHO, forced balance (mean load split evenly) and sampled forced balance (uniform routing). The verdict
+// compares ECHO with the sampled run: that is what a run with --moe-router-force-load-balancing routes (Megatron
+// draws random logits; every expert ~T*k/E tokens with sampling noise); the even split is printed as a bound.
 // usage: bench_echo_balance [--ep 4,8] [--preset dsv3-e256] [--tokens-per-rank 4096] [--skew zipf:1.2]
 //          [--moe-num-echo-experts S_TOTAL | --slots-per-rank 2] [--algorithm waterfill|greedy]
 //          [--group-floor-rows R (plan for time: EchoDims::group_floor_rows)] [--iters 10]
@@ -553,7 +555,7 @@ int main(int argc, char** argv) {
                                  {"forced_sampled_over_forced", sampled / forced}}},
                                {"acceptance",
                                 {{"loads_max_over_mean_after_le_1_05", after <= 1.05},
-                                 {"echo_busiest_le_1_05_forced", echo_ms <= 1.05 * forced}}}};
+                                 {"echo_busiest_le_1_05_forced_sampled", echo_ms <= 1.05 * sampled}}}};
 
             std::printf(
                 "\nEP=%lld: E=%lld, %lld home experts + %lld spare slots per rank, %lld x top-%lld = %lld rows "
@@ -590,10 +592,10 @@ int main(int argc, char** argv) {
                 std::printf("\n");
             }
             std::printf(
-                "  acceptance: loads max/mean after %.4f <= 1.05: %s; busiest ECHO / busiest forced balance "
-                "%.4f <= 1.05: %s (no ECHO: %.4f; ECHO / sampled forced: %.4f)\n",
-                after, after <= 1.05 ? "yes" : "NO", echo_ms / forced, echo_ms <= 1.05 * forced ? "yes" : "NO",
-                off_ms / forced, echo_ms / sampled);
+                "  acceptance: loads max/mean after %.4f <= 1.05: %s; busiest ECHO / busiest forced-balance run "
+                "(sampled) %.4f <= 1.05: %s (no ECHO: %.4f; ECHO / the even split's bound: %.4f)\n",
+                after, after <= 1.05 ? "yes" : "NO", echo_ms / sampled, echo_ms <= 1.05 * sampled ? "yes" : "NO",
+                off_ms / sampled, echo_ms / forced);
             std::fflush(stdout);
             runs.push_back(run);
         }
