@@ -84,7 +84,8 @@ struct RouterTensors {
 constexpr int kSinkhornMaxIterations = 100000;
 constexpr double kSinkhornTolerance = 1e-4;
 
-// logits = x_R · W_Rᵀ (cuBLAS in R), then scores/top-k/normalise/scale into probs and routing_map,
+// logits = x_R · W_Rᵀ (cuBLAS in R; on bf16 tensor cores straight from x and W where
+// shape.linear_on_tensor_cores), then scores/top-k/normalise/scale into probs and routing_map,
 // then capacity dropping (if shape.capacity >= 0). x_R is jittered first when shape.jitter_eps > 0.
 // training: Sinkhorn selection (shape.sinkhorn) runs only in training, as Megatron.
 template <typename R>
@@ -101,7 +102,9 @@ void router_backward_probs(const RouterShape& shape, const RouterTensors<R>& t, 
 // Gating linear backward: grad_weight [E, H] fp32 = grad_logitsᵀ · x_R (overwritten, or += when accumulate);
 // grad_input [T, H] fp32 += (grad_logits · W_R) * jitter. scratch: [T, H] R (used when R = double
 // or with jitter; may alias t.hidden_r: only dX is written there, after dW has read x_R). R = double:
-// t.weight_r holds dW in between and W_R again on return (no GEMM writes a buffer it reads).
+// t.weight_r holds dW in between and W_R again on return (no GEMM writes a buffer it reads). Where
+// shape.linear_on_tensor_cores: both products on bf16 tensor cores through t.grad_logits_split, t.weight3 and
+// t.grad_weight3 (scratch, hidden_r and weight_r unused).
 template <typename R>
 void router_backward_linear(const RouterShape& shape, const RouterTensors<R>& t, const R* grad_logits,
                             float* grad_weight, float* grad_input, R* scratch, cublasHandle_t cublas,
