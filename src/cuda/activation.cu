@@ -34,8 +34,8 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
     *reinterpret_cast<Vec<kPer>*>(p) = v;
 }
 
-// A row is taken by kRowThreads consecutive threads of a block (a warp, or the whole block): narrow rows (F of a
-// few hundred vectors) give a warp each, so no thread idles on a row too short for the block and d(prob) is a
+// A row is taken by kRowThreads consecutive threads of a block (a warp, or the whole block): narrow rows (F up to
+// 1024, row_threads) give a warp each, so no thread idles on a row too short for the block and d(prob) is a
 // warp shuffle instead of a block reduction with a barrier a step.
 // The block case keeps 32-bit index maths (blockIdx, threadIdx, blockDim as they are): with 64-bit row-group
 // maths its forward took 39 registers instead of 32, a quarter of the threads an SM, and the mixtral passes 15%
@@ -185,17 +185,16 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     // 1.26 -> 1.68 / 1.63 ms, dsv3-ep8 0.41 -> 0.56 (H100, 2026-11-23, scripts/device_bench_ab.sh). Those ran the
     // GLU backward with three sigmoids an element; with one (glu_backward_and_value) the pass went mixtral 1.40 ->
     // 0.89 ms, dsv3-ep8 0.46 -> 0.30, qwen3-30b 0.75 -> 0.54 (H200, 2026-11-26).
-    // With one sigmoid an element the pass leans on memory more: 4-wide where every thread of the row's block still
-    // gets a vector (F >= 4 x 256), else 2-wide (H200, 2026-11-26: mixtral F 14336 0.74 / 0.89 / 0.78 ms for 4 / 2 /
-    // 8; qwen3-30b F 768 0.53 ms 2-wide, 0.81 8-wide, where 8-wide leaves 160 of 256 threads idle).
+    // With one sigmoid an element the pass leans on memory more: 4-wide (H200, 2026-11-26: mixtral F 14336 0.74 /
+    // 0.89 / 0.78 ms for 4 / 2 / 8). The block's 2-wide fallback for F < 1024 went with the warp a row (row_threads):
+    // such rows now take a warp, 4-wide, every lane busy (qwen3-30b F 768 0.53 ms block 2-wide -> 0.36 warp 4-wide).
     static const int forced = [] {
         const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
         const int v = env ? std::atoi(env) : 0;
         return v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
     }();
-    // A warp a row (narrow rows, row_threads) always takes 4-wide vectors: its lanes are all busy either way.
     const int rt = row_threads(s.ffn), grid = grid_for_rows(s.max_rows, rt);
-    const int vec = forced ? forced : rt == 32 || s.ffn >= 4 * kThreads ? 4 : 2;
+    const int vec = forced ? forced : 4;
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
