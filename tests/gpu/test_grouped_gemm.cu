@@ -110,7 +110,8 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kAuto, kSync
+    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap128,
+    kCutlassSwap160, kCutlassSwap192, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -122,6 +123,9 @@ const char* name(Backend b) {
            : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
+           : b == Backend::kCutlassSwap128 ? "cutlass-swap-ab-128x128 (tn: its default)"
+           : b == Backend::kCutlassSwap160 ? "cutlass-swap-ab-128x160 (tn: its default)"
+           : b == Backend::kCutlassSwap192 ? "cutlass-swap-ab-128x192 (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -146,6 +150,9 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassTall);
             out.push_back(Backend::kCutlassPingpong);
             out.push_back(Backend::kCutlassSplit);
+            out.push_back(Backend::kCutlassSwap128);
+            out.push_back(Backend::kCutlassSwap160);
+            out.push_back(Backend::kCutlassSwap192);
             out.push_back(Backend::kAuto);
         }
     }
@@ -158,11 +165,15 @@ void select(Backend b) {
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap128 || b == Backend::kCutlassSwap160 ||
+        b == Backend::kCutlassSwap192) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
+                           : b == Backend::kCutlassSwap128 ? CutlassConfig::kSwapAB128
+                           : b == Backend::kCutlassSwap160 ? CutlassConfig::kSwapAB160
+                           : b == Backend::kCutlassSwap192 ? CutlassConfig::kSwapAB192
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

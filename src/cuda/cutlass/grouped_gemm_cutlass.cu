@@ -25,12 +25,16 @@ namespace cutlass_detail {
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
+    if (is_swap(requested) && wgrad) requested = CutlassConfig::kAuto;                      // nt / nn only
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
             if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
+            if (std::strcmp(env, "swap128") == 0 && !wgrad) return CutlassConfig::kSwapAB128;
+            if (std::strcmp(env, "swap160") == 0 && !wgrad) return CutlassConfig::kSwapAB160;
+            if (std::strcmp(env, "swap192") == 0 && !wgrad) return CutlassConfig::kSwapAB192;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
         // by rows per group only.

@@ -29,10 +29,16 @@ enum class Op { kNT, kNN, kTN };
 //   nt: C[rows, n] = A[rows, k] · W[n, k]ᵀ      A row-major, B column-major (both K-major), D bf16
 //   nn: C[rows, n] = A[rows, k] · W[k, n]       A row-major, B row-major (N-major), D bf16
 //   tn: C[m, n] (+)= A[rows, m]ᵀ · B[rows, n]   A column-major, B row-major (both MN-major), C/D fp32
-template <Op kOp>
+// Swapped (nt / nn only, SwapAB configurations): the transposed product Cᵀ[n, rows] = W[g] · A[rows, k]ᵀ, so the
+// weights fill CUTLASS's M and a group's token rows its N:
+//   nt: A' = W[n, k] row-major (K-major), B' = A column-major (K-major), D' = Cᵀ column-major
+//   nn: A' = W[k, n]ᵀ column-major (M-major), B' = A column-major (K-major), D' = Cᵀ column-major
+template <Op kOp, bool kSwap = false>
 struct OpTraits {
-    using LayoutA = std::conditional_t<kOp == Op::kTN, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-    using LayoutB = std::conditional_t<kOp == Op::kNT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+    using LayoutA = std::conditional_t<kOp == Op::kTN || (kSwap && kOp == Op::kNN), cutlass::layout::ColumnMajor,
+                                       cutlass::layout::RowMajor>;
+    using LayoutB = std::conditional_t<kOp == Op::kNT || kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+    using LayoutD = std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
     using ElementC = std::conditional_t<kOp == Op::kTN, float, void>;  // void: no source operand
     using ElementD = std::conditional_t<kOp == Op::kTN, float, cutlass::bfloat16_t>;
 };
@@ -55,10 +61,27 @@ struct Pingpong {
     using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+// Small groups computed transposed (OpTraits' kSwap): 128 weight rows by kTokens token rows a tile. wgmma's N
+// comes in steps of 8, so a group of ~150 rows pads to a 160-row tile instead of a 256-row one (dsv3-e256: 100..156
+// rows a group; the 256x128 tile spends half its math on padding and is compute-bound where the weights' bytes
+// should bound it). The 2x1 cluster multicasts the token tile to the CTA of the next 128 weight rows.
+template <int kTokens>
+struct SwapAB {
+    static constexpr bool kSwap = true;
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+    using Tile = cute::Shape<cute::_128, cute::Int<kTokens>, cute::_64>;
+    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+template <class Config>
+constexpr bool swapped() {
+    if constexpr (requires { Config::kSwap; }) return Config::kSwap;
+    return false;
+}
 
 template <Op kOp, class Config>
 struct GemmFor {
-    using Traits = OpTraits<kOp>;
+    using Traits = OpTraits<kOp, swapped<Config>()>;
     using ElementAB = cutlass::bfloat16_t;
     using ElementC = typename Traits::ElementC;
     using ElementD = typename Traits::ElementD;
@@ -66,8 +89,8 @@ struct GemmFor {
     static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
     using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, cutlass::layout::RowMajor*, kAlignC,
-        ElementD, cutlass::layout::RowMajor*, kAlignD, typename Config::Epilogue,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, typename Traits::LayoutD*, kAlignC,
+        ElementD, typename Traits::LayoutD*, kAlignD, typename Config::Epilogue,
         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Traits::LayoutA*, 8, ElementAB,
@@ -115,7 +138,7 @@ __device__ Stride leading(int64_t ld) {
 enum class Share { kAll, kCooperative, kPingpong };
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
-template <Op kOp, class G>
+template <Op kOp, class G, bool kSwap>
 __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
                                 const __nv_bfloat16* A, const __nv_bfloat16* B, void* C, int second_from,
                                 const void* second, Share share, WgradSplit split) {
@@ -135,6 +158,13 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
             a.stride_a[g] = leading<typename G::StrideA>(k);
             a.stride_b[g] = leading<typename G::StrideB>(n);
             a.stride_c[g] = leading<typename G::StrideC>(n);
+        } else if constexpr (kSwap) {  // Cᵀ = W · Aᵀ: M = n (weights), N = the group's rows
+            a.shapes[g] = typename G::Shape(rows > 0 ? n : 0, int(rows), k);
+            a.ptr_a[g] = group_block(B_, second, second_from, g, int64_t(n) * k);
+            a.ptr_b[g] = A_ + r0 * k;
+            a.ptr_d[g] = D_ + r0 * n;
+            a.stride_a[g] = leading<typename G::StrideA>(kOp == Op::kNT ? k : n);
+            a.stride_b[g] = leading<typename G::StrideB>(k);
         } else {
             a.shapes[g] = typename G::Shape(int(rows), n, k);
             a.ptr_a[g] = A_ + r0 * k;
@@ -218,7 +248,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C,
+    fill_group_args<kOp, G, swapped<Config>()><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C,
                                                    int(s.second_from), s.second, share, wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
     // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched.
@@ -240,6 +270,26 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
+// nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
+// instantiations compile in parallel).
+void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
+void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
+constexpr bool is_swap(CutlassConfig c) {
+    return c == CutlassConfig::kSwapAB128 || c == CutlassConfig::kSwapAB160 || c == CutlassConfig::kSwapAB192;
+}
+template <Op kOp>
+void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                 const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream) {
+    if (config == CutlassConfig::kSwapAB128)
+        run_grouped<kOp, SwapAB<128>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    else if (config == CutlassConfig::kSwapAB160)
+        run_grouped<kOp, SwapAB<160>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    else
+        run_grouped<kOp, SwapAB<192>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+}
+
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
          const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream) {
@@ -253,6 +303,12 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
             run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
+    } else if (is_swap(config)) {
+        if constexpr (kOp == Op::kNT)
+            run_swapped_nt(s, A, B, C, d_offsets, config, stream);
+        else
+            run_swapped_nn(s, A, B, C, d_offsets, config, stream);
+        return;
     }
     if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
