@@ -30,6 +30,7 @@ public:
         counts_.resize(L), offsets_.resize(L + 1), rank_.resize(G * L), row_token_.resize(max_rows_);
         row_prob_.resize(max_rows_), token_offsets_.resize(G + 1), token_rows_.resize(max_rows_);
         token_counts_.resize(G), rows_.resize(max_rows_ * H), grad_g_.resize(G * H);
+        plan_scratch_.resize(routing_plan_scratch_elems(G, L));
         partial_.resize(G * H), recv_.resize(G * H), sum_.resize(T * H), grad_probs_l_.resize(G * L);
         recv_probs_.resize(G * L);
     }
@@ -41,7 +42,7 @@ public:
         size_t n = 0;
         auto add = [&](const auto&... b) { ((n += b.bytes()), ...); };
         add(hidden_g_, probs_g_, map_g_, map_l_, probs_l_, counts_, offsets_, rank_, row_token_, row_prob_);
-        add(token_offsets_, token_rows_, token_counts_, rows_, grad_g_, partial_, recv_, sum_, grad_probs_l_,
+        add(token_offsets_, token_rows_, token_counts_, plan_scratch_, rows_, grad_g_, partial_, recv_, sum_, grad_probs_l_,
             recv_probs_);
         return n;
     }
@@ -114,7 +115,7 @@ private:
         p.num_tokens = s_.ep_size * s_.router.num_tokens, p.num_experts = s_.local_experts(), p.max_rows = max_rows_;
         p.counts = counts_.get(), p.offsets = offsets_.get(), p.rank = rank_.get(), p.row_token = row_token_.get();
         p.row_prob = row_prob_.get(), p.token_offsets = token_offsets_.get(), p.token_rows = token_rows_.get();
-        p.token_counts = token_counts_.get();
+        p.token_counts = token_counts_.get(), p.chunk_scratch = plan_scratch_.get();
         return p;
     }
 
@@ -124,7 +125,7 @@ private:
     DeviceBuffer<bf16> hidden_g_, rows_, grad_g_;
     DeviceBuffer<R> probs_g_, probs_l_, row_prob_, grad_probs_l_, recv_probs_;
     DeviceBuffer<uint8_t> map_g_, map_l_;
-    DeviceBuffer<int32_t> counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_;
+    DeviceBuffer<int32_t> counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_, plan_scratch_;
     DeviceBuffer<float> partial_, recv_, sum_;
 };
 

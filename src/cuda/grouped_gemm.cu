@@ -62,8 +62,10 @@ struct Choice {
 
 // Per-shape choice between the own TMA kernel and CUTLASS's configurations, from the per-GEMM A/B of
 // bench_grouped_gemm on an H100 (docs/perf.md, "Two grouped-GEMM backends"): rows per group = max_rows / G.
-//  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS 256x128 (a whole group in one row
-//    tile, so each weight tile is read once: 20-25% faster than 128-row tiles, faster than cuBLAS per expert);
+//  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS computing Cᵀ = W·Aᵀ with 128
+//    weight rows x 192 token rows a tile (small_group_config: a whole group in one tile, each weight tile read
+//    once, and the weights rather than a group's ~128 rows fill the tensor-core tile's 128-row side; before it
+//    the 256x128 tile, 20-25% faster than 128-row tiles, which spent half its math on padding rows);
 //    tn CUTLASS cooperative 128x256 (5% faster);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
 //    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
@@ -76,13 +78,30 @@ struct Choice {
 //    cooperative vs 6.91-6.92 own TMA and 8.2-9.2 ping-pong; under zipf 1.2 alike. On the H100 of 2026-11-23 the
 //    own kernel led fc1, 6.19 vs 6.79 ms, before CUTLASS's configurations were tuned per shape);
 //  - otherwise the own TMA kernel.
+// nt / nn of small groups: the transposed product with 192 token rows a tile (H200, 2026-11-27: the dsv3-e256
+// layer 34.8 -> 31.3 ms; 128 / 160 token rows 35.4 / 32.3, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall|swap128..
+// swap256 picks another for measurements.
+CutlassConfig small_group_config() {
+    static const CutlassConfig c = [] {
+        const char* env = std::getenv("MOEKIT_SMALL_GROUP_CONFIG");
+        if (!env) return CutlassConfig::kSwapAB192;
+        if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
+        for (CutlassConfig s : {CutlassConfig::kSwapAB128, CutlassConfig::kSwapAB160, CutlassConfig::kSwapAB192,
+                                CutlassConfig::kSwapAB224, CutlassConfig::kSwapAB256})
+            if (std::strcmp(env, str("swap", swap_tokens(s)).c_str()) == 0) return s;
+        MOEKIT_CHECK(false, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected tall or swap128|160|192|224|256");
+        return CutlassConfig::kSwapAB192;
+    }();
+    return c;
+}
+
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
     // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
     if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     if (rows_per_group < kSmallGroupRows)
-        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : CutlassConfig::kCooperativeTall};
+        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : small_group_config()};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,

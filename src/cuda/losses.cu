@@ -1,6 +1,9 @@
 // CUDA router losses (see losses.cuh). Aux scores: softmax over all E, or sigmoid/sqrtsoftplus
 // renormalised over all E; aux map: plain top-k of those scores (no bias, group limit or
-// dropping); padding rows zeroed. Every reduction has a fixed order, so results are bitwise stable.
+// dropping); padding rows zeroed. Column statistics per chunk of kLossChunk positions, folded in chunk order: every
+// reduction has a fixed order, so results are bitwise stable.
+#include <cub/block/block_reduce.cuh>
+
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -55,37 +58,42 @@ __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux
     }
 }
 
-// Block per (expert, sequence b): sums over the S tokens of sequence b in token order.
+// Block per (chunk of kLossChunk sequence positions, sequence b), a thread an expert (so each token's row is read
+// coalesced): the chunk's partial column sums; a thread a position: its valid-token count and z-loss sum.
+// loss_values_kernel folds the chunks in order, so every sum has a fixed order.
 template <typename R>
 __global__ void column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
-    __shared__ R red_r[kLossThreads];
-    __shared__ int red_a[kLossThreads], red_v[kLossThreads];
-    const int64_t E = s.num_experts, B = s.micro_batch_size, e = blockIdx.x, b = blockIdx.y;
-    R sum = 0;
-    int acount = 0, vcount = 0;
-    for (int64_t i = threadIdx.x; i < s.seq_length; i += blockDim.x) {
-        const int64_t tok = i * B + b;
-        const bool valid = t.padding_mask[tok] == 0;
-        if (need_aux) {
-            sum += t.aux_scores[tok * E + e];
-            acount += t.aux_map[tok * E + e];
+    const int64_t E = s.num_experts, B = s.micro_batch_size, c = blockIdx.x, b = blockIdx.y, C = gridDim.x;
+    const int64_t i0 = c * kLossChunk, i1 = min(s.seq_length, i0 + kLossChunk);
+    const int64_t slot = (c * B + b) * E;
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        R sum = 0;
+        int acount = 0, vcount = 0;
+#pragma unroll 4
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t tok = i * B + b;
+            if (need_aux) {
+                sum += t.aux_scores[tok * E + e];
+                acount += t.aux_map[tok * E + e];
+            }
+            vcount += t.padding_mask[tok] == 0 && t.routing_map[tok * E + e];
         }
-        vcount += valid && t.routing_map[tok * E + e];
+        t.chunk_scores[slot + e] = sum;
+        t.chunk_counts[slot + e] = acount;
+        t.chunk_counts[C * B * E + slot + e] = vcount;
     }
-    red_r[threadIdx.x] = sum, red_a[threadIdx.x] = acount, red_v[threadIdx.x] = vcount;
-    __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
-        if (threadIdx.x < w) {
-            red_r[threadIdx.x] += red_r[threadIdx.x + w];
-            red_a[threadIdx.x] += red_a[threadIdx.x + w];
-            red_v[threadIdx.x] += red_v[threadIdx.x + w];
-        }
-        __syncthreads();
-    }
+    const int64_t i = i0 + threadIdx.x, tok = i * B + b;
+    const bool valid = i < i1 && t.padding_mask[tok] == 0;
+    const R z = valid ? t.lse[tok] * t.lse[tok] : R(0);
+    using ReduceR = cub::BlockReduce<R, kLossChunk>;
+    using ReduceI = cub::BlockReduce<int, kLossChunk>;
+    __shared__ typename ReduceR::TempStorage temp_r;
+    __shared__ typename ReduceI::TempStorage temp_i;
+    const R z_sum = ReduceR(temp_r).Sum(z);
+    const int n_valid = ReduceI(temp_i).Sum(int(valid));
     if (threadIdx.x == 0) {
-        t.score_sums[b * E + e] = red_r[0];
-        t.aux_counts[b * E + e] = red_a[0];
-        t.valid_counts[b * E + e] = red_v[0];
+        t.chunk_scores[C * B * E + c * B + b] = z_sum;
+        t.chunk_counts[2 * C * B * E + c * B + b] = n_valid;
     }
 }
 
@@ -105,12 +113,23 @@ __device__ R block_sum(R v, R* red) {
 template <typename R>
 __global__ void loss_values_kernel(RouterShape s, LossShape ls, LossTensors<R> t) {
     __shared__ R red[kLossThreads];
-    const int64_t T = s.num_tokens, E = s.num_experts, B = s.micro_batch_size;
+    const int64_t E = s.num_experts, B = s.micro_batch_size, C = loss_chunks(s.seq_length);
     const R k = R(s.topk), scale = R(ls.backward_scale);
+    // Fold column_stats_kernel's chunks, in chunk order.
+    for (int64_t be = threadIdx.x; be < B * E; be += blockDim.x) {
+        R sum = 0;
+        int acount = 0, vcount = 0;
+        for (int64_t c = 0; c < C; ++c) {
+            sum += t.chunk_scores[c * B * E + be];
+            acount += t.chunk_counts[c * B * E + be];
+            vcount += t.chunk_counts[C * B * E + c * B * E + be];
+        }
+        t.score_sums[be] = sum, t.aux_counts[be] = acount, t.valid_counts[be] = vcount;
+    }
     R nv = 0, z = 0;
-    for (int64_t tok = threadIdx.x; tok < T; tok += blockDim.x)
-        if (!t.padding_mask[tok]) nv += 1, z += t.lse[tok] * t.lse[tok];
-    const R n_valid = block_sum(nv, red);
+    for (int64_t cb = threadIdx.x; cb < C * B; cb += blockDim.x)
+        nv += R(t.chunk_counts[2 * C * B * E + cb]), z += t.chunk_scores[C * B * E + cb];
+    const R n_valid = block_sum(nv, red);  // block_sum's barriers also publish the folded sums to the block
     const R z_sum = block_sum(z, red);
     const R n_div = max(n_valid, R(1));
     // Megatron switch_load_balancing_loss_func: coeff * E / (k * T_tot^2) * sum_i P_i * tokens_i.
@@ -214,8 +233,9 @@ void losses_forward(const RouterShape& s, const LossShape& ls, const LossTensors
     aux_scores_kernel<R><<<int(ceil_div(s.num_tokens, kWarpsPerBlock)), kWarpsPerBlock * kWarp, smem, stream>>>(
         s, t, ls.need_aux());
     MOEKIT_CUDA_LAUNCH_CHECK();
-    column_stats_kernel<R><<<dim3(unsigned(E), unsigned(s.micro_batch_size)), kLossThreads, 0, stream>>>(
-        s, t, ls.need_aux());
+    MOEKIT_CHECK(t.chunk_scores && t.chunk_counts, "losses_forward: no chunk scratch (loss_chunk_*_elems)");
+    column_stats_kernel<R><<<dim3(unsigned(loss_chunks(s.seq_length)), unsigned(s.micro_batch_size)), kLossChunk, 0,
+                             stream>>>(s, t, ls.need_aux());
     MOEKIT_CUDA_LAUNCH_CHECK();
     loss_values_kernel<R><<<1, kLossThreads, 0, stream>>>(s, ls, t);
     MOEKIT_CUDA_LAUNCH_CHECK();

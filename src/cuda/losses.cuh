@@ -1,6 +1,6 @@
 // CUDA router losses (Megatron §2): aux_loss, seq_aux_loss, global_aux_loss, z-loss values and
 // gradients, plus the expert-bias token counts — all on the device, read by the host only after
-// the step. Statistics are deterministic column reductions (one block per (sequence, expert)).
+// the step. Statistics are deterministic column reductions (per chunk of positions, folded in order).
 // Twin: src/cpu/router.cpp (losses). Test: tests/gpu/test_cuda_stages.cu.
 #pragma once
 #include <cuda_runtime.h>
@@ -40,7 +40,19 @@ struct LossTensors {
     double* local_tokens_per_expert = nullptr;   // [E] expert-bias counts (accumulated)
     double* global_tokens_per_expert = nullptr;  // [E] global_aux_loss tracker (accumulated)
     int32_t* ga_steps = nullptr;                 // [1] global_aux_loss micro-batch count
+    R* chunk_scores = nullptr;     // [loss_chunk_score_elems] per-chunk score sums and z sums (scratch)
+    int32_t* chunk_counts = nullptr;  // [loss_chunk_count_elems] per-chunk aux, valid and valid-token counts (scratch)
 };
+
+// Column statistics are summed per chunk of kLossChunk sequence positions (losses.cu), then folded in order.
+constexpr int kLossChunk = 128;
+constexpr int64_t loss_chunks(int64_t seq_length) { return (seq_length + kLossChunk - 1) / kLossChunk; }
+constexpr int64_t loss_chunk_score_elems(int64_t seq_length, int64_t batch, int64_t experts) {
+    return loss_chunks(seq_length) * batch * (experts + 1);
+}
+constexpr int64_t loss_chunk_count_elems(int64_t seq_length, int64_t batch, int64_t experts) {
+    return loss_chunks(seq_length) * batch * (2 * experts + 1);
+}
 
 // Forward: statistics, loss values, gradient coefficients, tracker updates (training only).
 template <typename R>

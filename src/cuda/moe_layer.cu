@@ -72,11 +72,14 @@ public:
         if (r.sinkhorn) sinkhorn_.resize(T * E), sinkhorn_d0_.resize(T);
         aux_scores_.resize(T * E), aux_map_.resize(T * E), lse_.resize(T);
         score_sums_.resize(B * E), aux_counts_.resize(B * E), valid_counts_.resize(B * E), grad_coeff_.resize(B * E);
+        loss_chunk_scores_.resize(loss_chunk_score_elems(r.seq_length, B, E));
+        loss_chunk_counts_.resize(loss_chunk_count_elems(r.seq_length, B, E));
         z_grad_coeff_.resize(1), losses_.resize(kNumLossSlots), local_tokens_.resize(E), global_tokens_.resize(E);
         tracker_copy_.resize(2 * E), steps_copy_.resize(1);
         ga_steps_.resize(1);
         counts_.resize(E), offsets_.resize(E + 1), rank_.resize(T * E), row_token_.resize(M), row_prob_.resize(M);
         token_offsets_.resize(T + 1), token_rows_.resize(M), token_counts_.resize(T);
+        plan_scratch_.resize(routing_plan_scratch_elems(T, E));
         fc1_out_.resize(Me * F1), act_out_.resize(Me * F), expert_out_.resize(Me * H);
         grad_rows_.resize(Me * H), grad_act_.resize(Me * F), grad_fc1_out_.resize(Me * F1), grad_x_rows_.resize(Me * H);
         grad_row_probs_.resize(Me), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
@@ -291,6 +294,7 @@ private:
         t.grad_coeff = grad_coeff_.get(), t.z_grad_coeff = z_grad_coeff_.get(), t.losses = losses_.get();
         t.local_tokens_per_expert = shape_.router.has_expert_bias ? local_tokens_.get() : nullptr;
         t.global_tokens_per_expert = global_tokens_.get(), t.ga_steps = ga_steps_.get();
+        t.chunk_scores = loss_chunk_scores_.get(), t.chunk_counts = loss_chunk_counts_.get();
         return t;
     }
     RoutingPlan<R> plan() {
@@ -298,7 +302,7 @@ private:
         p.num_tokens = shape_.router.num_tokens, p.num_experts = shape_.router.num_experts, p.max_rows = shape_.max_rows;
         p.counts = counts_.get(), p.offsets = offsets_.get(), p.rank = rank_.get(), p.row_token = row_token_.get();
         p.row_prob = row_prob_.get(), p.token_offsets = token_offsets_.get(), p.token_rows = token_rows_.get();
-        p.token_counts = token_counts_.get();
+        p.token_counts = token_counts_.get(), p.chunk_scratch = plan_scratch_.get();
         return p;
     }
     SharedExpertTensors shared_tensors() {
@@ -319,7 +323,8 @@ private:
         add(expert_bias_, hidden_r_, weight_r_, logits_, probs_, aux_scores_, lse_, score_sums_, grad_coeff_);
         add(z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_);
         add(grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_, topk_idx_, aux_counts_, valid_counts_, ga_steps_);
-        add(counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_, shared_offsets_);
+        add(counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_, plan_scratch_);
+        add(shared_offsets_, loss_chunk_scores_, loss_chunk_counts_);
         add(local_tokens_, global_tokens_, jitter_seed_, sinkhorn_, sinkhorn_d0_, fc1_out_, act_out_);
         add(expert_out_, grad_rows_, grad_act_, grad_fc1_out_, grad_x_rows_, shared_fc1_, shared_fc2_, shared_gate_);
         add(s_fc1_out_, s_act_, s_out_, s_grad_out_, s_grad_act_, s_grad_fc1_out_, s_grad_x_, grad_shared_fc1_);
@@ -392,10 +397,10 @@ private:
     DeviceBuffer<bf16> hidden_, grad_output_, router_weight_, fc1_, fc2_, output_;
     DeviceBuffer<uint8_t> mask_, map_, aux_map_;
     DeviceBuffer<R> expert_bias_, hidden_r_, weight_r_, logits_, probs_, aux_scores_, lse_, score_sums_, grad_coeff_;
-    DeviceBuffer<R> z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_;
+    DeviceBuffer<R> z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_, loss_chunk_scores_;
     DeviceBuffer<float> grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_;
     DeviceBuffer<int32_t> topk_idx_, aux_counts_, valid_counts_, ga_steps_, counts_, offsets_, rank_, row_token_;
-    DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, shared_offsets_;
+    DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, plan_scratch_, shared_offsets_, loss_chunk_counts_;
     DeviceBuffer<double> local_tokens_, global_tokens_, tracker_copy_;
     DeviceBuffer<int32_t> steps_copy_;
     DeviceBuffer<uint64_t> jitter_seed_;

@@ -1,6 +1,11 @@
-// CUDA permutation (see permute.cuh). The plan is built in four deterministic passes: per-expert
-// ranks (block scan down each column), per-token counts, one-block scans for the expert and token
-// offsets, and a per-token walk in ascending expert order that writes both index directions.
+// CUDA permutation (see permute.cuh). The plan is built in three deterministic passes over chunks of
+// kPlanChunk tokens: (1) a block per chunk counts each expert's tokens in the chunk and each token's experts, and
+// writes chunk-local ranks; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each
+// expert's chunks), the expert offsets and the chunks' token bases; (3) a block per chunk scans its token counts
+// into token offsets and walks each token's experts in ascending order, writing both index directions. Every read
+// of the [T, E] map is coalesced (the old per-expert column scans read it a byte per cache line), and no pass
+// scans all T tokens in one block. Same results as src/cpu/permute.cpp, integer-exact.
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -16,34 +21,8 @@ namespace {
 
 constexpr int kScanThreads = 256;
 
-// Block per expert e: rank[t, e] = #{t' < t : map[t', e]}; counts[e] = column sum.
-__global__ void expert_rank_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int32_t* __restrict__ rank,
-                                   int32_t* __restrict__ counts) {
-    using Scan = cub::BlockScan<int, kScanThreads>;
-    __shared__ typename Scan::TempStorage temp;
-    const int64_t e = blockIdx.x;
-    int running = 0;
-    for (int64_t base = 0; base < T; base += kScanThreads) {
-        const int64_t t = base + threadIdx.x;
-        const int flag = t < T ? int(map[t * E + e]) : 0;
-        int excl = 0, total = 0;
-        Scan(temp).ExclusiveSum(flag, excl, total);
-        if (t < T) rank[t * E + e] = running + excl;
-        running += total;
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) counts[e] = running;
-}
-
-__global__ void token_count_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int32_t* __restrict__ out) {
-    const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (t >= T) return;
-    int c = 0;
-    for (int64_t e = 0; e < E; ++e) c += map[t * E + e];
-    out[t] = c;
-}
-
-// Exclusive scan of in[0, n) into out[0, n] (out[n] = total), one block, chunk by chunk.
+// Exclusive scan of in[0, n) into out[0, n] (out[n] = total), one block, chunk by chunk. In place (in == out) is
+// fine: each thread reads its element before any thread writes it.
 __device__ void block_exclusive_scan(const int32_t* in, int64_t n, int32_t* out) {
     using Scan = cub::BlockScan<int, kScanThreads>;
     __shared__ typename Scan::TempStorage temp;
@@ -53,35 +32,104 @@ __device__ void block_exclusive_scan(const int32_t* in, int64_t n, int32_t* out)
         const int v = i < n ? in[i] : 0;
         int excl = 0, total = 0;
         Scan(temp).ExclusiveSum(v, excl, total);
+        __syncthreads();  // every read of this slice is done before it is overwritten
         if (i < n) out[i] = running + excl;
         running += total;
-        __syncthreads();
     }
     if (threadIdx.x == 0) out[n] = running;
 }
 
-// Expert offsets [E + 1] and token offsets [T + 1] in one launch.
-__global__ void offsets_kernel(const int32_t* __restrict__ counts, int64_t E, int32_t* __restrict__ offsets,
-                               const int32_t* __restrict__ token_counts, int64_t T,
-                               int32_t* __restrict__ token_offsets) {
-    block_exclusive_scan(counts, E, offsets);
-    __syncthreads();
-    block_exclusive_scan(token_counts, T, token_offsets);
+// The map's entries are 0 or 1: the routed experts of a token in 4 of them at once.
+__device__ __forceinline__ int bytes_set(uint32_t w) { return int((w * 0x01010101u) >> 24); }
+
+// Pass 1, block per chunk: chunk-local ranks (rank[t, e] = #{t' in the chunk, t' < t : map[t', e]}), per-(chunk,
+// expert) counts, per-token counts and the chunk's token total.
+__global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int32_t* __restrict__ rank,
+                                  int32_t* __restrict__ chunk_counts, int32_t* __restrict__ token_counts,
+                                  int32_t* __restrict__ chunk_tokens) {
+    const int64_t c = blockIdx.x, t0 = c * kPlanChunk, t1 = min(T, t0 + kPlanChunk);
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {  // a thread an expert: each token's row is coalesced
+        int local = 0;
+#pragma unroll 8
+        for (int64_t t = t0; t < t1; ++t) {
+            const int f = map[t * E + e];
+            if (f) rank[t * E + e] = local;
+            local += f;
+        }
+        chunk_counts[c * E + e] = local;
+    }
+    const int64_t t = t0 + threadIdx.x;
+    int n = 0;
+    if (t < T) {
+        const uint8_t* row = map + t * E;
+        int64_t e = 0;
+        if (E % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 4 == 0)
+            for (; e < E; e += 4) n += bytes_set(*reinterpret_cast<const uint32_t*>(row + e));
+        for (; e < E; ++e) n += row[e];
+        token_counts[t] = n;
+    }
+    using Reduce = cub::BlockReduce<int, kPlanChunk>;
+    __shared__ typename Reduce::TempStorage temp;
+    const int total = Reduce(temp).Sum(n);
+    if (threadIdx.x == 0) chunk_tokens[c] = total;
 }
 
-template <typename R>
-__global__ void fill_rows_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs, RoutingPlan<R> p) {
-    const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (t >= p.num_tokens) return;
-    const int64_t E = p.num_experts;
-    int32_t j = p.token_offsets[t];
-    for (int64_t e = 0; e < E; ++e) {
-        if (!map[t * E + e]) continue;
-        const int32_t row = p.offsets[e] + p.rank[t * E + e];
-        p.token_rows[j++] = row;
-        p.row_token[row] = int32_t(t);
-        p.row_prob[row] = probs ? probs[t * E + e] : R(1);
+// Pass 2, one block: chunk_counts -> each chunk's base row inside its expert (in place), expert counts and
+// offsets, chunk_tokens -> each chunk's first token row (in place; chunk_tokens[C] = the total).
+__global__ void plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chunk_counts,
+                                 int32_t* __restrict__ chunk_tokens, int32_t* __restrict__ counts,
+                                 int32_t* __restrict__ offsets) {
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        int running = 0;
+#pragma unroll 8
+        for (int64_t c = 0; c < C; ++c) {
+            const int v = chunk_counts[c * E + e];
+            chunk_counts[c * E + e] = running;
+            running += v;
+        }
+        counts[e] = running;
     }
+    __syncthreads();
+    block_exclusive_scan(counts, E, offsets);
+    __syncthreads();
+    block_exclusive_scan(chunk_tokens, C, chunk_tokens);
+}
+
+// Pass 3, block per chunk, a thread a token: token offsets, then the token's rows in ascending expert order.
+template <typename R>
+__global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs,
+                                 const int32_t* __restrict__ chunk_bases, const int32_t* __restrict__ chunk_tokens,
+                                 RoutingPlan<R> p) {
+    const int64_t T = p.num_tokens, E = p.num_experts, c = blockIdx.x, t = c * kPlanChunk + threadIdx.x;
+    const int n = t < T ? p.token_counts[t] : 0;
+    using Scan = cub::BlockScan<int, kPlanChunk>;
+    __shared__ typename Scan::TempStorage temp;
+    int excl = 0, total = 0;
+    Scan(temp).ExclusiveSum(n, excl, total);
+    int32_t j = chunk_tokens[c] + excl;
+    if (t >= T) return;
+    p.token_offsets[t] = j;
+    if (t == T - 1) p.token_offsets[T] = j + n;
+    const uint8_t* row = map + t * E;
+    const int32_t* base = chunk_bases + c * E;
+    auto take = [&](int64_t e) {
+        const int32_t r = base[e] + p.rank[t * E + e];
+        p.rank[t * E + e] = r;
+        const int32_t out = p.offsets[e] + r;
+        p.token_rows[j++] = out;
+        p.row_token[out] = int32_t(t);
+        p.row_prob[out] = probs ? probs[t * E + e] : R(1);
+    };
+    int64_t e = 0;
+    if (E % 16 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0)  // 16 experts a load; most are not routed
+        for (; e < E; e += 16) {
+            const uint4 v = *reinterpret_cast<const uint4*>(row + e);
+            if ((v.x | v.y | v.z | v.w) == 0) continue;
+            for (int i = 0; i < 16; ++i)
+                if (row[e + i]) take(e + i);
+        }
+    for (; e < E; ++e)
+        if (row[e]) take(e);
 }
 
 // Rows in 16-byte vectors when hidden % 8 == 0, else element by element.
@@ -131,14 +179,22 @@ __global__ void scatter_probs_grad_kernel(RoutingPlan<R> p, const uint8_t* __res
 
 template <typename R>
 void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>& p, cudaStream_t stream) {
-    const int64_t T = p.num_tokens, E = p.num_experts;
-    expert_rank_kernel<<<int(E), kScanThreads, 0, stream>>>(map, T, E, p.rank, p.counts);
+    const int64_t T = p.num_tokens, E = p.num_experts, C = plan_chunks(T);
+    MOEKIT_CHECK(p.chunk_scratch, "build_routing_plan: no chunk scratch (routing_plan_scratch_elems)");
+    if (T == 0) {  // no chunks: the counts and offsets still exist
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * E, stream));
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.offsets, 0, sizeof(int32_t) * (E + 1), stream));
+        MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.token_offsets, 0, sizeof(int32_t), stream));
+        return;
+    }
+    int32_t* chunk_counts = p.chunk_scratch;      // [C, E]: counts, then bases
+    int32_t* chunk_tokens = p.chunk_scratch + C * E;  // [C + 1]
+    plan_count_kernel<<<unsigned(C), kPlanChunk, 0, stream>>>(map, T, E, p.rank, chunk_counts, p.token_counts,
+                                                              chunk_tokens);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    token_count_kernel<<<int(ceil_div(T, 256)), 256, 0, stream>>>(map, T, E, p.token_counts);
+    plan_scan_kernel<<<1, kScanThreads, 0, stream>>>(C, E, chunk_counts, chunk_tokens, p.counts, p.offsets);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    offsets_kernel<<<1, kScanThreads, 0, stream>>>(p.counts, E, p.offsets, p.token_counts, T, p.token_offsets);
-    MOEKIT_CUDA_LAUNCH_CHECK();
-    fill_rows_kernel<R><<<int(ceil_div(T, 128)), 128, 0, stream>>>(map, probs, p);
+    plan_fill_kernel<R><<<unsigned(C), kPlanChunk, 0, stream>>>(map, probs, chunk_counts, chunk_tokens, p);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 

@@ -18,13 +18,21 @@ struct RoutingPlan {
     int64_t max_rows = 0;             // static bound on offsets[E]
     int32_t* counts = nullptr;        // [E] rows per expert
     int32_t* offsets = nullptr;       // [E + 1] exclusive scan of counts
-    int32_t* rank = nullptr;          // [T, E] rank of token t among the tokens routed to e
+    int32_t* rank = nullptr;          // [T, E] rank of token t among the tokens routed to e (where map[t, e] only)
     int32_t* row_token = nullptr;     // [max_rows] source token of each row (first offsets[E] valid)
     R* row_prob = nullptr;            // [max_rows] permuted probs
     int32_t* token_offsets = nullptr; // [T + 1] token t owns token_rows[token_offsets[t], token_offsets[t+1])
     int32_t* token_rows = nullptr;    // [max_rows] rows of each token, ascending (= ascending expert)
     int32_t* token_counts = nullptr;  // [T] rows per token (scratch of the plan build)
+    int32_t* chunk_scratch = nullptr; // [routing_plan_scratch_elems(T, E)] per-chunk counts (scratch of the plan build)
 };
+
+// The plan is built chunk by chunk (permute.cu): kPlanChunk tokens a block.
+constexpr int kPlanChunk = 128;
+constexpr int64_t plan_chunks(int64_t num_tokens) { return (num_tokens + kPlanChunk - 1) / kPlanChunk; }
+constexpr int64_t routing_plan_scratch_elems(int64_t num_tokens, int64_t num_experts) {
+    return plan_chunks(num_tokens) * (num_experts + 1) + 1;
+}
 
 // routing_map [T, E], probs [T, E] -> plan.
 template <typename R>

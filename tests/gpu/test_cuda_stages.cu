@@ -4,6 +4,7 @@
 // router backward (fp32 tolerance). The GPU stage's own inputs are fed to the CPU stage, so each
 // comparison isolates one stage. Jitter draws are checked through the logits (exact draws or the
 // logits would differ by ~eps), Sinkhorn through its matrix against cpu::sinkhorn.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -17,6 +18,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/moe_layer.h"
+#include "cuda/permute.cuh"
 #include "cuda/router.cuh"
 #include "cuda/sinkhorn.cuh"
 #include "gpu/cuda_layer_test_util.h"
@@ -403,6 +405,67 @@ TEST(CudaStages, SinkhornKernelMatchesCpu) {
         const double err = rel_err(got, want);
         EXPECT_LT(err, 1e-3) << "sinkhorn matrix (tolerance: see check_stages)";
         std::printf("  sinkhorn kernel T=%lld E=%lld rel err %.2e\n", (long long)sh.T, (long long)sh.E, err);
+    }
+}
+
+// The routing plan against cpu::build_routing_plan on random maps, exactly: token counts on either side of the
+// plan's 128-token chunks, experts fewer and more than a block's threads and not a multiple of the 16-byte loads,
+// tokens routed nowhere (padding, dropped) and to every expert, one expert taking all tokens.
+TEST(CudaStages, RoutingPlanMatchesCpuAcrossChunks) {
+    SKIP_WITHOUT_GPU();
+    struct Shape {
+        int64_t T, E, k;
+        bool hot;  // every token also routed to expert 0
+    };
+    for (const Shape sh : {Shape{1, 1, 1, false}, Shape{127, 8, 2, false}, Shape{128, 16, 16, false},
+                           Shape{129, 3, 1, true}, Shape{1000, 128, 8, false}, Shape{5000, 300, 6, true},
+                           Shape{16384, 128, 8, false}, Shape{777, 64, 0, false}}) {
+        const uint64_t seed = 7 + uint64_t(sh.T * 31 + sh.E);
+        SCOPED_TRACE("T=" + std::to_string(sh.T) + " E=" + std::to_string(sh.E) + " seed=" + std::to_string(seed));
+        Rng rng(seed);
+        std::vector<uint8_t> map(size_t(sh.T * sh.E), 0);
+        Matrix<float> probs(sh.T, sh.E);
+        for (auto& p : probs.data) p = float(rng.uniform());
+        for (int64_t t = 0; t < sh.T; ++t) {
+            const int64_t k = t % 11 == 3 ? 0 : sh.k;  // some tokens routed nowhere
+            for (int64_t j = 0; j < k; ++j) map[size_t(t * sh.E + int64_t(rng.uniform() * double(sh.E)) % sh.E)] = 1;
+            if (sh.hot) map[size_t(t * sh.E)] = 1;
+        }
+        const cpu::RoutingPlan<float> want = cpu::build_routing_plan(map, probs, sh.T, sh.E);
+        const int64_t N = want.num_rows(), M = std::max<int64_t>(N, 1);
+        cuda::DeviceBuffer<uint8_t> d_map(sh.T * sh.E);
+        cuda::DeviceBuffer<float> d_probs(sh.T * sh.E), row_prob(M);
+        cuda::DeviceBuffer<int32_t> counts(sh.E), offsets(sh.E + 1), rank(sh.T * sh.E), row_token(M),
+            token_offsets(sh.T + 1), token_rows(M), token_counts(sh.T),
+            scratch(cuda::routing_plan_scratch_elems(sh.T, sh.E));
+        d_map.upload(map);
+        d_probs.upload(probs.data);
+        cuda::RoutingPlan<float> p;
+        p.num_tokens = sh.T, p.num_experts = sh.E, p.max_rows = M;
+        p.counts = counts.get(), p.offsets = offsets.get(), p.rank = rank.get(), p.row_token = row_token.get();
+        p.row_prob = row_prob.get(), p.token_offsets = token_offsets.get(), p.token_rows = token_rows.get();
+        p.token_counts = token_counts.get(), p.chunk_scratch = scratch.get();
+        cuda::build_routing_plan<float>(d_map.get(), d_probs.get(), p, nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        ASSERT_EQ(as_i64(counts.download()), want.tokens_per_expert);
+        ASSERT_EQ(as_i64(offsets.download()), want.offsets);
+        ASSERT_EQ(as_i64(token_offsets.download()), want.token_offsets);
+        std::vector<int32_t> rt = row_token.download(), tr = token_rows.download();
+        rt.resize(size_t(N)), tr.resize(size_t(N));
+        EXPECT_EQ(as_i64(rt), want.row_token);
+        EXPECT_EQ(as_i64(tr), want.token_rows);
+        std::vector<float> rp = row_prob.download();
+        rp.resize(size_t(N));
+        EXPECT_EQ(rp, want.permuted_probs);
+        // rank[t, e] (where routed) = the row's place inside its expert
+        const std::vector<int32_t> rk = rank.download();
+        for (int64_t t = 0; t < sh.T; ++t)
+            for (int64_t j = want.token_offsets[size_t(t)]; j < want.token_offsets[size_t(t + 1)]; ++j) {
+                const int64_t row = want.token_rows[size_t(j)];
+                const int64_t e = std::upper_bound(want.offsets.begin(), want.offsets.end(), row) - want.offsets.begin() - 1;
+                ASSERT_TRUE(map[size_t(t * sh.E + e)]);
+                ASSERT_EQ(rk[size_t(t * sh.E + e)], row - want.offsets[size_t(e)]) << "t=" << t << " e=" << e;
+            }
     }
 }
 

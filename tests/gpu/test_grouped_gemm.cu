@@ -111,7 +111,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap128,
-    kCutlassSwap160, kCutlassSwap192, kAuto, kSync
+    kCutlassSwap160, kCutlassSwap192, kCutlassSwap224, kCutlassSwap256, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -126,6 +126,8 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSwap128 ? "cutlass-swap-ab-128x128 (tn: its default)"
            : b == Backend::kCutlassSwap160 ? "cutlass-swap-ab-128x160 (tn: its default)"
            : b == Backend::kCutlassSwap192 ? "cutlass-swap-ab-128x192 (tn: its default)"
+           : b == Backend::kCutlassSwap224 ? "cutlass-swap-ab-128x224 (tn: its default)"
+           : b == Backend::kCutlassSwap256 ? "cutlass-swap-ab-128x256 (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -153,6 +155,8 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassSwap128);
             out.push_back(Backend::kCutlassSwap160);
             out.push_back(Backend::kCutlassSwap192);
+            out.push_back(Backend::kCutlassSwap224);
+            out.push_back(Backend::kCutlassSwap256);
             out.push_back(Backend::kAuto);
         }
     }
@@ -166,7 +170,7 @@ void select(Backend b) {
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap128 || b == Backend::kCutlassSwap160 ||
-        b == Backend::kCutlassSwap192) {
+        b == Backend::kCutlassSwap192 || b == Backend::kCutlassSwap224 || b == Backend::kCutlassSwap256) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -174,6 +178,8 @@ void select(Backend b) {
                            : b == Backend::kCutlassSwap128 ? CutlassConfig::kSwapAB128
                            : b == Backend::kCutlassSwap160 ? CutlassConfig::kSwapAB160
                            : b == Backend::kCutlassSwap192 ? CutlassConfig::kSwapAB192
+                           : b == Backend::kCutlassSwap224 ? CutlassConfig::kSwapAB224
+                           : b == Backend::kCutlassSwap256 ? CutlassConfig::kSwapAB256
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

@@ -276,18 +276,16 @@ void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __n
                     const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
                     const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
-constexpr bool is_swap(CutlassConfig c) {
-    return c == CutlassConfig::kSwapAB128 || c == CutlassConfig::kSwapAB160 || c == CutlassConfig::kSwapAB192;
-}
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
                  const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream) {
-    if (config == CutlassConfig::kSwapAB128)
-        run_grouped<kOp, SwapAB<128>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    else if (config == CutlassConfig::kSwapAB160)
-        run_grouped<kOp, SwapAB<160>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    else
-        run_grouped<kOp, SwapAB<192>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    switch (swap_tokens(config)) {
+        case 128: return run_grouped<kOp, SwapAB<128>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+        case 160: return run_grouped<kOp, SwapAB<160>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+        case 192: return run_grouped<kOp, SwapAB<192>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+        case 224: return run_grouped<kOp, SwapAB<224>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+        default: return run_grouped<kOp, SwapAB<256>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    }
 }
 
 template <Op kOp>
