@@ -60,6 +60,19 @@ struct Choice {
     CutlassConfig config;
 };
 
+// nt / nn of small groups: the transposed product, 192 token rows a tile (kSwapAB; H200, 2026-11-27: the dsv3-e256
+// layer 34.1 -> 30.6 ms, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall|swap|swap-solo picks one for measurements.
+CutlassConfig small_group_config() {
+    static const CutlassConfig c = [] {
+        const char* env = std::getenv("MOEKIT_SMALL_GROUP_CONFIG");
+        if (!env || std::strcmp(env, "swap") == 0) return CutlassConfig::kSwapAB;
+        if (std::strcmp(env, "swap-solo") == 0) return CutlassConfig::kSwapABSolo;
+        MOEKIT_CHECK(std::strcmp(env, "tall") == 0, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected tall, swap or swap-solo");
+        return CutlassConfig::kCooperativeTall;
+    }();
+    return c;
+}
+
 // Per-shape choice between the own TMA kernel and CUTLASS's configurations, from the per-GEMM A/B of
 // bench_grouped_gemm on an H100 (docs/perf.md, "Two grouped-GEMM backends"): rows per group = max_rows / G.
 //  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS computing Cᵀ = W·Aᵀ with 128
@@ -78,23 +91,6 @@ struct Choice {
 //    cooperative vs 6.91-6.92 own TMA and 8.2-9.2 ping-pong; under zipf 1.2 alike. On the H100 of 2026-11-23 the
 //    own kernel led fc1, 6.19 vs 6.79 ms, before CUTLASS's configurations were tuned per shape);
 //  - otherwise the own TMA kernel.
-// nt / nn of small groups: the transposed product with 192 token rows a tile (H200, 2026-11-27: the dsv3-e256
-// layer 34.8 -> 31.3 ms; 128 / 160 token rows 35.4 / 32.3, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall|swap128..
-// swap256 picks another for measurements.
-CutlassConfig small_group_config() {
-    static const CutlassConfig c = [] {
-        const char* env = std::getenv("MOEKIT_SMALL_GROUP_CONFIG");
-        if (!env) return CutlassConfig::kSwapAB192;
-        if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
-        for (CutlassConfig s : {CutlassConfig::kSwapAB128, CutlassConfig::kSwapAB160, CutlassConfig::kSwapAB192,
-                                CutlassConfig::kSwapAB224, CutlassConfig::kSwapAB256})
-            if (std::strcmp(env, str("swap", swap_tokens(s)).c_str()) == 0) return s;
-        MOEKIT_CHECK(false, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected tall or swap128|160|192|224|256");
-        return CutlassConfig::kSwapAB192;
-    }();
-    return c;
-}
-
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
     // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.

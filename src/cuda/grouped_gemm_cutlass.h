@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|split|swap128|swap160|swap192|swap224|swap256).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|split|swap|swap-solo).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -26,25 +26,12 @@ bool cutlass_grouped_gemm_built();
 //                     other; on the device each takes its share of the groups by size (core/wgrad_split_math.h:
 //                     cooperative for wgrad_split()'s small groups, as an ECHO rank's cold experts, and large ones)
 //                     and gives the others no tiles.
-//   kSwapAB128..256 (nt/nn only; tn takes kAuto's choice): the transposed product Cᵀ = W·Aᵀ, 128 weight rows by
-//                     128..256 token rows a tile, cooperative, 2x1 cluster (the token tile multicast): the weights,
-//                     not the few token rows of a small group, fill the 128-row side of the tensor-core tile.
-enum class CutlassConfig {
-    kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize,
-    kSwapAB128, kSwapAB160, kSwapAB192, kSwapAB224, kSwapAB256
-};
-// A SwapAB configuration's token rows a tile; 0 for the others.
-constexpr int swap_tokens(CutlassConfig c) {
-    switch (c) {
-        case CutlassConfig::kSwapAB128: return 128;
-        case CutlassConfig::kSwapAB160: return 160;
-        case CutlassConfig::kSwapAB192: return 192;
-        case CutlassConfig::kSwapAB224: return 224;
-        case CutlassConfig::kSwapAB256: return 256;
-        default: return 0;
-    }
-}
-constexpr bool is_swap(CutlassConfig c) { return swap_tokens(c) > 0; }
+//   kSwapAB (nt/nn only; tn takes kAuto's choice): the transposed product Cᵀ = W·Aᵀ, 128 weight rows by 192
+//                     token rows a tile, cooperative, 2x1 cluster (the token tile multicast): the weights, not the
+//                     few token rows of a small group, fill the tensor-core tile's 128-row side. kSwapABSolo: the
+//                     same on single CTAs (no cluster).
+enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize, kSwapAB, kSwapABSolo };
+constexpr bool is_swap(CutlassConfig c) { return c == CutlassConfig::kSwapAB || c == CutlassConfig::kSwapABSolo; }
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;

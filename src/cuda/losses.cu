@@ -1,6 +1,6 @@
 // CUDA router losses (see losses.cuh). Aux scores: softmax over all E, or sigmoid/sqrtsoftplus
 // renormalised over all E; aux map: plain top-k of those scores (no bias, group limit or
-// dropping); padding rows zeroed. Column statistics per chunk of kLossChunk positions, folded in chunk order: every
+// dropping); padding rows zeroed. Column statistics per chunk of positions, folded in chunk order: every
 // reduction has a fixed order, so results are bitwise stable.
 #include <cub/block/block_reduce.cuh>
 
@@ -58,13 +58,13 @@ __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux
     }
 }
 
-// Block per (chunk of kLossChunk sequence positions, sequence b), a thread an expert (so each token's row is read
-// coalesced): the chunk's partial column sums; a thread a position: its valid-token count and z-loss sum.
+// Block per (chunk of loss_chunk_positions(S) sequence positions, sequence b), a thread an expert (so each token's
+// row is read coalesced): the chunk's partial column sums; a thread a position: its valid-token count and z-loss sum.
 // loss_values_kernel folds the chunks in order, so every sum has a fixed order.
 template <typename R>
 __global__ void column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
     const int64_t E = s.num_experts, B = s.micro_batch_size, c = blockIdx.x, b = blockIdx.y, C = gridDim.x;
-    const int64_t i0 = c * kLossChunk, i1 = min(s.seq_length, i0 + kLossChunk);
+    const int64_t chunk = loss_chunk_positions(s.seq_length), i0 = c * chunk, i1 = min(s.seq_length, i0 + chunk);
     const int64_t slot = (c * B + b) * E;
     for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
         R sum = 0;
@@ -85,8 +85,8 @@ __global__ void column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_a
     const int64_t i = i0 + threadIdx.x, tok = i * B + b;
     const bool valid = i < i1 && t.padding_mask[tok] == 0;
     const R z = valid ? t.lse[tok] * t.lse[tok] : R(0);
-    using ReduceR = cub::BlockReduce<R, kLossChunk>;
-    using ReduceI = cub::BlockReduce<int, kLossChunk>;
+    using ReduceR = cub::BlockReduce<R, kLossThreadsPerChunk>;
+    using ReduceI = cub::BlockReduce<int, kLossThreadsPerChunk>;
     __shared__ typename ReduceR::TempStorage temp_r;
     __shared__ typename ReduceI::TempStorage temp_i;
     const R z_sum = ReduceR(temp_r).Sum(z);
@@ -234,8 +234,8 @@ void losses_forward(const RouterShape& s, const LossShape& ls, const LossTensors
         s, t, ls.need_aux());
     MOEKIT_CUDA_LAUNCH_CHECK();
     MOEKIT_CHECK(t.chunk_scores && t.chunk_counts, "losses_forward: no chunk scratch (loss_chunk_*_elems)");
-    column_stats_kernel<R><<<dim3(unsigned(loss_chunks(s.seq_length)), unsigned(s.micro_batch_size)), kLossChunk, 0,
-                             stream>>>(s, t, ls.need_aux());
+    column_stats_kernel<R><<<dim3(unsigned(loss_chunks(s.seq_length)), unsigned(s.micro_batch_size)),
+                             kLossThreadsPerChunk, 0, stream>>>(s, t, ls.need_aux());
     MOEKIT_CUDA_LAUNCH_CHECK();
     loss_values_kernel<R><<<1, kLossThreads, 0, stream>>>(s, ls, t);
     MOEKIT_CUDA_LAUNCH_CHECK();

@@ -1,5 +1,5 @@
 // CUDA permutation (see permute.cuh). The plan is built in three deterministic passes over chunks of
-// kPlanChunk tokens: (1) a block per chunk counts each expert's tokens in the chunk and each token's experts, and
+// plan_chunk_tokens(T) tokens: (1) a block per chunk counts each expert's tokens in the chunk and each token's experts, and
 // writes chunk-local ranks; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each
 // expert's chunks), the expert offsets and the chunks' token bases; (3) a block per chunk scans its token counts
 // into token offsets and walks each token's experts in ascending order, writing both index directions. Every read
@@ -44,10 +44,10 @@ __device__ __forceinline__ int bytes_set(uint32_t w) { return int((w * 0x0101010
 
 // Pass 1, block per chunk: chunk-local ranks (rank[t, e] = #{t' in the chunk, t' < t : map[t', e]}), per-(chunk,
 // expert) counts, per-token counts and the chunk's token total.
-__global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int32_t* __restrict__ rank,
-                                  int32_t* __restrict__ chunk_counts, int32_t* __restrict__ token_counts,
-                                  int32_t* __restrict__ chunk_tokens) {
-    const int64_t c = blockIdx.x, t0 = c * kPlanChunk, t1 = min(T, t0 + kPlanChunk);
+__global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int64_t chunk,
+                                  int32_t* __restrict__ rank, int32_t* __restrict__ chunk_counts,
+                                  int32_t* __restrict__ token_counts, int32_t* __restrict__ chunk_tokens) {
+    const int64_t c = blockIdx.x, t0 = c * chunk, t1 = min(T, t0 + chunk);
     for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {  // a thread an expert: each token's row is coalesced
         int local = 0;
 #pragma unroll 8
@@ -60,7 +60,7 @@ __global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, in
     }
     const int64_t t = t0 + threadIdx.x;
     int n = 0;
-    if (t < T) {
+    if (t < t1) {
         const uint8_t* row = map + t * E;
         int64_t e = 0;
         if (E % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 4 == 0)
@@ -68,7 +68,7 @@ __global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, in
         for (; e < E; ++e) n += row[e];
         token_counts[t] = n;
     }
-    using Reduce = cub::BlockReduce<int, kPlanChunk>;
+    using Reduce = cub::BlockReduce<int, kPlanThreads>;
     __shared__ typename Reduce::TempStorage temp;
     const int total = Reduce(temp).Sum(n);
     if (threadIdx.x == 0) chunk_tokens[c] = total;
@@ -99,15 +99,16 @@ __global__ void plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chu
 template <typename R>
 __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs,
                                  const int32_t* __restrict__ chunk_bases, const int32_t* __restrict__ chunk_tokens,
-                                 RoutingPlan<R> p) {
-    const int64_t T = p.num_tokens, E = p.num_experts, c = blockIdx.x, t = c * kPlanChunk + threadIdx.x;
-    const int n = t < T ? p.token_counts[t] : 0;
-    using Scan = cub::BlockScan<int, kPlanChunk>;
+                                 int64_t chunk, RoutingPlan<R> p) {
+    const int64_t T = p.num_tokens, E = p.num_experts, c = blockIdx.x, t = c * chunk + threadIdx.x;
+    const bool mine = threadIdx.x < chunk && t < T;
+    const int n = mine ? p.token_counts[t] : 0;
+    using Scan = cub::BlockScan<int, kPlanThreads>;
     __shared__ typename Scan::TempStorage temp;
     int excl = 0, total = 0;
     Scan(temp).ExclusiveSum(n, excl, total);
     int32_t j = chunk_tokens[c] + excl;
-    if (t >= T) return;
+    if (!mine) return;
     p.token_offsets[t] = j;
     if (t == T - 1) p.token_offsets[T] = j + n;
     const uint8_t* row = map + t * E;
@@ -179,7 +180,7 @@ __global__ void scatter_probs_grad_kernel(RoutingPlan<R> p, const uint8_t* __res
 
 template <typename R>
 void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>& p, cudaStream_t stream) {
-    const int64_t T = p.num_tokens, E = p.num_experts, C = plan_chunks(T);
+    const int64_t T = p.num_tokens, E = p.num_experts, C = plan_chunks(T), chunk = plan_chunk_tokens(T);
     MOEKIT_CHECK(p.chunk_scratch, "build_routing_plan: no chunk scratch (routing_plan_scratch_elems)");
     if (T == 0) {  // no chunks: the counts and offsets still exist
         MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * E, stream));
@@ -189,12 +190,12 @@ void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>
     }
     int32_t* chunk_counts = p.chunk_scratch;      // [C, E]: counts, then bases
     int32_t* chunk_tokens = p.chunk_scratch + C * E;  // [C + 1]
-    plan_count_kernel<<<unsigned(C), kPlanChunk, 0, stream>>>(map, T, E, p.rank, chunk_counts, p.token_counts,
-                                                              chunk_tokens);
+    plan_count_kernel<<<unsigned(C), kPlanThreads, 0, stream>>>(map, T, E, chunk, p.rank, chunk_counts,
+                                                                p.token_counts, chunk_tokens);
     MOEKIT_CUDA_LAUNCH_CHECK();
     plan_scan_kernel<<<1, kScanThreads, 0, stream>>>(C, E, chunk_counts, chunk_tokens, p.counts, p.offsets);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    plan_fill_kernel<R><<<unsigned(C), kPlanChunk, 0, stream>>>(map, probs, chunk_counts, chunk_tokens, p);
+    plan_fill_kernel<R><<<unsigned(C), kPlanThreads, 0, stream>>>(map, probs, chunk_counts, chunk_tokens, chunk, p);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 

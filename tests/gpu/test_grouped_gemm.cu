@@ -110,8 +110,8 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap128,
-    kCutlassSwap160, kCutlassSwap192, kCutlassSwap224, kCutlassSwap256, kAuto, kSync
+    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap,
+    kCutlassSwapSolo, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -123,11 +123,8 @@ const char* name(Backend b) {
            : b == Backend::kAuto           ? "per-shape choice"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
-           : b == Backend::kCutlassSwap128 ? "cutlass-swap-ab-128x128 (tn: its default)"
-           : b == Backend::kCutlassSwap160 ? "cutlass-swap-ab-128x160 (tn: its default)"
-           : b == Backend::kCutlassSwap192 ? "cutlass-swap-ab-128x192 (tn: its default)"
-           : b == Backend::kCutlassSwap224 ? "cutlass-swap-ab-128x224 (tn: its default)"
-           : b == Backend::kCutlassSwap256 ? "cutlass-swap-ab-128x256 (tn: its default)"
+           : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
+           : b == Backend::kCutlassSwapSolo ? "cutlass-swap-ab-no-cluster (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -152,11 +149,8 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassTall);
             out.push_back(Backend::kCutlassPingpong);
             out.push_back(Backend::kCutlassSplit);
-            out.push_back(Backend::kCutlassSwap128);
-            out.push_back(Backend::kCutlassSwap160);
-            out.push_back(Backend::kCutlassSwap192);
-            out.push_back(Backend::kCutlassSwap224);
-            out.push_back(Backend::kCutlassSwap256);
+            out.push_back(Backend::kCutlassSwap);
+            out.push_back(Backend::kCutlassSwapSolo);
             out.push_back(Backend::kAuto);
         }
     }
@@ -169,17 +163,13 @@ void select(Backend b) {
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap128 || b == Backend::kCutlassSwap160 ||
-        b == Backend::kCutlassSwap192 || b == Backend::kCutlassSwap224 || b == Backend::kCutlassSwap256) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlassSwapSolo) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
-                           : b == Backend::kCutlassSwap128 ? CutlassConfig::kSwapAB128
-                           : b == Backend::kCutlassSwap160 ? CutlassConfig::kSwapAB160
-                           : b == Backend::kCutlassSwap192 ? CutlassConfig::kSwapAB192
-                           : b == Backend::kCutlassSwap224 ? CutlassConfig::kSwapAB224
-                           : b == Backend::kCutlassSwap256 ? CutlassConfig::kSwapAB256
+                           : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
+                           : b == Backend::kCutlassSwapSolo ? CutlassConfig::kSwapABSolo
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

@@ -32,9 +32,8 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
-            for (CutlassConfig c : {CutlassConfig::kSwapAB128, CutlassConfig::kSwapAB160, CutlassConfig::kSwapAB192,
-                                    CutlassConfig::kSwapAB224, CutlassConfig::kSwapAB256})
-                if (!wgrad && std::strcmp(env, str("swap", swap_tokens(c)).c_str()) == 0) return c;
+            if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
+            if (std::strcmp(env, "swap-solo") == 0 && !wgrad) return CutlassConfig::kSwapABSolo;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
         // by rows per group only.

@@ -61,17 +61,19 @@ struct Pingpong {
     using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-// Small groups computed transposed (OpTraits' kSwap): 128 weight rows by kTokens token rows a tile. wgmma's N
-// comes in steps of 8, so a group of ~150 rows pads to a 160-row tile instead of a 256-row one (dsv3-e256: 100..156
-// rows a group; the 256x128 tile spends half its math on padding and is compute-bound where the weights' bytes
-// should bound it). The 2x1 cluster multicasts the token tile to the CTA of the next 128 weight rows.
-template <int kTokens>
+// Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
+// rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
+// once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
+// bound it. Measured on an H200 (docs/perf.md, 2026-11-27): 192 token rows beat 128 / 160 / 224 / 256 (dsv3-e256
+// layer 30.4-30.6 ms vs 35.4 / 32.4 / 37.3 / 33.7; the 256x128 tile 33.7-34.1). kClusterM 2: the token tile is
+// multicast to the CTA of the next 128 weight rows.
+template <int kClusterM>
 struct SwapAB {
     static constexpr bool kSwap = true;
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-    using Tile = cute::Shape<cute::_128, cute::Int<kTokens>, cute::_64>;
-    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+    using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
+    using Cluster = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
 };
 template <class Config>
 constexpr bool swapped() {
@@ -279,13 +281,10 @@ void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __n
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
                  const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream) {
-    switch (swap_tokens(config)) {
-        case 128: return run_grouped<kOp, SwapAB<128>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-        case 160: return run_grouped<kOp, SwapAB<160>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-        case 192: return run_grouped<kOp, SwapAB<192>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-        case 224: return run_grouped<kOp, SwapAB<224>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-        default: return run_grouped<kOp, SwapAB<256>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    }
+    if (config == CutlassConfig::kSwapABSolo)
+        run_grouped<kOp, SwapAB<1>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    else
+        run_grouped<kOp, SwapAB<2>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
 template <Op kOp>
