@@ -61,13 +61,12 @@ struct Choice {
 };
 
 // nt / nn of small groups: the transposed product, 192 token rows a tile (kSwapAB; H200, 2026-11-27: the dsv3-e256
-// layer 34.1 -> 30.6 ms, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall|swap|swap-solo picks one for measurements.
+// layer 34.1 -> 30.6 ms, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall picks the 256x128 tile for measurements.
 CutlassConfig small_group_config() {
     static const CutlassConfig c = [] {
         const char* env = std::getenv("MOEKIT_SMALL_GROUP_CONFIG");
         if (!env || std::strcmp(env, "swap") == 0) return CutlassConfig::kSwapAB;
-        if (std::strcmp(env, "swap-solo") == 0) return CutlassConfig::kSwapABSolo;
-        MOEKIT_CHECK(std::strcmp(env, "tall") == 0, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected tall, swap or swap-solo");
+        MOEKIT_CHECK(std::strcmp(env, "tall") == 0, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected swap or tall");
         return CutlassConfig::kCooperativeTall;
     }();
     return c;

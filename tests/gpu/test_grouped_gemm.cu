@@ -111,7 +111,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap,
-    kCutlassSwapSolo, kAuto, kSync
+    kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -124,7 +124,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
-           : b == Backend::kCutlassSwapSolo ? "cutlass-swap-ab-no-cluster (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -150,7 +149,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassPingpong);
             out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kCutlassSwap);
-            out.push_back(Backend::kCutlassSwapSolo);
             out.push_back(Backend::kAuto);
         }
     }
@@ -163,13 +161,12 @@ void select(Backend b) {
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlassSwapSolo) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
                            : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
-                           : b == Backend::kCutlassSwapSolo ? CutlassConfig::kSwapABSolo
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

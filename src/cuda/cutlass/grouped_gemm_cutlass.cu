@@ -25,7 +25,7 @@ namespace cutlass_detail {
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
-    if (is_swap(requested) && wgrad) requested = CutlassConfig::kAuto;                      // nt / nn only
+    if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
@@ -33,7 +33,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
             if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
-            if (std::strcmp(env, "swap-solo") == 0 && !wgrad) return CutlassConfig::kSwapABSolo;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
         // by rows per group only.
@@ -41,7 +40,7 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (rows_per_group < kSmallGroupRows || rows_per_group >= kLargeGroupRows) return CutlassConfig::kCooperative;
             return wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong;
         }
-        return rows_per_group < kSmallGroupRows ? CutlassConfig::kCooperativeTall : CutlassConfig::kCooperative;
+        return rows_per_group < kSmallGroupRows ? CutlassConfig::kSwapAB : CutlassConfig::kCooperative;
     }
     return requested;
 }

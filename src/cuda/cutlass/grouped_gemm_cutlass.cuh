@@ -65,20 +65,17 @@ struct Pingpong {
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
 // bound it. Measured on an H200 (docs/perf.md, 2026-11-27): 192 token rows beat 128 / 160 / 224 / 256 (dsv3-e256
-// layer 30.4-30.6 ms vs 35.4 / 32.4 / 37.3 / 33.7; the 256x128 tile 33.7-34.1). kClusterM 2: the token tile is
-// multicast to the CTA of the next 128 weight rows.
-template <int kClusterM>
+// layer 30.4-30.6 ms vs 35.4 / 32.4 / 37.3 / 33.7; the 256x128 tile 33.7-34.1). The 2x1 cluster multicasts the
+// token tile to the CTA of the next 128 weight rows (single CTAs: 31.7 ms).
 struct SwapAB {
-    static constexpr bool kSwap = true;
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
-    using Cluster = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
 template <class Config>
 constexpr bool swapped() {
-    if constexpr (requires { Config::kSwap; }) return Config::kSwap;
-    return false;
+    return std::is_same_v<Config, SwapAB>;
 }
 
 template <Op kOp, class Config>
@@ -275,16 +272,13 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 // nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
 // instantiations compile in parallel).
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
+                    const int32_t* d_offsets, cudaStream_t stream);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
+                    const int32_t* d_offsets, cudaStream_t stream);
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream) {
-    if (config == CutlassConfig::kSwapABSolo)
-        run_grouped<kOp, SwapAB<1>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    else
-        run_grouped<kOp, SwapAB<2>>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+                 const int32_t* d_offsets, cudaStream_t stream) {
+    run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
 template <Op kOp>
@@ -300,11 +294,11 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
             run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
-    } else if (is_swap(config)) {
+    } else if (config == CutlassConfig::kSwapAB) {
         if constexpr (kOp == Op::kNT)
-            run_swapped_nt(s, A, B, C, d_offsets, config, stream);
+            run_swapped_nt(s, A, B, C, d_offsets, stream);
         else
-            run_swapped_nn(s, A, B, C, d_offsets, config, stream);
+            run_swapped_nn(s, A, B, C, d_offsets, stream);
         return;
     }
     if (config == CutlassConfig::kPingpong)

@@ -1,11 +1,11 @@
-// The CUTLASS grouped GEMM for the nt product in its SwapAB configurations (grouped_gemm_cutlass.cuh).
+// The CUTLASS grouped GEMM for the nt product in its SwapAB configuration (grouped_gemm_cutlass.cuh).
 #include "cuda/cutlass/grouped_gemm_cutlass.cuh"
 
 namespace moekit::cuda::cutlass_detail {
 
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream) {
-    run_swapped<Op::kNT>(s, A, B, C, d_offsets, config, stream);
+                    const int32_t* d_offsets, cudaStream_t stream) {
+    run_swapped<Op::kNT>(s, A, B, C, d_offsets, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail
