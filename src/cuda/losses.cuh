@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "core/chunk_math.h"
+
 #include "cuda/router.cuh"
 #include "moekit/config.h"
 
@@ -44,17 +46,11 @@ struct LossTensors {
     int32_t* chunk_counts = nullptr;  // [loss_chunk_count_elems] per-chunk aux, valid and valid-token counts (scratch)
 };
 
-// Column statistics are summed per chunk of sequence positions (losses.cu), a block of kLossThreadsPerChunk a chunk,
-// then folded in order. A chunk holds S / 128 positions (32 to 128, a power of two): ~128 blocks where S allows.
+// Column statistics are summed per chunk of chunk_length(S, kLossThreadsPerChunk) sequence positions (losses.cu,
+// core/chunk_math.h), a block a chunk, then folded in order.
 constexpr int kLossThreadsPerChunk = 128;
-constexpr int64_t loss_chunk_positions(int64_t seq_length) {
-    int64_t c = 32;
-    while (c < kLossThreadsPerChunk && c * 2 * 128 <= seq_length) c *= 2;
-    return c;
-}
-constexpr int64_t loss_chunks(int64_t seq_length) {
-    return (seq_length + loss_chunk_positions(seq_length) - 1) / loss_chunk_positions(seq_length);
-}
+constexpr int64_t loss_chunk_positions(int64_t seq_length) { return chunk_length(seq_length, kLossThreadsPerChunk); }
+constexpr int64_t loss_chunks(int64_t seq_length) { return chunk_count(seq_length, kLossThreadsPerChunk); }
 constexpr int64_t loss_chunk_score_elems(int64_t seq_length, int64_t batch, int64_t experts) {
     return loss_chunks(seq_length) * batch * (experts + 1);
 }

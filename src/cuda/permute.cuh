@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "core/chunk_math.h"
+
 namespace moekit::cuda {
 
 // Everything lives on the device; only the bounds are host values.
@@ -27,18 +29,11 @@ struct RoutingPlan {
     int32_t* chunk_scratch = nullptr; // [routing_plan_scratch_elems(T, E)] per-chunk counts (scratch of the plan build)
 };
 
-// The plan is built chunk by chunk (permute.cu), a block of kPlanThreads a chunk. A chunk holds T / 128 tokens
-// (32 to 128, a power of two): ~128 blocks where T allows, and neither a chunk's walk nor the walk down the chunks
-// gets long.
+// The plan is built chunk by chunk (permute.cu), a block of kPlanThreads a chunk of chunk_length(T, kPlanThreads)
+// tokens (core/chunk_math.h).
 constexpr int kPlanThreads = 128;
-constexpr int64_t plan_chunk_tokens(int64_t num_tokens) {
-    int64_t c = 32;
-    while (c < kPlanThreads && c * 2 * 128 <= num_tokens) c *= 2;
-    return c;
-}
-constexpr int64_t plan_chunks(int64_t num_tokens) {
-    return (num_tokens + plan_chunk_tokens(num_tokens) - 1) / plan_chunk_tokens(num_tokens);
-}
+constexpr int64_t plan_chunk_tokens(int64_t num_tokens) { return chunk_length(num_tokens, kPlanThreads); }
+constexpr int64_t plan_chunks(int64_t num_tokens) { return chunk_count(num_tokens, kPlanThreads); }
 constexpr int64_t routing_plan_scratch_elems(int64_t num_tokens, int64_t num_experts) {
     return plan_chunks(num_tokens) * (num_experts + 1) + 1;
 }
