@@ -243,7 +243,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
     std::snprintf(line, sizeof line,
                   "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s | %8s\n",
-                  "gemm", "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "cl-swap", "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns", "fill");
+                  "gemm", "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "cl-swap", "mma ms",
+                  "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns", "fill");
     out += line;
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {

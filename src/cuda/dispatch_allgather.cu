@@ -42,8 +42,8 @@ public:
         size_t n = 0;
         auto add = [&](const auto&... b) { ((n += b.bytes()), ...); };
         add(hidden_g_, probs_g_, map_g_, map_l_, probs_l_, counts_, offsets_, rank_, row_token_, row_prob_);
-        add(token_offsets_, token_rows_, token_counts_, plan_scratch_, rows_, grad_g_, partial_, recv_, sum_, grad_probs_l_,
-            recv_probs_);
+        add(token_offsets_, token_rows_, token_counts_, plan_scratch_, rows_, grad_g_, partial_, recv_, sum_);
+        add(grad_probs_l_, recv_probs_);
         return n;
     }
     size_t saved_bytes() const override {
@@ -125,7 +125,8 @@ private:
     DeviceBuffer<bf16> hidden_g_, rows_, grad_g_;
     DeviceBuffer<R> probs_g_, probs_l_, row_prob_, grad_probs_l_, recv_probs_;
     DeviceBuffer<uint8_t> map_g_, map_l_;
-    DeviceBuffer<int32_t> counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_, plan_scratch_;
+    DeviceBuffer<int32_t> counts_, offsets_, rank_, row_token_, token_offsets_, token_rows_, token_counts_;
+    DeviceBuffer<int32_t> plan_scratch_;
     DeviceBuffer<float> partial_, recv_, sum_;
 };
 

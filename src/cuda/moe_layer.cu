@@ -400,7 +400,8 @@ private:
     DeviceBuffer<R> z_grad_coeff_, losses_, row_prob_, grad_row_probs_, grad_probs_, grad_logits_, loss_chunk_scores_;
     DeviceBuffer<float> grad_input_, grad_router_weight_, grad_fc1_, grad_fc2_;
     DeviceBuffer<int32_t> topk_idx_, aux_counts_, valid_counts_, ga_steps_, counts_, offsets_, rank_, row_token_;
-    DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, plan_scratch_, shared_offsets_, loss_chunk_counts_;
+    DeviceBuffer<int32_t> token_offsets_, token_rows_, token_counts_, plan_scratch_, shared_offsets_;
+    DeviceBuffer<int32_t> loss_chunk_counts_;
     DeviceBuffer<double> local_tokens_, global_tokens_, tracker_copy_;
     DeviceBuffer<int32_t> steps_copy_;
     DeviceBuffer<uint64_t> jitter_seed_;

@@ -1,9 +1,9 @@
 // CUDA permutation (see permute.cuh). The plan is built in three deterministic passes over chunks of
-// plan_chunk_tokens(T) tokens: (1) a block per chunk counts each expert's tokens in the chunk and each token's experts, and
-// writes chunk-local ranks; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each
-// expert's chunks), the expert offsets and the chunks' token bases; (3) a block per chunk scans its token counts
-// into token offsets and walks each token's experts in ascending order, writing both index directions. Every read
-// of the [T, E] map is coalesced (the old per-expert column scans read it a byte per cache line), and no pass
+// plan_chunk_tokens(T) tokens: (1) a block per chunk counts each expert's tokens in the chunk and each token's
+// experts, and writes chunk-local ranks; (2) one block turns the per-chunk counts into per-chunk bases (a running sum
+// down each expert's chunks), the expert offsets and the chunks' token bases; (3) a block per chunk scans its token
+// counts into token offsets and walks each token's experts in ascending order, writing both index directions. Every
+// read of the [T, E] map is coalesced (the old per-expert column scans read it a byte per cache line), and no pass
 // scans all T tokens in one block. Same results as src/cpu/permute.cpp, integer-exact.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -188,7 +188,7 @@ void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>
         MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.token_offsets, 0, sizeof(int32_t), stream));
         return;
     }
-    int32_t* chunk_counts = p.chunk_scratch;      // [C, E]: counts, then bases
+    int32_t* chunk_counts = p.chunk_scratch;          // [C, E]: counts, then bases
     int32_t* chunk_tokens = p.chunk_scratch + C * E;  // [C + 1]
     plan_count_kernel<<<unsigned(C), kPlanThreads, 0, stream>>>(map, T, E, chunk, p.rank, chunk_counts,
                                                                 p.token_counts, chunk_tokens);

@@ -1,6 +1,7 @@
 // Host side shared by the CUTLASS grouped GEMMs (grouped_gemm_cutlass.h): the tile-configuration choice, the
 // per-stream argument/workspace buffers, and the zeroing of empty wgrad groups. The three products are
-// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu (one translation unit each: they compile in parallel).
+// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu and the swapped nt / nn in grouped_gemm_cutlass_swap_{nt,nn}.cu
+// (one translation unit each: they compile in parallel).
 #include <atomic>
 #include <cstdlib>
 #include <cstring>

@@ -1,5 +1,6 @@
 // CUTLASS SM90 pointer-array grouped GEMMs behind grouped_gemm_cutlass.h. One template per product (nt, nn, tn),
-// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu with the three tile configurations each.
+// instantiated in grouped_gemm_cutlass_{nt,nn,tn}.cu with the three tile configurations each, and the small groups'
+// swapped nt / nn (SwapAB) in grouped_gemm_cutlass_swap_{nt,nn}.cu.
 // Sync-free: a one-block kernel turns the device offsets into CUTLASS's per-group problem shapes, pointers and
 // strides (in a per-stream argument buffer), and CUTLASS is given no host shapes: its persistent grid covers the
 // SMs and its group scheduler reads the shapes on the device. Empty groups get no tiles (M = 0); for wgrad without
@@ -247,8 +248,9 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     char* ws = static_cast<char*>(stream_workspace(stream, args_bytes + cutlass_bytes));
     const GroupArgs<G> a = carve_group_args<G>(ws, groups, &args_bytes);
     const typename G::Gemm::Arguments args = make_args(a);
-    fill_group_args<kOp, G, swapped<Config>()><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k), A, B, C,
-                                                   int(s.second_from), s.second, share, wgrad_split());
+    fill_group_args<kOp, G, swapped<Config>()><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k),
+                                                                      A, B, C, int(s.second_from), s.second, share,
+                                                                      wgrad_split());
     MOEKIT_CUDA_LAUNCH_CHECK();
     // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched.
     if (kOp == Op::kTN && write == WgradWrite::overwrite && share != Share::kPingpong) {  // a split pair: its first
