@@ -1,6 +1,7 @@
 // Grouped expert GEMMs per preset: fc1/fc2 forward, dgrad and wgrad timed for the grouped wgmma and mma.sync
 // kernels, the synchronous cuBLAS baseline and dense cuBLAS GEMMs of the same FLOPs (the floor).
-// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--iters N] [--json FILE] [--mlp]
+// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--iters N] [--rounds R] [--json FILE] [--mlp]
+// (--rounds: every column timed once a round, rounds interleaved, the median printed; default 3).
 // (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
 #include <cstdio>
 #include <string>
@@ -14,6 +15,7 @@ int main(int argc, char** argv) {
     using namespace moekit::cuda::bench;
     std::string preset = "all", json_path;
     Options o;
+    o.rounds = 3;
     bool mlp = false;
     return moekit::cuda::bench::bench_main("bench_grouped_gemm", [&]() -> int {
         for (int i = 1; i < argc; ++i) {
@@ -28,6 +30,8 @@ int main(int argc, char** argv) {
                 o.zipf_s = parse_skew(value());
             else if (a == "--iters")
                 o.iters = std::stoi(value());
+            else if (a == "--rounds")
+                o.rounds = std::stoi(value());
             else if (a == "--json")
                 json_path = value();
             else if (a == "--mlp")
@@ -35,6 +39,7 @@ int main(int argc, char** argv) {
             else
                 throw moekit::UsageError("unknown flag " + a);
         }
+        MOEKIT_REQUIRE(o.iters >= 1 && o.rounds >= 1 && o.rounds <= 100, "--iters and --rounds must be positive (rounds <= 100)");
         nlohmann::json all = nlohmann::json::array();
         for (auto& p : presets()) {
             if (preset != "all" && preset != p.name) continue;

@@ -2,7 +2,9 @@
 // in one CUDA graph in global capture mode, so any host sync would fail it) vs the synchronous cuBLAS baseline
 // (host syncs counted) vs the floor (dense cuBLAS GEMMs of the expert GEMMs' shapes, same run).
 #include <cmath>
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <numeric>
 #include <utility>
 
@@ -180,6 +182,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
     cudaStream_t s;
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     nlohmann::json out = header(q, o);
+    out["rounds"] = o.rounds;
     out["gemms"] = nlohmann::json::array();
     for (auto& c : gemm_cases(q, dy.ptr, dact.ptr, dh.ptr, dx.ptr)) {
         nlohmann::json r{{"name", c.name},
@@ -189,41 +192,65 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                          {"n", c.n},
                          {"k", c.k},
                          {"gflop", gemm_flops(q, c) / 1e9}};
-        // The sync-free configurations are timed as the layer runs them, by graph replays (two CUTLASS launches
-        // of a split wgrad then cost no host time on the GPU's clock); the sync baseline cannot be captured.
-        auto t = [&](auto&& fn) { return graph_time_ms(fn, s, o.warmup, o.iters); };
-        if (is_hopper()) {
-            set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
-            r["tma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
-            if (cutlass_grouped_gemm_built()) {
-                set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
-                for (auto [key, config] : {std::pair{"cutlass_coop_ms", CutlassConfig::kCooperative},
-                                           std::pair{"cutlass_tall_ms", CutlassConfig::kCooperativeTall},
-                                           std::pair{"cutlass_pingpong_ms", CutlassConfig::kPingpong}}) {
-                    set_cutlass_config(config);
-                    r[key] = t([&] { run_case(kGrouped, q, c, s); });
-                }
-                if (c.op != Op::kTN) {  // computed transposed (the small groups' choice)
-                    set_cutlass_config(CutlassConfig::kSwapAB);
-                    r["cutlass_swap_ms"] = t([&] { run_case(kGrouped, q, c, s); });
-                }
-                if (c.op == Op::kTN && wgrad_split_on()) {  // wgrad groups split by size between the two
-                    set_cutlass_config(CutlassConfig::kSplitBySize);
-                    r["cutlass_split_ms"] = t([&] { run_case(kGrouped, q, c, s); });
-                }
+        // Every column of a GEMM, timed once a round and rounds interleaved (each round starts one column later),
+        // the median reported: single runs of one column drift by up to ~10 % between calls, which must not decide
+        // a per-shape rule. The sync-free columns are timed as the layer runs them, by graph replays (two CUTLASS
+        // launches of a split wgrad then cost no host time on the GPU's clock); the sync baseline cannot be captured.
+        struct Column {
+            const char* key;
+            std::function<double()> time;
+        };
+        std::vector<Column> columns;
+        auto graph = [&](GroupedGemmKernel kernel, CutlassConfig config) {
+            return [&, kernel, config] {
+                set_grouped_gemm_kernel(kernel);
+                set_cutlass_config(config);
+                const double ms = graph_time_ms([&] { run_case(kGrouped, q, c, s); }, s, o.warmup, o.iters);
                 set_cutlass_config(CutlassConfig::kAuto);
+                set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+                return ms;
+            };
+        };
+        columns.push_back({"auto_ms", graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto)});  // the layer's choice
+        if (is_hopper()) {
+            columns.push_back({"tma_ms", graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto)});
+            if (cutlass_grouped_gemm_built()) {
+                columns.push_back({"cutlass_coop_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative)});
+                columns.push_back(
+                    {"cutlass_tall_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperativeTall)});
+                columns.push_back({"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
+                if (c.op != Op::kTN)  // computed transposed (the small groups' choice)
+                    columns.push_back({"cutlass_swap_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB)});
+                if (c.op == Op::kTN && wgrad_split_on())  // wgrad groups split by size between the two
+                    columns.push_back(
+                        {"cutlass_split_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSplitBySize)});
             }
         } else {
-            set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
-            r["mma_ms"] = t([&] { run_case(kGrouped, q, c, s); });
+            columns.push_back({"mma_ms", graph(GroupedGemmKernel::kMmaSync, CutlassConfig::kAuto)});
         }
-        set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
         if (c.op == Op::kTN) {  // the floor of a write-bound wgrad: filling its fp32 gradients once
             const size_t bytes = size_t(q.E) * size_t(c.n) * size_t(c.k) * sizeof(float);
-            r["fill_ms"] = t([&] { MOEKIT_CUDA_CHECK(cudaMemsetAsync(c.C, 0, bytes, s)); });
+            columns.push_back({"fill_ms", [&, bytes] {
+                                   return graph_time_ms([&] { MOEKIT_CUDA_CHECK(cudaMemsetAsync(c.C, 0, bytes, s)); },
+                                                        s, o.warmup, o.iters);
+                               }});
         }
-        r["sync_ms"] = time_ms([&] { run_case(kSync, q, c, s); }, s, o.warmup, o.iters);
-        r["dense_ms"] = t([&] { dense_gemm(c.op, q.rows, c.n, c.k, c.A, c.B, c.C, s); });
+        columns.push_back({"sync_ms", [&] { return time_ms([&] { run_case(kSync, q, c, s); }, s, o.warmup, o.iters); }});
+        columns.push_back({"dense_ms", [&] {
+                               return graph_time_ms([&] { dense_gemm(c.op, q.rows, c.n, c.k, c.A, c.B, c.C, s); }, s,
+                                                    o.warmup, o.iters);
+                           }});
+        const int rounds = std::max(o.rounds, 1), n = int(columns.size());
+        std::vector<std::vector<double>> ms(n);
+        for (int round = 0; round < rounds; ++round)
+            for (int j = 0; j < n; ++j) {
+                const int col = (j + round) % n;
+                ms[col].push_back(columns[col].time());
+            }
+        for (int col = 0; col < n; ++col) {
+            r[columns[col].key] = median(ms[col]);
+            if (rounds > 1) r[std::string(columns[col].key) + "_rounds"] = ms[col];
+        }
         out["gemms"].push_back(r);
     }
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -234,34 +261,34 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
 std::string format_gemm_table(const nlohmann::json& r) {
     std::string out = str(r["preset"].get<std::string>(), " (rows ", r["rows"].get<int64_t>(), ", counts ",
                           r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
-                          r["zipf_s"].get<double>(), ") on ", r["device"].get<std::string>(), "\n");
-    char line[320];
-    // tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90);
-    // cl-split = wgrad groups split between cooperative and ping-pong by size (wgrad_split());
-    // cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn);
-    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; fill (wgrad only) =
-    // cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
+                          r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1), " interleaved rounds) on ",
+                          r["device"].get<std::string>(), "\n");
+    char line[360];
+    // auto = the per-shape choice the layer runs; tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 /
+    // 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by size
+    // (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn);
+    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over
+    // the chosen kernel's (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32
+    // gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
     std::snprintf(line, sizeof line,
-                  "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s | %8s\n",
-                  "gemm", "op", "GFLOP", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "cl-swap", "mma ms",
-                  "sync ms", "dense ms", "TFLOP/s", "dense", "vs dns", "fill");
+                  "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s %6s | %8s\n",
+                  "gemm", "op", "GFLOP", "auto ms", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "cl-swap",
+                  "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "dns/au", "dns/bs", "fill");
     out += line;
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
         double best = INFINITY;
-        for (const char* key :
-             {"mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms", "cutlass_pingpong_ms", "cutlass_split_ms",
-              "cutlass_swap_ms"})
+        for (const char* key : {"auto_ms", "mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms",
+                                "cutlass_pingpong_ms", "cutlass_split_ms", "cutlass_swap_ms"})
             if (g.contains(key)) best = std::min(best, g[key].get<double>());
-        double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>();
-        std::snprintf(
-            line, sizeof line,
-            "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | "
-            "%5.2fx | %8.3f\n",
-            g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, ms(g, "tma_ms"),
-            ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"), ms(g, "cutlass_split_ms"),
-            ms(g, "cutlass_swap_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(), dense,
-            gf / best, gf / dense, best / dense, ms(g, "fill_ms"));
+        const double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>(), chosen = ms(g, "auto_ms");
+        std::snprintf(line, sizeof line,
+                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | "
+                      "%5.2fx %5.2fx | %8.3f\n",
+                      g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, chosen,
+                      ms(g, "tma_ms"), ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
+                      ms(g, "cutlass_split_ms"), ms(g, "cutlass_swap_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(),
+                      dense, gf / chosen, gf / dense, dense / chosen, dense / best, ms(g, "fill_ms"));
         out += line;
     }
     return out;

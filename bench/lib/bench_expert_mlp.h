@@ -23,6 +23,7 @@ struct Options {
     double zipf_s = 0;  // 0: uniform random logits; s > 0: expert e's popularity proportional to 1/(e+1)^s
     int iters = 20;
     int warmup = 3;
+    int rounds = 1;  // bench_gemms: interleaved rounds of every column, the median reported
     uint64_t seed = 1234;
 };
 // Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.
