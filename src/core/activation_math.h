@@ -5,6 +5,8 @@
 #pragma once
 #include <math.h>
 
+#include <type_traits>
+
 #include "core/hd.h"
 
 namespace moekit {
@@ -65,14 +67,26 @@ MOEKIT_HD T sigmoid(T x) {
     return T(1) / (T(1) + exp(-x));
 }
 
+// silu's sigmoid. On the GPU in fp32 its exp and division take the hardware approximations (ex2.approx,
+// rcp.approx: ~1e-6 relative, far below the bf16 rounding of every value they feed): with the accurate expf and
+// division the activation passes were bound by instructions, not memory (qwen3-30b SwiGLU forward 240 us at 51 % of
+// DRAM bandwidth and 74 % of SM issue, ncu, H200, 2026-11-27). Elsewhere (the CPU, fp64) sigmoid itself.
+template <typename T>
+MOEKIT_HD T silu_sigmoid(T x) {
+#ifdef __CUDA_ARCH__
+    if constexpr (std::is_same_v<T, float>) return __fdividef(1.0f, 1.0f + __expf(-x));
+#endif
+    return sigmoid(x);
+}
+
 // silu(x) = x * sigmoid(x); d/dx = s (1 + x (1 - s)).
 template <typename T>
 MOEKIT_HD T silu(T x) {
-    return x * sigmoid(x);
+    return x * silu_sigmoid(x);
 }
 template <typename T>
 MOEKIT_HD T silu_grad(T x) {
-    const T s = sigmoid(x);
+    const T s = silu_sigmoid(x);
     return s * (T(1) + x * (T(1) - s));
 }
 
@@ -144,7 +158,7 @@ MOEKIT_HD void glu_backward(Activation act, T gate, T up, T da, T* d_gate, T* d_
 template <typename T>
 MOEKIT_HD void glu_backward_and_value(Activation act, T gate, T up, T da, T* d_gate, T* d_up, T* a) {
     if (act == Activation::silu) {
-        const T s = sigmoid(gate);
+        const T s = silu_sigmoid(gate);
         const T f = gate * s;                                  // silu(gate)
         *d_gate = da * up * (s * (T(1) + gate * (T(1) - s)));  // silu_grad(gate)
         *d_up = da * f;

@@ -7,6 +7,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "core/hd.h"
 #include "core/rng.h"
@@ -137,6 +138,18 @@ MOEKIT_HD bool value_ranks_before(T v, I i, T w, I j) {
     if (v_nan != w_nan) return w_nan;
     if (!v_nan && v != w) return v > w;
     return i < j;
+}
+
+// An fp32 value's place in value_ranks_before's order as an unsigned key, larger = earlier: numbers by value (-0
+// as +0), every NaN below every number (-inf included) but above 0, the key of "no entry"; equal keys go to the lower
+// index, as value_ranks_before. The CUDA top-k picks a warp's best entry with two integer reductions on it
+// (router_warp.cuh) instead of shuffled comparisons. Test: tests/cpu/test_router.cpp.
+MOEKIT_HD uint32_t topk_order_key(float v) {
+    if (v != v) return 1u;
+    if (v == 0.0f) v = 0.0f;
+    uint32_t b = 0;
+    memcpy(&b, &v, sizeof b);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
 // Total order used by every selection: allowed entries first (a disallowed entry acts like

@@ -23,7 +23,15 @@ __global__ void combine_kernel(const int32_t* __restrict__ token_offsets, const 
     const float gate = shared_gate ? shared_gate[t] : 1.0f;
     for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
         float acc[kPer] = {};
-        for (int32_t j = lo; j < hi; ++j) add_vec(acc, rows[int64_t(token_rows[j]) * vecs + i], 1.0f);
+        int32_t j = lo;
+        // Eight rows' loads in flight before the first add (a row at a time left the pass at ~63 % of DRAM
+        // bandwidth, qwen3-30b, ncu, H200, 2026-11-27); the adds keep ascending row order (reproducible).
+        for (; j + 8 <= hi; j += 8) {
+            V v[8];
+            for (int u = 0; u < 8; ++u) v[u] = rows[int64_t(token_rows[j + u]) * vecs + i];
+            for (int u = 0; u < 8; ++u) add_vec(acc, v[u], 1.0f);
+        }
+        for (; j < hi; ++j) add_vec(acc, rows[int64_t(token_rows[j]) * vecs + i], 1.0f);
         if (shared_out) add_vec(acc, shared_out[t * vecs + i], gate);
         V o;
         __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);

@@ -72,24 +72,29 @@ CutlassConfig small_group_config() {
     return c;
 }
 
-// Per-shape choice between the own TMA kernel and CUTLASS's configurations, from the per-GEMM A/B of
-// bench_grouped_gemm on an H100 (docs/perf.md, "Two grouped-GEMM backends"): rows per group = max_rows / G.
+// Per-shape choice among CUTLASS's configurations (and the own TMA kernel), from bench_grouped_gemm's per-GEMM
+// A/B (docs/perf.md); rows per group = max_rows / G.
 //  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS computing Cᵀ = W·Aᵀ with 128
 //    weight rows x 192 token rows a tile (small_group_config: a whole group in one tile, each weight tile read
 //    once, and the weights rather than a group's ~128 rows fill the tensor-core tile's 128-row side; before it
 //    the 256x128 tile, 20-25% faster than 128-row tiles, which spent half its math on padding rows);
 //    tn CUTLASS cooperative 128x256 (5% faster);
+//  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
+//    forward, fc1 dgrad): CUTLASS cooperative 128x256 (8-10% faster);
+//  - the other nt/nn: CUTLASS ping-pong (each consumer warpgroup's epilogue overlaps the other's main loop). H200,
+//    2026-11-27, median of three interleaved rounds against the own TMA kernel, ms: qwen3-30b fc2 forward 0.721 vs
+//    0.831, fc2 dgrad 0.657 vs 0.679, fc1 forward 1.315 vs 1.329, fc1 dgrad 1.328 vs 1.409; dsv3-ep8 1.495 vs
+//    1.614, 1.495 vs 1.565, 2.959 vs 2.997, 3.008 vs 3.148; mixtral fc1 forward 5.697 vs 6.007, fc2 dgrad 2.862
+//    vs 3.044 (the own kernel was the choice here before);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
 //    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
 //    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h);
-//  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
-//    forward, fc1 dgrad): CUTLASS cooperative (8-10% faster);
 //  - wgrad of large groups: whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x
 //    14336) CUTLASS ping-pong, the others (mixtral fc1 wgrad, 28672 x 4096) CUTLASS cooperative (H200, 2026-11-26,
 //    three runs each: fc2 2.75-2.95 ms ping-pong vs 3.14-3.17 cooperative and 3.43-3.48 own TMA; fc1 6.47-6.57
 //    cooperative vs 6.91-6.92 own TMA and 8.2-9.2 ping-pong; under zipf 1.2 alike. On the H100 of 2026-11-23 the
-//    own kernel led fc1, 6.19 vs 6.79 ms, before CUTLASS's configurations were tuned per shape);
-//  - otherwise the own TMA kernel.
+//    own kernel led fc1, 6.19 vs 6.79 ms, before CUTLASS's configurations were tuned per shape).
+// The own TMA kernel stays the fallback (a C only 8-byte aligned, the hot/cold wgrad interleave, no CUTLASS).
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
     // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
@@ -104,7 +109,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
         return {GroupedGemmKernel::kCutlass, s.n >= 2 * s.k ? CutlassConfig::kPingpong : CutlassConfig::kCooperative};
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
+    return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
 }
 
 template <auto kKernel>
@@ -469,7 +474,7 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
         case GroupedGemmKernel::kWgmma: return "cp.async+wgmma";
         case GroupedGemmKernel::kCutlass: return "cutlass";
         case GroupedGemmKernel::kMmaSync: return "mma.sync";
-        default: return "per shape: tma+wgmma | cutlass";
+        default: return "per shape: cutlass configurations (tma+wgmma fallback)";
     }
 }
 

@@ -1,6 +1,6 @@
 // CUDA router losses (see losses.cuh). Aux scores: softmax over all E, or sigmoid/sqrtsoftplus
 // renormalised over all E; aux map: plain top-k of those scores (no bias, group limit or
-// dropping); padding rows zeroed. Column statistics per chunk of positions, folded in chunk order: every
+// dropping); padding rows zeroed. Column statistics per chunk of positions, folded in a fixed order: every
 // reduction has a fixed order, so results are bitwise stable.
 #include <cub/block/block_reduce.cuh>
 
@@ -17,7 +17,7 @@ using namespace detail;
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kLossThreads = 256;
+constexpr int kLossThreads = 1024;  // loss_values_kernel's one block
 
 // Warp per token: aux scores, aux map (top-k by repeated arg-max), log-sum-exp.
 template <typename R>
@@ -52,41 +52,60 @@ __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux
         map[e] = 0;
     }
     __syncwarp();
-    for (int j = 0; j < s.topk; ++j) {
-        const int i = warp_take_best(sc, taken, E, lane);
-        if (lane == 0 && !pad) map[i] = 1;
-    }
+    const int pick = warp_topk(sc, taken, E, int(s.topk), lane);
+    __syncwarp();  // the row's zeros are written before its picks
+    if (pick >= 0 && !pad) map[pick] = 1;
 }
 
-// Block per (chunk of loss_chunk_positions(S) sequence positions, sequence b), a thread an expert (so each token's
-// row is read coalesced): the chunk's partial column sums; a thread a position: its valid-token count and z-loss sum.
-// loss_values_kernel folds the chunks in order, so every sum has a fixed order.
+// Block per (chunk of loss_chunk_positions(S) sequence positions, sequence b) of kColumnThreads: the chunk's
+// partial column sums, each expert's column split among `parts` thread groups (each walks its share of the
+// positions, coalesced across the experts of a row, then the parts are added in part order); and a thread a
+// position: its valid-token count and z-loss sum. One thread an expert walking all the chunk's positions ran at 6 %
+// of DRAM bandwidth, waiting on each load (qwen3-30b 41 us, ncu, H200, 2026-11-27). loss_values_kernel folds the
+// chunks, so every sum has a fixed order.
+constexpr int kColumnThreads = 512;
 template <typename R>
-__global__ void column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
+__global__ void __launch_bounds__(kColumnThreads) column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
+    __shared__ R part_sum[kColumnThreads];
+    __shared__ int part_aux[kColumnThreads], part_valid[kColumnThreads];
     const int64_t E = s.num_experts, B = s.micro_batch_size, c = blockIdx.x, b = blockIdx.y, C = gridDim.x;
     const int64_t chunk = loss_chunk_positions(s.seq_length), i0 = c * chunk, i1 = min(s.seq_length, i0 + chunk);
     const int64_t slot = (c * B + b) * E;
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+    const int width = int(min(E, int64_t(kColumnThreads))), parts = min(8, kColumnThreads / width);
+    const int lane = int(threadIdx.x) % width, part = int(threadIdx.x) / width;
+    const int64_t per = (i1 - i0 + parts - 1) / parts, p0 = min(i1, i0 + part * per), p1 = min(i1, p0 + per);
+    for (int64_t e0 = 0; e0 < E; e0 += width) {
+        const int64_t e = e0 + lane;
         R sum = 0;
         int acount = 0, vcount = 0;
-#pragma unroll 4
-        for (int64_t i = i0; i < i1; ++i) {
-            const int64_t tok = i * B + b;
-            if (need_aux) {
-                sum += t.aux_scores[tok * E + e];
-                acount += t.aux_map[tok * E + e];
+        if (part < parts && e < E) {
+#pragma unroll 8
+            for (int64_t i = p0; i < p1; ++i) {
+                const int64_t tok = i * B + b;
+                if (need_aux) {
+                    sum += t.aux_scores[tok * E + e];
+                    acount += t.aux_map[tok * E + e];
+                }
+                vcount += t.padding_mask[tok] == 0 && t.routing_map[tok * E + e];
             }
-            vcount += t.padding_mask[tok] == 0 && t.routing_map[tok * E + e];
         }
-        t.chunk_scores[slot + e] = sum;
-        t.chunk_counts[slot + e] = acount;
-        t.chunk_counts[C * B * E + slot + e] = vcount;
+        if (part < parts) part_sum[threadIdx.x] = sum, part_aux[threadIdx.x] = acount, part_valid[threadIdx.x] = vcount;
+        __syncthreads();
+        if (part == 0 && e < E) {
+            for (int q = 1; q < parts; ++q)
+                sum += part_sum[q * width + lane], acount += part_aux[q * width + lane],
+                    vcount += part_valid[q * width + lane];
+            t.chunk_scores[slot + e] = sum;
+            t.chunk_counts[slot + e] = acount;
+            t.chunk_counts[C * B * E + slot + e] = vcount;
+        }
+        __syncthreads();
     }
     const int64_t i = i0 + threadIdx.x, tok = i * B + b;
     const bool valid = i < i1 && t.padding_mask[tok] == 0;
     const R z = valid ? t.lse[tok] * t.lse[tok] : R(0);
-    using ReduceR = cub::BlockReduce<R, kLossThreadsPerChunk>;
-    using ReduceI = cub::BlockReduce<int, kLossThreadsPerChunk>;
+    using ReduceR = cub::BlockReduce<R, kColumnThreads>;
+    using ReduceI = cub::BlockReduce<int, kColumnThreads>;
     __shared__ typename ReduceR::TempStorage temp_r;
     __shared__ typename ReduceI::TempStorage temp_i;
     const R z_sum = ReduceR(temp_r).Sum(z);
@@ -111,20 +130,40 @@ __device__ R block_sum(R v, R* red) {
 
 // One block: loss values, per-(b, e) gradient coefficients, tracker updates.
 template <typename R>
-__global__ void loss_values_kernel(RouterShape s, LossShape ls, LossTensors<R> t) {
+__global__ void __launch_bounds__(kLossThreads) loss_values_kernel(RouterShape s, LossShape ls, LossTensors<R> t) {
     __shared__ R red[kLossThreads];
     const int64_t E = s.num_experts, B = s.micro_batch_size, C = loss_chunks(s.seq_length);
     const R k = R(s.topk), scale = R(ls.backward_scale);
-    // Fold column_stats_kernel's chunks, in chunk order.
-    for (int64_t be = threadIdx.x; be < B * E; be += blockDim.x) {
-        R sum = 0;
-        int acount = 0, vcount = 0;
-        for (int64_t c = 0; c < C; ++c) {
-            sum += t.chunk_scores[c * B * E + be];
-            acount += t.chunk_counts[c * B * E + be];
-            vcount += t.chunk_counts[C * B * E + c * B * E + be];
+    // Fold column_stats_kernel's chunks: each (b, e) by `parts` threads, each summing a run of chunks in chunk order,
+    // the runs then added in run order (one thread walking all C chunks waited on each load: 20 us at qwen3-30b's
+    // 128 chunks, ncu, H200, 2026-11-27).
+    {
+        __shared__ int fold_aux[kLossThreads], fold_valid[kLossThreads];
+        const int64_t BE = B * E;
+        const int width = int(min(BE, int64_t(kLossThreads))), parts = min(8, kLossThreads / width);
+        const int lane = int(threadIdx.x) % width, part = int(threadIdx.x) / width;
+        const int64_t per = (C + parts - 1) / parts, c0 = min(C, part * per), c1 = min(C, c0 + per);
+        for (int64_t be0 = 0; be0 < BE; be0 += width) {
+            const int64_t be = be0 + lane;
+            R sum = 0;
+            int acount = 0, vcount = 0;
+            if (part < parts && be < BE)
+#pragma unroll 4
+                for (int64_t c = c0; c < c1; ++c) {
+                    sum += t.chunk_scores[c * BE + be];
+                    acount += t.chunk_counts[c * BE + be];
+                    vcount += t.chunk_counts[C * BE + c * BE + be];
+                }
+            __syncthreads();  // red is free (a previous round's readers are done)
+            if (part < parts) red[threadIdx.x] = sum, fold_aux[threadIdx.x] = acount, fold_valid[threadIdx.x] = vcount;
+            __syncthreads();
+            if (part == 0 && be < BE) {
+                for (int q = 1; q < parts; ++q)
+                    sum += red[q * width + lane], acount += fold_aux[q * width + lane],
+                        vcount += fold_valid[q * width + lane];
+                t.score_sums[be] = sum, t.aux_counts[be] = acount, t.valid_counts[be] = vcount;
+            }
         }
-        t.score_sums[be] = sum, t.aux_counts[be] = acount, t.valid_counts[be] = vcount;
     }
     R nv = 0, z = 0;
     for (int64_t cb = threadIdx.x; cb < C * B; cb += blockDim.x)
@@ -235,7 +274,7 @@ void losses_forward(const RouterShape& s, const LossShape& ls, const LossTensors
     MOEKIT_CUDA_LAUNCH_CHECK();
     MOEKIT_CHECK(t.chunk_scores && t.chunk_counts, "losses_forward: no chunk scratch (loss_chunk_*_elems)");
     column_stats_kernel<R><<<dim3(unsigned(loss_chunks(s.seq_length)), unsigned(s.micro_batch_size)),
-                             kLossThreadsPerChunk, 0, stream>>>(s, t, ls.need_aux());
+                             kColumnThreads, 0, stream>>>(s, t, ls.need_aux());
     MOEKIT_CUDA_LAUNCH_CHECK();
     loss_values_kernel<R><<<1, kLossThreads, 0, stream>>>(s, ls, t);
     MOEKIT_CUDA_LAUNCH_CHECK();

@@ -1,10 +1,13 @@
 // CUDA permutation (see permute.cuh). The plan is built in three deterministic passes over chunks of
-// plan_chunk_tokens(T) tokens: (1) a block per chunk counts each expert's tokens in the chunk and each token's
-// experts, and writes chunk-local ranks; (2) one block turns the per-chunk counts into per-chunk bases (a running sum
-// down each expert's chunks), the expert offsets and the chunks' token bases; (3) a block per chunk scans its token
-// counts into token offsets and walks each token's experts in ascending order, writing both index directions. Every
-// read of the [T, E] map is coalesced (the old per-expert column scans read it a byte per cache line), and no pass
-// scans all T tokens in one block. Same results as src/cpu/permute.cpp, integer-exact.
+// plan_chunk_tokens(T, E) tokens, each chunk's [chunk, E] slice of the routing map staged in shared memory with one
+// coalesced 16-byte load a thread at a time: (1) a block per chunk counts each expert's tokens in the chunk and each
+// token's experts; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each expert's
+// chunks, split into segments walked in parallel), the expert offsets and the chunks' token bases; (3) a block per
+// chunk ranks its tokens inside each expert (a walk down each column of the staged slice), scans its token counts
+// into token offsets and walks each token's experts in ascending order, writing both index directions. The walks
+// read shared memory only: the global-memory walks before them (a thread an expert stepping down the chunk) ran at
+// 2-3 % of the copy bandwidth (qwen3-30b: 200 us of plan against 240 us of row copies, ncu, H200, 2026-11-27).
+// Same results as src/cpu/permute.cpp, integer-exact.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -19,10 +22,10 @@ namespace moekit::cuda {
 
 namespace {
 
-constexpr int kScanThreads = 256;
+constexpr int kScanThreads = 1024;
 
-// Exclusive scan of in[0, n) into out[0, n] (out[n] = total), one block, chunk by chunk. In place (in == out) is
-// fine: each thread reads its element before any thread writes it.
+// Exclusive scan of in[0, n) into out[0, n] (out[n] = total), one block of kScanThreads, slice by slice. In place
+// (in == out) is fine: each thread reads its element before any thread writes it.
 __device__ void block_exclusive_scan(const int32_t* in, int64_t n, int32_t* out) {
     using Scan = cub::BlockScan<int, kScanThreads>;
     __shared__ typename Scan::TempStorage temp;
@@ -42,31 +45,47 @@ __device__ void block_exclusive_scan(const int32_t* in, int64_t n, int32_t* out)
 // The map's entries are 0 or 1: the routed experts of a token in 4 of them at once.
 __device__ __forceinline__ int bytes_set(uint32_t w) { return int((w * 0x01010101u) >> 24); }
 
-// Pass 1, block per chunk: chunk-local ranks (rank[t, e] = #{t' in the chunk, t' < t : map[t', e]}), per-(chunk,
-// expert) counts, per-token counts and the chunk's token total.
-__global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int64_t chunk,
-                                  int32_t* __restrict__ rank, int32_t* __restrict__ chunk_counts,
-                                  int32_t* __restrict__ token_counts, int32_t* __restrict__ chunk_tokens) {
-    const int64_t c = blockIdx.x, t0 = c * chunk, t1 = min(T, t0 + chunk);
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {  // a thread an expert: each token's row is coalesced
-        int local = 0;
-#pragma unroll 8
-        for (int64_t t = t0; t < t1; ++t) {
-            const int f = map[t * E + e];
-            if (f) rank[t * E + e] = local;
-            local += f;
+// Rows [t0, t0 + rows) of the [T, E] map into the shared tile (row stride plan_tile_stride(E)): 16 bytes a load
+// where rows are 16-byte aligned in global memory, else a byte a load (both coalesced).
+__device__ void stage_chunk(const uint8_t* __restrict__ map, int64_t t0, int rows, int64_t E, int64_t stride,
+                            uint8_t* tile) {
+    const uint8_t* src = map + t0 * E;
+    if (E % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+        const int64_t vecs = E / 16;
+        for (int64_t i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+            const int64_t r = i / vecs, v = i - r * vecs;
+            *reinterpret_cast<uint4*>(tile + r * stride + v * 16) = reinterpret_cast<const uint4*>(src + r * E)[v];
         }
-        chunk_counts[c * E + e] = local;
+    } else {
+        for (int64_t i = threadIdx.x; i < rows * E; i += blockDim.x) {
+            const int64_t r = i / E;
+            tile[r * stride + (i - r * E)] = src[i];
+        }
     }
-    const int64_t t = t0 + threadIdx.x;
+}
+
+// Pass 1, block per chunk: per-(chunk, expert) counts, per-token counts and the chunk's token total.
+__global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, int64_t E, int64_t chunk,
+                                  int32_t* __restrict__ chunk_counts, int32_t* __restrict__ token_counts,
+                                  int32_t* __restrict__ chunk_tokens) {
+    extern __shared__ __align__(16) uint8_t plan_smem[];
+    const int64_t c = blockIdx.x, t0 = c * chunk, stride = plan_tile_stride(E);
+    const int rows = int(min(T, t0 + chunk) - t0);
+    stage_chunk(map, t0, rows, E, stride, plan_smem);
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {  // a thread an expert, down the staged column
+        int n = 0;
+#pragma unroll 8
+        for (int r = 0; r < rows; ++r) n += plan_smem[r * stride + e];
+        chunk_counts[c * E + e] = n;
+    }
     int n = 0;
-    if (t < t1) {
-        const uint8_t* row = map + t * E;
+    if (int(threadIdx.x) < rows) {  // a thread a token (chunk <= blockDim)
+        const uint8_t* row = plan_smem + threadIdx.x * stride;
         int64_t e = 0;
-        if (E % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 4 == 0)
-            for (; e < E; e += 4) n += bytes_set(*reinterpret_cast<const uint32_t*>(row + e));
+        for (; e + 4 <= E; e += 4) n += bytes_set(*reinterpret_cast<const uint32_t*>(row + e));
         for (; e < E; ++e) n += row[e];
-        token_counts[t] = n;
+        token_counts[t0 + threadIdx.x] = n;
     }
     using Reduce = cub::BlockReduce<int, kPlanThreads>;
     __shared__ typename Reduce::TempStorage temp;
@@ -75,19 +94,37 @@ __global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, in
 }
 
 // Pass 2, one block: chunk_counts -> each chunk's base row inside its expert (in place), expert counts and
-// offsets, chunk_tokens -> each chunk's first token row (in place; chunk_tokens[C] = the total).
-__global__ void plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chunk_counts,
+// offsets, chunk_tokens -> each chunk's first token row (in place; chunk_tokens[C] = the total). The chunks of an
+// expert are split into `segs` segments walked by as many threads: each sums its segment, the segment sums are
+// scanned in shared memory, then each thread rewrites its segment as running bases.
+__global__ void __launch_bounds__(kScanThreads) plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chunk_counts,
                                  int32_t* __restrict__ chunk_tokens, int32_t* __restrict__ counts,
                                  int32_t* __restrict__ offsets) {
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
-        int running = 0;
+    __shared__ int32_t seg_sum[kScanThreads];
+    const int width = int(min(E, int64_t(kScanThreads))), segs = min(32, kScanThreads / width);
+    const int lane = int(threadIdx.x) % width, seg = int(threadIdx.x) / width;
+    const int64_t per = (C + segs - 1) / segs, c0 = min(C, int64_t(seg) * per), c1 = min(C, c0 + per);
+    for (int64_t e0 = 0; e0 < E; e0 += width) {
+        const int64_t e = e0 + lane;
+        const bool mine = seg < segs && e < E;
+        int sum = 0;
+        if (mine)
 #pragma unroll 8
-        for (int64_t c = 0; c < C; ++c) {
-            const int v = chunk_counts[c * E + e];
-            chunk_counts[c * E + e] = running;
-            running += v;
+            for (int64_t c = c0; c < c1; ++c) sum += chunk_counts[c * E + e];
+        if (seg < segs) seg_sum[seg * width + lane] = sum;
+        __syncthreads();
+        if (mine) {
+            int running = 0;
+            for (int s2 = 0; s2 < seg; ++s2) running += seg_sum[s2 * width + lane];
+            if (seg == segs - 1) counts[e] = running + sum;
+#pragma unroll 8
+            for (int64_t c = c0; c < c1; ++c) {
+                const int v = chunk_counts[c * E + e];
+                chunk_counts[c * E + e] = running;
+                running += v;
+            }
         }
-        counts[e] = running;
+        __syncthreads();
     }
     __syncthreads();
     block_exclusive_scan(counts, E, offsets);
@@ -95,13 +132,32 @@ __global__ void plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chu
     block_exclusive_scan(chunk_tokens, C, chunk_tokens);
 }
 
-// Pass 3, block per chunk, a thread a token: token offsets, then the token's rows in ascending expert order.
+// Pass 3, block per chunk: the staged slice's routed entries become their chunk-local rank + 1 (a thread an
+// expert down its column; a chunk has at most kPlanThreads tokens, so a byte holds it), then a thread a token:
+// token offsets, and the token's rows in ascending expert order.
 template <typename R>
 __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs,
                                  const int32_t* __restrict__ chunk_bases, const int32_t* __restrict__ chunk_tokens,
                                  int64_t chunk, RoutingPlan<R> p) {
-    const int64_t T = p.num_tokens, E = p.num_experts, c = blockIdx.x, t = c * chunk + threadIdx.x;
-    const bool mine = threadIdx.x < chunk && t < T;
+    extern __shared__ __align__(16) uint8_t plan_smem[];
+    const int64_t T = p.num_tokens, E = p.num_experts, c = blockIdx.x, t0 = c * chunk, stride = plan_tile_stride(E);
+    const int rows = int(min(T, t0 + chunk) - t0);
+    int32_t* base = reinterpret_cast<int32_t*>(plan_smem);  // [E] this chunk's first rank inside each expert
+    int32_t* offset = base + E;                              // [E] the experts' first rows
+    uint8_t* tile = plan_smem + plan_tile_offset(E);
+    stage_chunk(map, t0, rows, E, stride, tile);
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) base[e] = chunk_bases[c * E + e], offset[e] = p.offsets[e];
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        int local = 0;
+        for (int r = 0; r < rows; ++r) {
+            uint8_t& v = tile[r * stride + e];
+            if (v) v = uint8_t(++local);
+        }
+    }
+    __syncthreads();
+    const bool mine = int(threadIdx.x) < rows;
+    const int64_t t = t0 + threadIdx.x;
     const int n = mine ? p.token_counts[t] : 0;
     using Scan = cub::BlockScan<int, kPlanThreads>;
     __shared__ typename Scan::TempStorage temp;
@@ -111,38 +167,45 @@ __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __res
     if (!mine) return;
     p.token_offsets[t] = j;
     if (t == T - 1) p.token_offsets[T] = j + n;
-    const uint8_t* row = map + t * E;
-    const int32_t* base = chunk_bases + c * E;
-    auto take = [&](int64_t e) {
-        const int32_t r = base[e] + p.rank[t * E + e];
+    const uint8_t* row = tile + threadIdx.x * stride;
+    auto take = [&](int64_t e, int local) {
+        const int32_t r = base[e] + local - 1;
         p.rank[t * E + e] = r;
-        const int32_t out = p.offsets[e] + r;
+        const int32_t out = offset[e] + r;
         p.token_rows[j++] = out;
         p.row_token[out] = int32_t(t);
         p.row_prob[out] = probs ? probs[t * E + e] : R(1);
     };
     int64_t e = 0;
-    if (E % 16 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0)  // 16 experts a load; most are not routed
-        for (; e < E; e += 16) {
-            const uint4 v = *reinterpret_cast<const uint4*>(row + e);
-            if ((v.x | v.y | v.z | v.w) == 0) continue;
-            for (int i = 0; i < 16; ++i)
-                if (row[e + i]) take(e + i);
-        }
+    for (; e + 16 <= E; e += 16) {  // 16 experts a load; most are not routed
+        const uint4 v = *reinterpret_cast<const uint4*>(row + e);
+        if ((v.x | v.y | v.z | v.w) == 0) continue;
+        for (int i = 0; i < 16; ++i)
+            if (row[e + i]) take(e + i, row[e + i]);
+    }
     for (; e < E; ++e)
-        if (row[e]) take(e);
+        if (row[e]) take(e, row[e]);
 }
 
-// Rows in 16-byte vectors when hidden % 8 == 0, else element by element.
+// Token by token (a block a token), in 16-byte vectors when hidden % 8 == 0, else element by element: each token
+// row is read once and written to each of its rows. Walking the rows instead read a token once per row, and at
+// qwen3-30b sizes (a 67 MB token matrix, 8 rows a token) the re-reads missed L2: 940 MB of DRAM traffic for 604 MB
+// of data (ncu, H200, 2026-11-27).
 template <typename V>
-__global__ void permute_rows_kernel(const int32_t* __restrict__ offsets, int64_t E, const int32_t* __restrict__ row_token,
-                                    int64_t vecs_per_row, int64_t max_rows, const V* __restrict__ tokens,
+__global__ void permute_rows_kernel(const int32_t* __restrict__ token_offsets, const int32_t* __restrict__ token_rows,
+                                    int64_t T, int64_t vecs_per_row, int64_t max_rows, const V* __restrict__ tokens,
                                     V* __restrict__ rows) {
-    const int64_t num_rows = offsets[E];
-    for (int64_t r = blockIdx.x; r < num_rows && r < max_rows; r += gridDim.x) {
-        const V* src = tokens + int64_t(row_token[r]) * vecs_per_row;
-        V* dst = rows + r * vecs_per_row;
-        for (int64_t i = threadIdx.x; i < vecs_per_row; i += blockDim.x) dst[i] = src[i];
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const int32_t lo = token_offsets[t], hi = token_offsets[t + 1];
+        if (lo == hi) continue;
+        const V* src = tokens + t * vecs_per_row;
+        for (int64_t i = threadIdx.x; i < vecs_per_row; i += blockDim.x) {
+            const V v = src[i];
+            for (int32_t j = lo; j < hi; ++j) {
+                const int64_t r = token_rows[j];
+                if (r < max_rows) rows[r * vecs_per_row + i] = v;
+            }
+        }
     }
 }
 
@@ -180,7 +243,7 @@ __global__ void scatter_probs_grad_kernel(RoutingPlan<R> p, const uint8_t* __res
 
 template <typename R>
 void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>& p, cudaStream_t stream) {
-    const int64_t T = p.num_tokens, E = p.num_experts, C = plan_chunks(T), chunk = plan_chunk_tokens(T);
+    const int64_t T = p.num_tokens, E = p.num_experts, C = plan_chunks(T, E), chunk = plan_chunk_tokens(T, E);
     MOEKIT_CHECK(p.chunk_scratch, "build_routing_plan: no chunk scratch (routing_plan_scratch_elems)");
     if (T == 0) {  // no chunks: the counts and offsets still exist
         MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * E, stream));
@@ -188,27 +251,38 @@ void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>
         MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.token_offsets, 0, sizeof(int32_t), stream));
         return;
     }
+    const int64_t tile = chunk * plan_tile_stride(E), fill_smem = plan_tile_offset(E) + tile;
+    MOEKIT_CHECK(fill_smem <= kPlanMaxSmem, "build_routing_plan: ", E, " experts need ", fill_smem,
+                 " bytes of shared memory a block (at most ", kPlanMaxSmem, ")");
+    if (fill_smem > 48 * 1024) {  // above the default limit of dynamic shared memory
+        MOEKIT_CUDA_CHECK(
+            cudaFuncSetAttribute(plan_fill_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(fill_smem)));
+        MOEKIT_CUDA_CHECK(
+            cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tile)));
+    }
     int32_t* chunk_counts = p.chunk_scratch;          // [C, E]: counts, then bases
     int32_t* chunk_tokens = p.chunk_scratch + C * E;  // [C + 1]
-    plan_count_kernel<<<unsigned(C), kPlanThreads, 0, stream>>>(map, T, E, chunk, p.rank, chunk_counts,
-                                                                p.token_counts, chunk_tokens);
+    plan_count_kernel<<<unsigned(C), kPlanThreads, size_t(tile), stream>>>(map, T, E, chunk, chunk_counts,
+                                                                           p.token_counts, chunk_tokens);
     MOEKIT_CUDA_LAUNCH_CHECK();
     plan_scan_kernel<<<1, kScanThreads, 0, stream>>>(C, E, chunk_counts, chunk_tokens, p.counts, p.offsets);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    plan_fill_kernel<R><<<unsigned(C), kPlanThreads, 0, stream>>>(map, probs, chunk_counts, chunk_tokens, chunk, p);
+    plan_fill_kernel<R><<<unsigned(C), kPlanThreads, size_t(fill_smem), stream>>>(map, probs, chunk_counts,
+                                                                                  chunk_tokens, chunk, p);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
 template <typename R>
 void permute_rows(const RoutingPlan<R>& p, int64_t H, const __nv_bfloat16* tokens, __nv_bfloat16* rows,
                   cudaStream_t stream) {
-    const int grid = int(std::min<int64_t>(std::max<int64_t>(p.max_rows, 1), 8192));
+    if (p.num_tokens == 0) return;
+    const int grid = int(std::min<int64_t>(p.num_tokens, 65535));
     if (H % 8 == 0) {
-        permute_rows_kernel<uint4><<<grid, 128, 0, stream>>>(p.offsets, p.num_experts, p.row_token, H / 8, p.max_rows,
-                                                             reinterpret_cast<const uint4*>(tokens),
+        permute_rows_kernel<uint4><<<grid, 128, 0, stream>>>(p.token_offsets, p.token_rows, p.num_tokens, H / 8,
+                                                             p.max_rows, reinterpret_cast<const uint4*>(tokens),
                                                              reinterpret_cast<uint4*>(rows));
     } else {
-        permute_rows_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(p.offsets, p.num_experts, p.row_token, H,
+        permute_rows_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(p.token_offsets, p.token_rows, p.num_tokens, H,
                                                                      p.max_rows, tokens, rows);
     }
     MOEKIT_CUDA_LAUNCH_CHECK();

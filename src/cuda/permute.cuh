@@ -29,20 +29,37 @@ struct RoutingPlan {
     int32_t* chunk_scratch = nullptr; // [routing_plan_scratch_elems(T, E)] per-chunk counts (scratch of the plan build)
 };
 
-// The plan is built chunk by chunk (permute.cu), a block of kPlanThreads a chunk of chunk_length(T, kPlanThreads)
-// tokens (core/chunk_math.h).
+// The plan is built chunk by chunk (permute.cu), a block of kPlanThreads a chunk, each chunk's [chunk, E] slice of
+// the map staged in shared memory with rows plan_tile_stride(E) bytes apart: a multiple of 16 (16-byte loads) with
+// an odd count of 16-byte words (a warp's loads of 16 bytes from 8 consecutive rows fall in distinct banks). The
+// chunk is chunk_length(T, kPlanThreads) tokens (core/chunk_math.h), halved while the slice passes kPlanTileBytes
+// (many experts).
 constexpr int kPlanThreads = 128;
-constexpr int64_t plan_chunk_tokens(int64_t num_tokens) { return chunk_length(num_tokens, kPlanThreads); }
-constexpr int64_t plan_chunks(int64_t num_tokens) { return chunk_count(num_tokens, kPlanThreads); }
-constexpr int64_t routing_plan_scratch_elems(int64_t num_tokens, int64_t num_experts) {
-    return plan_chunks(num_tokens) * (num_experts + 1) + 1;
+constexpr int64_t kPlanTileBytes = 32 * 1024, kPlanMaxSmem = 200 * 1024;
+MOEKIT_HD constexpr int64_t plan_tile_stride(int64_t num_experts) {
+    const int64_t words = (num_experts + 15) / 16;
+    return 16 * (words % 2 == 1 ? words : words + 1);
+}
+// The fill pass's shared memory: two [E] int arrays, then the tile (16-byte aligned).
+MOEKIT_HD constexpr int64_t plan_tile_offset(int64_t num_experts) { return (8 * num_experts + 15) / 16 * 16; }
+MOEKIT_HD constexpr int64_t plan_chunk_tokens(int64_t num_tokens, int64_t num_experts) {
+    int64_t c = chunk_length(num_tokens, kPlanThreads);
+    while (c > 1 && c * plan_tile_stride(num_experts) > kPlanTileBytes) c /= 2;
+    return c;
+}
+MOEKIT_HD constexpr int64_t plan_chunks(int64_t num_tokens, int64_t num_experts) {
+    return ceil_div(num_tokens, plan_chunk_tokens(num_tokens, num_experts));
+}
+MOEKIT_HD constexpr int64_t routing_plan_scratch_elems(int64_t num_tokens, int64_t num_experts) {
+    return plan_chunks(num_tokens, num_experts) * (num_experts + 1) + 1;
 }
 
 // routing_map [T, E], probs [T, E] -> plan.
 template <typename R>
 void build_routing_plan(const uint8_t* routing_map, const R* probs, const RoutingPlan<R>& plan, cudaStream_t stream);
 
-// rows[r, :] = tokens[row_token[r], :] for r < offsets[E]. tokens [T, H], rows [max_rows, H] bf16.
+// rows[r, :] = tokens[row_token[r], :] for r < min(offsets[E], max_rows), written token by token (each token row
+// read once). tokens [T, H], rows [max_rows, H] bf16.
 template <typename R>
 void permute_rows(const RoutingPlan<R>& plan, int64_t hidden, const __nv_bfloat16* tokens, __nv_bfloat16* rows,
                   cudaStream_t stream);

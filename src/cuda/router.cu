@@ -121,11 +121,7 @@ __global__ void route_kernel(RouterShape s, const R* __restrict__ logits, const 
         __syncwarp();
     }
     // Top-k: lane j keeps the j-th pick (k <= 32, checked in validate()).
-    int my_idx = -1;
-    for (int j = 0; j < K; ++j) {
-        const int i = warp_take_best(sel, taken, E, lane);
-        if (lane == j) my_idx = i;
-    }
+    const int my_idx = warp_topk(sel, taken, E, K, lane);
     R v = 0;
     if (lane < K) v = softmax_post ? l[my_idx] : score_of<R>(fn, l[my_idx], lse);
     R p = v;

@@ -122,6 +122,26 @@ TEST(Router, SqrtSoftplusNormalisedOverK) {
     expect_row(ctx, {0, 0, a / (a + b), b / (a + b)}, {0, 0, 1, 1});
 }
 
+// The GPU top-k's integer key orders entries exactly as value_ranks_before: larger value first, -0 tied with +0,
+// NaN after -inf, ties by index; above 0 (no entry) for every value.
+TEST(Router, TopkOrderKeyMatchesValueOrder) {
+    std::vector<float> vals = {0.0f, -0.0f, 1.0f, -1.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-40f, -1e-40f,
+                               3.4e38f, -3.4e38f, 1.17549435e-38f, 0.5f, -0.5f};
+    Rng rng(17);
+    for (int i = 0; i < 200; ++i) vals.push_back(float((rng.uniform() - 0.5) * std::pow(10.0, 8.0 * (rng.uniform() - 0.5))));
+    for (size_t a = 0; a < vals.size(); ++a) {
+        ASSERT_GT(topk_order_key(vals[a]), 0u) << vals[a];
+        for (size_t b = 0; b < vals.size(); ++b)
+            for (int i : {3, 5})
+                for (int j : {3, 5}) {
+                    const uint32_t ka = topk_order_key(vals[a]), kb = topk_order_key(vals[b]);
+                    const bool by_key = ka > kb || (ka == kb && i < j);
+                    ASSERT_EQ(by_key, value_ranks_before(vals[a], i, vals[b], j))
+                        << vals[a] << "@" << i << " vs " << vals[b] << "@" << j;
+                }
+    }
+}
+
 TEST(Router, TieBreakLowerExpertFirst) {
     auto ctx = route<double>(base_config(4, 2, "sigmoid"), {{1, 3, 3, 3}});
     EXPECT_EQ(ctx.routing_map, (std::vector<uint8_t>{0, 1, 1, 0}));

@@ -409,8 +409,10 @@ TEST(CudaStages, SinkhornKernelMatchesCpu) {
 }
 
 // The routing plan against cpu::build_routing_plan on random maps, exactly: token counts on either side of the
-// plan's chunks (32, 64 and 128 tokens), experts fewer and more than a block's threads and not a multiple of the 16-byte loads,
-// tokens routed nowhere (padding, dropped) and to every expert, one expert taking all tokens.
+// plan's chunks (32, 64 and 128 tokens), experts fewer and more than a block's threads and not a multiple of the
+// 16-byte loads, so many experts that the staged slice shrinks the chunk (2500: 8 tokens) or needs more than the
+// default 48 KB of shared memory (20000), tokens routed nowhere (padding, dropped) and to every expert, one expert
+// taking all tokens.
 TEST(CudaStages, RoutingPlanMatchesCpuAcrossChunks) {
     SKIP_WITHOUT_GPU();
     struct Shape {
@@ -419,7 +421,9 @@ TEST(CudaStages, RoutingPlanMatchesCpuAcrossChunks) {
     };
     for (const Shape sh : {Shape{1, 1, 1, false}, Shape{127, 8, 2, false}, Shape{128, 16, 16, false},
                            Shape{129, 3, 1, true}, Shape{1000, 128, 8, false}, Shape{5000, 300, 6, true},
-                           Shape{9000, 40, 4, true}, Shape{16384, 128, 8, false}, Shape{777, 64, 0, false}}) {
+                           Shape{9000, 40, 4, true}, Shape{16384, 128, 8, false}, Shape{777, 64, 0, false},
+                           Shape{4096, 256, 8, true}, Shape{200, 7, 3, true}, Shape{300, 2500, 8, false},
+                           Shape{40, 20000, 8, true}}) {
         const uint64_t seed = 7 + uint64_t(sh.T * 31 + sh.E);
         SCOPED_TRACE("T=" + std::to_string(sh.T) + " E=" + std::to_string(sh.E) + " seed=" + std::to_string(seed));
         Rng rng(seed);
