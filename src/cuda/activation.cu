@@ -23,18 +23,10 @@ struct alignas(2 * kPer) Vec {
 };
 
 template <int kPer>
-__device__ __forceinline__ Vec<kPer> load_raw(const __nv_bfloat16* p) {
-    return *reinterpret_cast<const Vec<kPer>*>(p);
-}
-template <int kPer>
-__device__ __forceinline__ void to_float(const Vec<kPer>& v, float* out) {
+__device__ __forceinline__ void load(const __nv_bfloat16* p, float* out) {
+    const Vec<kPer> v = *reinterpret_cast<const Vec<kPer>*>(p);
     for (int i = 0; i < kPer; ++i) out[i] = __bfloat162float(v.v[i]);
 }
-
-// A thread's vectors of a row are loaded kBatch at a time before the first is used: one vector in flight a
-// thread left the passes waiting on memory (qwen3-30b SwiGLU forward at 57 % of DRAM bandwidth and 53 % of SM
-// issue, ncu, H200, 2026-11-27). The columns keep their order, so d(prob)'s sums are unchanged.
-constexpr int kBatch = 4;
 template <int kPer>
 __device__ __forceinline__ void store(__nv_bfloat16* p, const float* in) {
     Vec<kPer> v;
@@ -79,27 +71,13 @@ __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __re
     for (int64_t r = G::first(); r < n; r += G::stride()) {
         const __nv_bfloat16* row = fc1 + r * in_cols;
         const R p = probs ? probs[r] : R(1);
-        const int64_t step = int64_t(G::columns_step()) * kPer;
-        for (int64_t f0 = G::lane() * kPer; f0 < F; f0 += kBatch * step) {
-            Vec<kPer> gv[kBatch], uv[kBatch];
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b) {
-                const int64_t f = f0 + b * step;
-                if (f >= F) break;
-                gv[b] = load_raw<kPer>(row + f);
-                if (s.gated) uv[b] = load_raw<kPer>(row + F + f);
-            }
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b) {
-                const int64_t f = f0 + b * step;
-                if (f >= F) break;
-                float g[kPer], u[kPer], a[kPer];
-                to_float<kPer>(gv[b], g);
-                if (s.gated) to_float<kPer>(uv[b], u);
-                for (int i = 0; i < kPer; ++i)
-                    a[i] = float(R(s.gated ? glu_forward(s.act, g[i], u[i]) : activation_forward(s.act, g[i])) * p);
-                store<kPer>(out + r * F + f, a);
-            }
+        for (int64_t f = G::lane() * kPer; f < F; f += G::columns_step() * kPer) {
+            float g[kPer], u[kPer], a[kPer];
+            load<kPer>(row + f, g);
+            if (s.gated) load<kPer>(row + F + f, u);
+            for (int i = 0; i < kPer; ++i)
+                a[i] = float(R(s.gated ? glu_forward(s.act, g[i], u[i]) : activation_forward(s.act, g[i])) * p);
+            store<kPer>(out + r * F + f, a);
         }
     }
 }
@@ -138,39 +116,24 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
         __nv_bfloat16* grow = grad_fc1 + r * in_cols;
         const float p = probs ? float(probs[r]) : 1.0f;
         float dp = 0.0f;
-        const int64_t step = int64_t(G::columns_step()) * kPer;
-        for (int64_t f0 = G::lane() * kPer; f0 < F; f0 += kBatch * step) {
-            Vec<kPer> gov[kBatch], gv[kBatch], uv[kBatch];
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b) {
-                const int64_t f = f0 + b * step;
-                if (f >= F) break;
-                gov[b] = load_raw<kPer>(grad_out + r * F + f);
-                gv[b] = load_raw<kPer>(row + f);
-                if (s.gated) uv[b] = load_raw<kPer>(row + F + f);
-            }
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b) {
-                const int64_t f = f0 + b * step;
-                if (f >= F) break;
-                float go[kPer], g[kPer], u[kPer], dg[kPer], du[kPer];
-                to_float<kPer>(gov[b], go);
-                to_float<kPer>(gv[b], g);
-                if (s.gated) to_float<kPer>(uv[b], u);
-                for (int i = 0; i < kPer; ++i) {
-                    const float da = go[i] * p;
-                    if (s.gated) {
-                        float a;
-                        glu_backward_and_value(s.act, g[i], u[i], da, &dg[i], &du[i], &a);
-                        dp += a * go[i];
-                    } else {
-                        dg[i] = da * activation_grad(s.act, g[i]);
-                        dp += activation_forward(s.act, g[i]) * go[i];
-                    }
+        for (int64_t f = G::lane() * kPer; f < F; f += G::columns_step() * kPer) {
+            float go[kPer], g[kPer], u[kPer], dg[kPer], du[kPer];
+            load<kPer>(grad_out + r * F + f, go);
+            load<kPer>(row + f, g);
+            if (s.gated) load<kPer>(row + F + f, u);
+            for (int i = 0; i < kPer; ++i) {
+                const float da = go[i] * p;
+                if (s.gated) {
+                    float a;
+                    glu_backward_and_value(s.act, g[i], u[i], da, &dg[i], &du[i], &a);
+                    dp += a * go[i];
+                } else {
+                    dg[i] = da * activation_grad(s.act, g[i]);
+                    dp += activation_forward(s.act, g[i]) * go[i];
                 }
-                store<kPer>(grow + f, dg);
-                if (s.gated) store<kPer>(grow + F + f, du);
             }
+            store<kPer>(grow + f, dg);
+            if (s.gated) store<kPer>(grow + F + f, du);
         }
         if (grad_probs) {
             const float total = row_sum<kRowThreads>(dp, red);

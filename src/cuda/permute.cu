@@ -23,7 +23,6 @@ namespace moekit::cuda {
 namespace {
 
 constexpr int kScanThreads = 1024;
-constexpr int kFillBatch = 8;  // plan_fill_kernel: a token's routed experts handled this many at a time
 
 // Exclusive scan of in[0, n) into out[0, n] (out[n] = total), one block of kScanThreads, slice by slice. In place
 // (in == out) is fine: each thread reads its element before any thread writes it.
@@ -168,45 +167,24 @@ __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __res
     if (!mine) return;
     p.token_offsets[t] = j;
     if (t == T - 1) p.token_offsets[T] = j + n;
-    // The token's experts in ascending order, eight at a time: their probs are loaded together before any row is
-    // written (a load a row, each waited on before the next, left the pass at 47 us for qwen3-30b's 16384 tokens).
     const uint8_t* row = tile + threadIdx.x * stride;
-    int ids[kFillBatch];
-    int held = 0;
-    auto flush = [&] {
-        R pr[kFillBatch];
-#pragma unroll
-        for (int u = 0; u < kFillBatch; ++u)
-            if (u < held) pr[u] = probs ? probs[t * E + ids[u]] : R(1);
-#pragma unroll
-        for (int u = 0; u < kFillBatch; ++u)
-            if (u < held) {
-                const int64_t e = ids[u];
-                const int32_t r = base[e] + row[e] - 1;
-                p.rank[t * E + e] = r;
-                const int32_t out = offset[e] + r;
-                p.token_rows[j++] = out;
-                p.row_token[out] = int32_t(t);
-                p.row_prob[out] = pr[u];
-            }
-        held = 0;
-    };
-    auto take = [&](int e) {
-#pragma unroll
-        for (int u = 0; u < kFillBatch; ++u)
-            if (u == held) ids[u] = e;  // a register array: no dynamic index
-        if (++held == kFillBatch) flush();
+    auto take = [&](int64_t e, int local) {
+        const int32_t r = base[e] + local - 1;
+        p.rank[t * E + e] = r;
+        const int32_t out = offset[e] + r;
+        p.token_rows[j++] = out;
+        p.row_token[out] = int32_t(t);
+        p.row_prob[out] = probs ? probs[t * E + e] : R(1);
     };
     int64_t e = 0;
     for (; e + 16 <= E; e += 16) {  // 16 experts a load; most are not routed
         const uint4 v = *reinterpret_cast<const uint4*>(row + e);
         if ((v.x | v.y | v.z | v.w) == 0) continue;
         for (int i = 0; i < 16; ++i)
-            if (row[e + i]) take(int(e + i));
+            if (row[e + i]) take(e + i, row[e + i]);
     }
     for (; e < E; ++e)
-        if (row[e]) take(int(e));
-    flush();
+        if (row[e]) take(e, row[e]);
 }
 
 // Token by token (a block a token), in 16-byte vectors when hidden % 8 == 0, else element by element: each token
