@@ -21,7 +21,6 @@ public:
     size_t allocated_bytes() const override { return rows_.bytes(); }
     size_t saved_bytes() const override { return rows_.bytes(); }
     bf16* expert_rows_buffer() override { return rows_.get(); }
-    bool backward_leaves_expert_rows() const override { return true; }
 
     ExpertInput<R> dispatch(const RoutingPlan<R>& plan, const uint8_t*, const R*, const bf16* hidden,
                             cudaStream_t stream) override {

@@ -97,11 +97,6 @@ public:
                                    const __nv_bfloat16* grad_rows, const R* grad_row_probs, float* grad_input,
                                    bool accumulate, R* grad_probs, cudaStream_t stream) = 0;
 
-    // Whether combine_backward's result and the expert rows dispatch gave stay untouched by dispatch_backward (the
-    // layer then runs fc1's wgrad, which reads the rows, beside it on a second stream). Only the EP = 1 dispatcher
-    // says so; the others reuse their exchange buffers.
-    virtual bool backward_leaves_expert_rows() const { return false; }
-
     // ---- the budgeted dispatcher's step protocol (no-ops elsewhere) ----
     // Reads and clears the device flags (a host sync: call between steps). Throws moekit::Error naming the
     // rank, peer and barrier if a device wait timed out.

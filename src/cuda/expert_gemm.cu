@@ -13,7 +13,7 @@ ExpertGemm expert_gemm(ExpertGemmKind kind) {
     switch (kind) {
         case ExpertGemmKind::grouped:
             return ExpertGemm{&grouped_gemm_nt, &grouped_gemm_nn, &grouped_gemm_tn, &grouped_gemm_nn_glu_backward,
-                              "grouped", true};
+                              "grouped"};
         case ExpertGemmKind::sync_baseline:
 #ifdef MOEKIT_HAVE_SYNC_BASELINE
             return ExpertGemm{&sync_baseline::grouped_gemm_nt, &sync_baseline::grouped_gemm_nn,

@@ -18,10 +18,6 @@ struct ExpertGemm {
     Tn tn = nullptr;  // C[g] = A_gᵀ B_g (wgrad, fp32)
     NnGlu nn_glu_backward = nullptr;  // fc2 dgrad + the gated activation's backward, where the backend fuses it
     const char* name = "";
-    // Whether the layer's backward may run this backend's wgrads on a second stream beside its other passes
-    // (moe_layer.cu): the sync-free grouped GEMMs; the baseline's host waits would serialise the streams anyway, and
-    // it stands for the per-expert path as Megatron runs it.
-    bool overlap_wgrad = false;
 };
 
 enum class ExpertGemmKind { grouped, sync_baseline };

@@ -279,11 +279,10 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
     if constexpr (kCluster == 1) {
-        const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_launch_sms());
+        const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
     } else {
-        const int64_t clusters = std::min<int64_t>(
-            {jobs, int64_t(max_clusters<kKernel, kCluster>(kSmem)), std::max(grouped_gemm_launch_sms() / kCluster, 1)});
+        const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
         cudaLaunchConfig_t cfg{};
         cudaLaunchAttribute attr{};
         attr.id = cudaLaunchAttributeClusterDimension;
@@ -435,14 +434,6 @@ void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, cons
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
 #endif
-
-thread_local int t_sm_budget = 0;  // GemmSmBudgetScope's SMs on this thread (0: all)
-GemmSmBudgetScope::GemmSmBudgetScope(int sms) : previous_(t_sm_budget) { t_sm_budget = std::max(sms, 0); }
-GemmSmBudgetScope::~GemmSmBudgetScope() { t_sm_budget = previous_; }
-int grouped_gemm_launch_sms() {
-    const int all = grouped_gemm_sm_count();
-    return t_sm_budget > 0 ? std::min(t_sm_budget, all) : all;
-}
 
 OwnGemmKernelScope::OwnGemmKernelScope(bool on) : on_(on) {
     if (on_) ++t_own_kernel_only;

@@ -108,21 +108,4 @@ private:
     bool on_;
 };
 
-// The layer's backward runs each wgrad beside the passes that follow its dgrad (moe_layer.cu). While a
-// GemmSmBudgetScope(n) lives on a thread, the grouped GEMMs launched there size their persistent grids for n SMs
-// (n <= 0: all of them), so the kernels of the other stream find the remaining SMs free.
-class GemmSmBudgetScope {
-public:
-    explicit GemmSmBudgetScope(int sms);
-    ~GemmSmBudgetScope();
-    GemmSmBudgetScope(const GemmSmBudgetScope&) = delete;
-    GemmSmBudgetScope& operator=(const GemmSmBudgetScope&) = delete;
-
-private:
-    int previous_;
-};
-// The SMs a grouped GEMM launched on this thread may fill: grouped_gemm_sm_count(), or less under a
-// GemmSmBudgetScope.
-int grouped_gemm_launch_sms();
-
 }  // namespace moekit::cuda

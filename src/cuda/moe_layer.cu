@@ -32,22 +32,6 @@ ExpertGemmKind default_gemm_kind() {
     return env && std::string(env) == "sync_baseline" ? ExpertGemmKind::sync_baseline : ExpertGemmKind::grouped;
 }
 
-// SMs the backward leaves to the passes beside its wgrads (LayerImpl::overlap_wgrads): MOEKIT_WGRAD_OVERLAP_SMS
-// (0 = the wgrads on the main stream), default kWgradSideSms.
-constexpr int kWgradSideSms = 16;
-int wgrad_side_sms() {
-    static const int sms = [] {
-        const char* env = std::getenv("MOEKIT_WGRAD_OVERLAP_SMS");
-        if (!env) return kWgradSideSms;
-        char* end = nullptr;
-        const long v = std::strtol(env, &end, 10);
-        MOEKIT_CHECK(end != env && *end == 0 && v >= 0 && v <= 1024, "MOEKIT_WGRAD_OVERLAP_SMS=", env,
-                     ": expected a count of SMs from 0 (off) to 1024");
-        return int(v);
-    }();
-    return sms;
-}
-
 // An expert GEMM over the L home groups and (ECHO) the S spare-slot groups after them in one launch: the slots take
 // their weights / gradients from slot_base (GroupedGemmShape::second_from). Two launches cost an ECHO rank 2-3 % of
 // its expert time (H200, bench_echo_balance, docs/perf.md).
@@ -118,17 +102,12 @@ public:
         workspace_.resize(int64_t(kCublasWorkspaceBytes));
         MOEKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace_.get(), kCublasWorkspaceBytes));
         for (auto& e : events_) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
-        MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&wgrad_stream_, cudaStreamNonBlocking));
-        for (auto& e : wgrad_events_) MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
         fill_buffers();
     }
     ~LayerImpl() override {
         if (cublas_) cublasDestroy(cublas_);
         for (auto& e : events_)
             if (e) cudaEventDestroy(e);
-        for (auto& e : wgrad_events_)
-            if (e) cudaEventDestroy(e);
-        if (wgrad_stream_) cudaStreamDestroy(wgrad_stream_);
     }
 
     const CudaLayerShape& shape() const override { return shape_; }
@@ -228,17 +207,8 @@ public:
         if (!fused_act)
             gemm_.nn(home_and_slots(L, S, M, F, H, experts_.slot_fc2), grad_rows, buf_.fc2, grad_act_.get(), offsets,
                      stream);
-        // The wgrads beside the passes after their dgrads (overlap_wgrads): fc2's beside the activation backward,
-        // fc1's beside dispatch and router backward; each joins the main stream before anything reads its result.
-        const int wgrad_sms = overlap_wgrads(S);
-        cudaStream_t wgrad_stream = wgrad_sms > 0 ? wgrad_stream_ : stream;
-        if (wgrad_sms > 0) fork_wgrad(stream, 0);
-        {
-            const GemmSmBudgetScope budget(wgrad_sms);
-            gemm_.tn(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2,
-                     offsets, wgrad_write(acc), wgrad_stream);
-        }
-        if (wgrad_sms > 0) MOEKIT_CUDA_CHECK(cudaEventRecord(wgrad_events_[1], wgrad_stream_));
+        gemm_.tn(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2,
+                 offsets, wgrad_write(acc), stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
         if (fused_act) {
@@ -251,17 +221,10 @@ public:
         }
         mark(stream, 1, LayerStage::activation, false);
         mark(stream, 1, LayerStage::fc1, true);
-        // fc1's dgrad takes every SM: it waits for fc2's wgrad.
-        if (wgrad_sms > 0) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, wgrad_events_[1], 0));
         gemm_.nn(home_and_slots(L, S, M, H, F1, experts_.slot_fc1), grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(),
                  offsets, stream);
-        if (wgrad_sms > 0) fork_wgrad(stream, 2);
-        {
-            const GemmSmBudgetScope budget(wgrad_sms);
-            gemm_.tn(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
-                     buf_.grad_fc1, offsets, wgrad_write(acc), wgrad_stream);
-        }
-        if (wgrad_sms > 0) MOEKIT_CUDA_CHECK(cudaEventRecord(wgrad_events_[3], wgrad_stream_));
+        gemm_.tn(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
+                 buf_.grad_fc1, offsets, wgrad_write(acc), stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
         dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,
@@ -279,27 +242,6 @@ public:
         router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), buf_.grad_router_weight, buf_.grad_input,
                                   hidden_r_.get(), cublas_, stream, acc);
         mark(stream, 1, LayerStage::router, false);
-        if (wgrad_sms > 0) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, wgrad_events_[3], 0));  // the join
-    }
-
-    // SMs for the wgrads when the backward runs them on a second stream beside the passes after their dgrads
-    // (0: one stream, as before). The passes beside them (the activation backward; dispatch and router backward)
-    // are bound by memory and latency and get the other moekit_wgrad_side_sms() SMs. Only where nothing on the main
-    // stream writes a wgrad's inputs or reads its output before the join: the sync-free GEMMs (overlap_wgrad), no
-    // ECHO slots (dispatch_backward adds the slots' gradients into the home experts'), a dispatcher whose backward
-    // leaves the expert rows alone, one rank a GPU (virtual ranks spin in device barriers), no stage timing (its
-    // events time one stream).
-    int overlap_wgrads(int64_t slots) const {
-        const int side = wgrad_side_sms();
-        if (side <= 0 || slots > 0 || timing_ || shares_gpu_with_ranks_ || !gemm_.overlap_wgrad ||
-            !dispatcher_->backward_leaves_expert_rows())
-            return 0;
-        return std::max(grouped_gemm_sm_count() - side, 1);
-    }
-    // wgrad_stream_ waits for everything issued on `stream` so far (wgrad_events_[slot]).
-    void fork_wgrad(cudaStream_t stream, int slot) {
-        MOEKIT_CUDA_CHECK(cudaEventRecord(wgrad_events_[size_t(slot)], stream));
-        MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(wgrad_stream_, wgrad_events_[size_t(slot)], 0));
     }
 
     LossValues read_losses() const override {
@@ -448,8 +390,6 @@ private:
     ExpertInput<R> experts_;  // what the last dispatch gave the experts (backward reads it)
     LayerBuffers buf_;
     cublasHandle_t cublas_ = nullptr;
-    cudaStream_t wgrad_stream_ = nullptr;             // backward's wgrads beside its other passes (overlap_wgrads)
-    std::array<cudaEvent_t, 4> wgrad_events_{};       // fork / join of fc2's (0, 1) and fc1's (2, 3) wgrad
     bool training_ = true, timing_ = false;
     std::array<cudaEvent_t, size_t(LayerStage::count) * 4> events_{};
     std::array<std::array<bool, size_t(LayerStage::count)>, 2> recorded_{};

@@ -223,7 +223,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-    hw.sm_count = grouped_gemm_launch_sms();  // all SMs, or a GemmSmBudgetScope's
+    hw.sm_count = grouped_gemm_sm_count();
     size_t args_bytes = 0;
     carve_group_args<G>(nullptr, groups, &args_bytes);
     auto make_args = [&](const GroupArgs<G>& a) {
