@@ -19,6 +19,36 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kLossThreads = 1024;  // loss_values_kernel's one block
 
+// A block's threads as `parts` groups of `width` lanes (at most 8 groups; threads past them idle): lane l of every
+// group takes column l (and l + width, ... in rounds), group q the q-th run of the n items of a column, so a column
+// is summed by `parts` threads at once and their runs are then added in run order (fixed: reproducible). One thread
+// walking a whole column waited on each load (qwen3-30b: 41 us of column statistics, ncu, H200, 2026-11-27).
+struct ColumnRuns {
+    int width, parts, lane, part;
+    int64_t lo, hi;  // this thread's run of the items
+    __device__ ColumnRuns(int64_t columns, int threads, int64_t n) {
+        width = int(min(columns, int64_t(threads)));
+        parts = min(8, threads / width);
+        lane = int(threadIdx.x) % width, part = int(threadIdx.x) / width;
+        const int64_t per = (n + parts - 1) / parts;
+        lo = min(n, int64_t(part) * per), hi = min(n, lo + per);
+    }
+    __device__ bool active() const { return part < parts; }
+};
+// The runs' three partial sums of a column added in run order into the first group's thread; every thread of the
+// block calls it (barriers), each scratch array has a slot a thread.
+template <typename R>
+__device__ void add_runs_in_order(const ColumnRuns& cr, R& sum, int& a, int& v, R* s_sum, int* s_a, int* s_v) {
+    __syncthreads();  // the scratch is free (a previous round's readers are done)
+    if (cr.active()) s_sum[threadIdx.x] = sum, s_a[threadIdx.x] = a, s_v[threadIdx.x] = v;
+    __syncthreads();
+    if (cr.part == 0)
+        for (int q = 1; q < cr.parts; ++q) {
+            const int j = q * cr.width + cr.lane;
+            sum += s_sum[j], a += s_a[j], v += s_v[j];
+        }
+}
+
 // Warp per token: aux scores, aux map (top-k by repeated arg-max), log-sum-exp.
 template <typename R>
 __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
@@ -58,11 +88,8 @@ __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux
 }
 
 // Block per (chunk of loss_chunk_positions(S) sequence positions, sequence b) of kColumnThreads: the chunk's
-// partial column sums, each expert's column split among `parts` thread groups (each walks its share of the
-// positions, coalesced across the experts of a row, then the parts are added in part order); and a thread a
-// position: its valid-token count and z-loss sum. One thread an expert walking all the chunk's positions ran at 6 %
-// of DRAM bandwidth, waiting on each load (qwen3-30b 41 us, ncu, H200, 2026-11-27). loss_values_kernel folds the
-// chunks, so every sum has a fixed order.
+// partial column sums, a column's positions in ColumnRuns (coalesced across the experts of a row); and a thread a
+// position: its valid-token count and z-loss sum. loss_values_kernel folds the chunks, so every sum has a fixed order.
 constexpr int kColumnThreads = 512;
 template <typename R>
 __global__ void __launch_bounds__(kColumnThreads) column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
@@ -71,16 +98,14 @@ __global__ void __launch_bounds__(kColumnThreads) column_stats_kernel(RouterShap
     const int64_t E = s.num_experts, B = s.micro_batch_size, c = blockIdx.x, b = blockIdx.y, C = gridDim.x;
     const int64_t chunk = loss_chunk_positions(s.seq_length), i0 = c * chunk, i1 = min(s.seq_length, i0 + chunk);
     const int64_t slot = (c * B + b) * E;
-    const int width = int(min(E, int64_t(kColumnThreads))), parts = min(8, kColumnThreads / width);
-    const int lane = int(threadIdx.x) % width, part = int(threadIdx.x) / width;
-    const int64_t per = (i1 - i0 + parts - 1) / parts, p0 = min(i1, i0 + part * per), p1 = min(i1, p0 + per);
-    for (int64_t e0 = 0; e0 < E; e0 += width) {
-        const int64_t e = e0 + lane;
+    const ColumnRuns cr(E, kColumnThreads, i1 - i0);
+    for (int64_t e0 = 0; e0 < E; e0 += cr.width) {
+        const int64_t e = e0 + cr.lane;
         R sum = 0;
         int acount = 0, vcount = 0;
-        if (part < parts && e < E) {
+        if (cr.active() && e < E) {
 #pragma unroll 8
-            for (int64_t i = p0; i < p1; ++i) {
+            for (int64_t i = i0 + cr.lo; i < i0 + cr.hi; ++i) {
                 const int64_t tok = i * B + b;
                 if (need_aux) {
                     sum += t.aux_scores[tok * E + e];
@@ -89,17 +114,12 @@ __global__ void __launch_bounds__(kColumnThreads) column_stats_kernel(RouterShap
                 vcount += t.padding_mask[tok] == 0 && t.routing_map[tok * E + e];
             }
         }
-        if (part < parts) part_sum[threadIdx.x] = sum, part_aux[threadIdx.x] = acount, part_valid[threadIdx.x] = vcount;
-        __syncthreads();
-        if (part == 0 && e < E) {
-            for (int q = 1; q < parts; ++q)
-                sum += part_sum[q * width + lane], acount += part_aux[q * width + lane],
-                    vcount += part_valid[q * width + lane];
+        add_runs_in_order(cr, sum, acount, vcount, part_sum, part_aux, part_valid);
+        if (cr.part == 0 && e < E) {
             t.chunk_scores[slot + e] = sum;
             t.chunk_counts[slot + e] = acount;
             t.chunk_counts[C * B * E + slot + e] = vcount;
         }
-        __syncthreads();
     }
     const int64_t i = i0 + threadIdx.x, tok = i * B + b;
     const bool valid = i < i1 && t.padding_mask[tok] == 0;
@@ -134,35 +154,24 @@ __global__ void __launch_bounds__(kLossThreads) loss_values_kernel(RouterShape s
     __shared__ R red[kLossThreads];
     const int64_t E = s.num_experts, B = s.micro_batch_size, C = loss_chunks(s.seq_length);
     const R k = R(s.topk), scale = R(ls.backward_scale);
-    // Fold column_stats_kernel's chunks: each (b, e) by `parts` threads, each summing a run of chunks in chunk order,
-    // the runs then added in run order (one thread walking all C chunks waited on each load: 20 us at qwen3-30b's
-    // 128 chunks, ncu, H200, 2026-11-27).
+    // Fold column_stats_kernel's chunks, each (b, e) in ColumnRuns of chunks.
     {
         __shared__ int fold_aux[kLossThreads], fold_valid[kLossThreads];
         const int64_t BE = B * E;
-        const int width = int(min(BE, int64_t(kLossThreads))), parts = min(8, kLossThreads / width);
-        const int lane = int(threadIdx.x) % width, part = int(threadIdx.x) / width;
-        const int64_t per = (C + parts - 1) / parts, c0 = min(C, part * per), c1 = min(C, c0 + per);
-        for (int64_t be0 = 0; be0 < BE; be0 += width) {
-            const int64_t be = be0 + lane;
+        const ColumnRuns cr(BE, kLossThreads, C);
+        for (int64_t be0 = 0; be0 < BE; be0 += cr.width) {
+            const int64_t be = be0 + cr.lane;
             R sum = 0;
             int acount = 0, vcount = 0;
-            if (part < parts && be < BE)
+            if (cr.active() && be < BE)
 #pragma unroll 4
-                for (int64_t c = c0; c < c1; ++c) {
+                for (int64_t c = cr.lo; c < cr.hi; ++c) {
                     sum += t.chunk_scores[c * BE + be];
                     acount += t.chunk_counts[c * BE + be];
                     vcount += t.chunk_counts[C * BE + c * BE + be];
                 }
-            __syncthreads();  // red is free (a previous round's readers are done)
-            if (part < parts) red[threadIdx.x] = sum, fold_aux[threadIdx.x] = acount, fold_valid[threadIdx.x] = vcount;
-            __syncthreads();
-            if (part == 0 && be < BE) {
-                for (int q = 1; q < parts; ++q)
-                    sum += red[q * width + lane], acount += fold_aux[q * width + lane],
-                        vcount += fold_valid[q * width + lane];
-                t.score_sums[be] = sum, t.aux_counts[be] = acount, t.valid_counts[be] = vcount;
-            }
+            add_runs_in_order(cr, sum, acount, vcount, red, fold_aux, fold_valid);
+            if (cr.part == 0 && be < BE) t.score_sums[be] = sum, t.aux_counts[be] = acount, t.valid_counts[be] = vcount;
         }
     }
     R nv = 0, z = 0;
