@@ -218,7 +218,8 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                 columns.push_back({"cutlass_coop_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative)});
                 columns.push_back(
                     {"cutlass_tall_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperativeTall)});
-                columns.push_back({"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
+                columns.push_back(
+                    {"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
                 if (c.op != Op::kTN)  // computed transposed (the small groups' choice)
                     columns.push_back({"cutlass_swap_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB)});
                 if (c.op == Op::kTN && wgrad_split_on())  // wgrad groups split by size between the two
@@ -235,7 +236,8 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                                                         s, o.warmup, o.iters);
                                }});
         }
-        columns.push_back({"sync_ms", [&] { return time_ms([&] { run_case(kSync, q, c, s); }, s, o.warmup, o.iters); }});
+        columns.push_back(
+            {"sync_ms", [&] { return time_ms([&] { run_case(kSync, q, c, s); }, s, o.warmup, o.iters); }});
         columns.push_back({"dense_ms", [&] {
                                return graph_time_ms([&] { dense_gemm(c.op, q.rows, c.n, c.k, c.A, c.B, c.C, s); }, s,
                                                     o.warmup, o.iters);
@@ -283,8 +285,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
             if (g.contains(key)) best = std::min(best, g[key].get<double>());
         const double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>(), chosen = ms(g, "auto_ms");
         std::snprintf(line, sizeof line,
-                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | %7.0f %7.0f | "
-                      "%5.2fx %5.2fx | %8.3f\n",
+                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | "
+                      "%7.0f %7.0f | %5.2fx %5.2fx | %8.3f\n",
                       g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, chosen,
                       ms(g, "tma_ms"), ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
                       ms(g, "cutlass_split_ms"), ms(g, "cutlass_swap_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(),

@@ -108,7 +108,8 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
                     wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
         return {GroupedGemmKernel::kCutlass, s.n >= 2 * s.k ? CutlassConfig::kPingpong : CutlassConfig::kCooperative};
     }
-    if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n) return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
+    if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
+        return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
 }
 

@@ -92,7 +92,8 @@ __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux
 // position: its valid-token count and z-loss sum. loss_values_kernel folds the chunks, so every sum has a fixed order.
 constexpr int kColumnThreads = 512;
 template <typename R>
-__global__ void __launch_bounds__(kColumnThreads) column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
+__global__ void __launch_bounds__(kColumnThreads)
+    column_stats_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
     __shared__ R part_sum[kColumnThreads];
     __shared__ int part_aux[kColumnThreads], part_valid[kColumnThreads];
     const int64_t E = s.num_experts, B = s.micro_batch_size, c = blockIdx.x, b = blockIdx.y, C = gridDim.x;
@@ -150,7 +151,8 @@ __device__ R block_sum(R v, R* red) {
 
 // One block: loss values, per-(b, e) gradient coefficients, tracker updates.
 template <typename R>
-__global__ void __launch_bounds__(kLossThreads) loss_values_kernel(RouterShape s, LossShape ls, LossTensors<R> t) {
+__global__ void __launch_bounds__(kLossThreads)
+    loss_values_kernel(RouterShape s, LossShape ls, LossTensors<R> t) {
     __shared__ R red[kLossThreads];
     const int64_t E = s.num_experts, B = s.micro_batch_size, C = loss_chunks(s.seq_length);
     const R k = R(s.topk), scale = R(ls.backward_scale);

@@ -97,9 +97,9 @@ __global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, in
 // offsets, chunk_tokens -> each chunk's first token row (in place; chunk_tokens[C] = the total). The chunks of an
 // expert are split into `segs` segments walked by as many threads: each sums its segment, the segment sums are
 // scanned in shared memory, then each thread rewrites its segment as running bases.
-__global__ void __launch_bounds__(kScanThreads) plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chunk_counts,
-                                 int32_t* __restrict__ chunk_tokens, int32_t* __restrict__ counts,
-                                 int32_t* __restrict__ offsets) {
+__global__ void __launch_bounds__(kScanThreads)
+    plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chunk_counts, int32_t* __restrict__ chunk_tokens,
+                     int32_t* __restrict__ counts, int32_t* __restrict__ offsets) {
     __shared__ int32_t seg_sum[kScanThreads];
     const int width = int(min(E, int64_t(kScanThreads))), segs = min(32, kScanThreads / width);
     const int lane = int(threadIdx.x) % width, seg = int(threadIdx.x) / width;
