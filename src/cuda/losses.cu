@@ -49,7 +49,7 @@ __device__ void add_runs_in_order(const ColumnRuns& cr, R& sum, int& a, int& v, 
         }
 }
 
-// Warp per token: aux scores, aux map (top-k by repeated arg-max), log-sum-exp.
+// Warp per token: aux scores, aux map (warp_topk), log-sum-exp.
 template <typename R>
 __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
