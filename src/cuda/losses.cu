@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "cuda/column_runs.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/losses.cuh"
 #include "cuda/router_warp.cuh"
@@ -18,23 +19,8 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kLossThreads = 1024;  // loss_values_kernel's one block
+constexpr int kLossRuns = 8;        // ColumnRuns' groups of the column statistics and the fold
 
-// A block's threads as `parts` groups of `width` lanes (at most 8 groups; threads past them idle): lane l of every
-// group takes column l (and l + width, ... in rounds), group q the q-th run of the n items of a column, so a column
-// is summed by `parts` threads at once and their runs are then added in run order (fixed: reproducible). One thread
-// walking a whole column waited on each load (qwen3-30b: 41 us of column statistics, ncu, H200, 2026-11-27).
-struct ColumnRuns {
-    int width, parts, lane, part;
-    int64_t lo, hi;  // this thread's run of the items
-    __device__ ColumnRuns(int64_t columns, int threads, int64_t n) {
-        width = int(min(columns, int64_t(threads)));
-        parts = min(8, threads / width);
-        lane = int(threadIdx.x) % width, part = int(threadIdx.x) / width;
-        const int64_t per = (n + parts - 1) / parts;
-        lo = min(n, int64_t(part) * per), hi = min(n, lo + per);
-    }
-    __device__ bool active() const { return part < parts; }
-};
 // The runs' three partial sums of a column added in run order into the first group's thread; every thread of the
 // block calls it (barriers), each scratch array has a slot a thread.
 template <typename R>
@@ -44,7 +30,7 @@ __device__ void add_runs_in_order(const ColumnRuns& cr, R& sum, int& a, int& v, 
     __syncthreads();
     if (cr.part == 0)
         for (int q = 1; q < cr.parts; ++q) {
-            const int j = q * cr.width + cr.lane;
+            const int j = cr.slot(q);
             sum += s_sum[j], a += s_a[j], v += s_v[j];
         }
 }
@@ -99,7 +85,7 @@ __global__ void __launch_bounds__(kColumnThreads)
     const int64_t E = s.num_experts, B = s.micro_batch_size, c = blockIdx.x, b = blockIdx.y, C = gridDim.x;
     const int64_t chunk = loss_chunk_positions(s.seq_length), i0 = c * chunk, i1 = min(s.seq_length, i0 + chunk);
     const int64_t slot = (c * B + b) * E;
-    const ColumnRuns cr(E, kColumnThreads, i1 - i0);
+    const ColumnRuns cr(E, kColumnThreads, i1 - i0, kLossRuns);
     for (int64_t e0 = 0; e0 < E; e0 += cr.width) {
         const int64_t e = e0 + cr.lane;
         R sum = 0;
@@ -160,7 +146,7 @@ __global__ void __launch_bounds__(kLossThreads)
     {
         __shared__ int fold_aux[kLossThreads], fold_valid[kLossThreads];
         const int64_t BE = B * E;
-        const ColumnRuns cr(BE, kLossThreads, C);
+        const ColumnRuns cr(BE, kLossThreads, C, kLossRuns);
         for (int64_t be0 = 0; be0 < BE; be0 += cr.width) {
             const int64_t be = be0 + cr.lane;
             R sum = 0;

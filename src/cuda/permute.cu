@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "core/hd.h"
+#include "cuda/column_runs.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/permute.cuh"
 
@@ -94,39 +95,36 @@ __global__ void plan_count_kernel(const uint8_t* __restrict__ map, int64_t T, in
 }
 
 // Pass 2, one block: chunk_counts -> each chunk's base row inside its expert (in place), expert counts and
-// offsets, chunk_tokens -> each chunk's first token row (in place; chunk_tokens[C] = the total). The chunks of an
-// expert are split into `segs` segments walked by as many threads: each sums its segment, the segment sums are
-// scanned in shared memory, then each thread rewrites its segment as running bases.
+// offsets, chunk_tokens -> each chunk's first token row (in place; chunk_tokens[C] = the total). An expert's chunks
+// are split into ColumnRuns: each thread sums its run, the run sums are scanned in shared memory, then each thread
+// rewrites its run as running bases.
 __global__ void __launch_bounds__(kScanThreads)
     plan_scan_kernel(int64_t C, int64_t E, int32_t* __restrict__ chunk_counts, int32_t* __restrict__ chunk_tokens,
                      int32_t* __restrict__ counts, int32_t* __restrict__ offsets) {
-    __shared__ int32_t seg_sum[kScanThreads];
-    const int width = int(min(E, int64_t(kScanThreads))), segs = min(32, kScanThreads / width);
-    const int lane = int(threadIdx.x) % width, seg = int(threadIdx.x) / width;
-    const int64_t per = (C + segs - 1) / segs, c0 = min(C, int64_t(seg) * per), c1 = min(C, c0 + per);
-    for (int64_t e0 = 0; e0 < E; e0 += width) {
-        const int64_t e = e0 + lane;
-        const bool mine = seg < segs && e < E;
+    __shared__ int32_t run_sum[kScanThreads];
+    const ColumnRuns cr(E, kScanThreads, C, 32);
+    for (int64_t e0 = 0; e0 < E; e0 += cr.width) {
+        const int64_t e = e0 + cr.lane;
+        const bool mine = cr.active() && e < E;
         int sum = 0;
         if (mine)
 #pragma unroll 8
-            for (int64_t c = c0; c < c1; ++c) sum += chunk_counts[c * E + e];
-        if (seg < segs) seg_sum[seg * width + lane] = sum;
+            for (int64_t c = cr.lo; c < cr.hi; ++c) sum += chunk_counts[c * E + e];
+        if (cr.active()) run_sum[cr.slot(cr.part)] = sum;
         __syncthreads();
         if (mine) {
             int running = 0;
-            for (int s2 = 0; s2 < seg; ++s2) running += seg_sum[s2 * width + lane];
-            if (seg == segs - 1) counts[e] = running + sum;
+            for (int q = 0; q < cr.part; ++q) running += run_sum[cr.slot(q)];
+            if (cr.part == cr.parts - 1) counts[e] = running + sum;
 #pragma unroll 8
-            for (int64_t c = c0; c < c1; ++c) {
+            for (int64_t c = cr.lo; c < cr.hi; ++c) {
                 const int v = chunk_counts[c * E + e];
                 chunk_counts[c * E + e] = running;
                 running += v;
             }
         }
-        __syncthreads();
+        __syncthreads();  // run_sum is read before the next round writes it; counts are written before the scan
     }
-    __syncthreads();
     block_exclusive_scan(counts, E, offsets);
     __syncthreads();
     block_exclusive_scan(chunk_tokens, C, chunk_tokens);
