@@ -250,8 +250,9 @@ void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>
         return;
     }
     const int64_t tile = chunk * plan_tile_stride(E), fill_smem = plan_tile_offset(E) + tile;
-    MOEKIT_CHECK(fill_smem <= kPlanMaxSmem, "build_routing_plan: ", E, " experts need ", fill_smem,
-                 " bytes of shared memory a block (at most ", kPlanMaxSmem, ")");
+    // A usage error (exit 2): the expert count is the user's (--num-experts, or a rank's local experts).
+    MOEKIT_REQUIRE(fill_smem <= kPlanMaxSmem, "--num-experts: the CUDA routing plan over ", E, " experts needs ",
+                   fill_smem, " bytes of shared memory a block, more than its ", kPlanMaxSmem);
     if (fill_smem > 48 * 1024) {  // above the default limit of dynamic shared memory
         MOEKIT_CUDA_CHECK(
             cudaFuncSetAttribute(plan_fill_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(fill_smem)));
