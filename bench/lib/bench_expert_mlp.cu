@@ -222,6 +222,13 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     {"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
                 if (c.op != Op::kTN)  // computed transposed (the small groups' choice)
                     columns.push_back({"cutlass_swap_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB)});
+                columns.push_back({"cutlass_wide_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongWide)});
+                if (c.op == Op::kTN) {  // the gradient from the registers; on a 2x2 cluster
+                    columns.push_back(
+                        {"cutlass_direct_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperativeDirect)});
+                    columns.push_back(
+                        {"cutlass_2x2_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative2x2)});
+                }
                 if (c.op == Op::kTN && wgrad_split_on())  // wgrad groups split by size between the two
                     columns.push_back(
                         {"cutlass_split_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSplitBySize)});
@@ -265,33 +272,54 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
                           r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1), " interleaved rounds) on ",
                           r["device"].get<std::string>(), "\n");
-    char line[360];
-    // auto = the per-shape choice the layer runs; tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 /
-    // 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by size
-    // (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn);
+    // auto = the per-shape choice the layer runs; tma = own kernel; cl-coop / cl-tall / cl-pp / cl-wide = CUTLASS
+    // 128x256 / 256x128 / ping-pong 128x128 / ping-pong 64x256 (sm_90); cl-split = wgrad groups split between
+    // cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192
+    // token rows (nt/nn); cl-dir / cl-2x2 (wgrad) = cooperative storing from the registers / on a 2x2 cluster;
     // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over
     // the chosen kernel's (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32
     // gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
-    std::snprintf(line, sizeof line,
-                  "  %-10s %4s %8s | %8s %8s %8s %8s %8s %8s %8s %8s | %8s %8s | %7s %7s | %6s %6s | %8s\n",
-                  "gemm", "op", "GFLOP", "auto ms", "tma ms", "cl-coop", "cl-tall", "cl-pp", "cl-split", "cl-swap",
-                  "mma ms", "sync ms", "dense ms", "TFLOP/s", "dense", "dns/au", "dns/bs", "fill");
-    out += line;
+    struct Col {
+        const char *key, *head;
+    };
+    const Col grouped[] = {{"auto_ms", "auto ms"},
+                           {"tma_ms", "tma ms"},
+                           {"cutlass_coop_ms", "cl-coop"},
+                           {"cutlass_tall_ms", "cl-tall"},
+                           {"cutlass_pingpong_ms", "cl-pp"},
+                           {"cutlass_wide_ms", "cl-wide"},
+                           {"cutlass_split_ms", "cl-split"},
+                           {"cutlass_swap_ms", "cl-swap"},
+                           {"cutlass_direct_ms", "cl-dir"},
+                           {"cutlass_2x2_ms", "cl-2x2"},
+                           {"mma_ms", "mma ms"}};
+    char cell[64];
+    auto add = [&](const char* fmt, auto v) {
+        std::snprintf(cell, sizeof cell, fmt, v);
+        out += cell;
+    };
+    add("  %-10s", "gemm");
+    add(" %4s", "op");
+    add(" %8s |", "GFLOP");
+    for (const Col& c : grouped) add(" %8s", c.head);
+    out += " | sync ms dense ms | TFLOP/s   dense | dns/au dns/bs |     fill\n";
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
         double best = INFINITY;
-        for (const char* key : {"auto_ms", "mma_ms", "tma_ms", "cutlass_coop_ms", "cutlass_tall_ms",
-                                "cutlass_pingpong_ms", "cutlass_split_ms", "cutlass_swap_ms"})
-            if (g.contains(key)) best = std::min(best, g[key].get<double>());
+        for (const Col& c : grouped)
+            if (g.contains(c.key)) best = std::min(best, g[c.key].get<double>());
         const double dense = g["dense_ms"].get<double>(), gf = g["gflop"].get<double>(), chosen = ms(g, "auto_ms");
-        std::snprintf(line, sizeof line,
-                      "  %-10s %4s %8.1f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %8.3f %8.3f | "
-                      "%7.0f %7.0f | %5.2fx %5.2fx | %8.3f\n",
-                      g["name"].get<std::string>().c_str(), g["op"].get<std::string>().c_str(), gf, chosen,
-                      ms(g, "tma_ms"), ms(g, "cutlass_coop_ms"), ms(g, "cutlass_tall_ms"), ms(g, "cutlass_pingpong_ms"),
-                      ms(g, "cutlass_split_ms"), ms(g, "cutlass_swap_ms"), ms(g, "mma_ms"), g["sync_ms"].get<double>(),
-                      dense, gf / chosen, gf / dense, dense / chosen, dense / best, ms(g, "fill_ms"));
-        out += line;
+        add("  %-10s", g["name"].get<std::string>().c_str());
+        add(" %4s", g["op"].get<std::string>().c_str());
+        add(" %8.1f |", gf);
+        for (const Col& c : grouped) add(" %8.3f", ms(g, c.key));
+        add(" | %7.3f", g["sync_ms"].get<double>());
+        add(" %8.3f |", dense);
+        add(" %7.0f", gf / chosen);
+        add(" %7.0f |", gf / dense);
+        add(" %5.2fx", dense / chosen);
+        add(" %5.2fx |", dense / best);
+        add(" %8.3f\n", ms(g, "fill_ms"));
     }
     return out;
 }

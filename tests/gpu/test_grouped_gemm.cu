@@ -111,7 +111,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap,
-    kAuto, kSync
+    kCutlassWide, kCutlassDirect, kCutlass2x2, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -124,6 +124,9 @@ const char* name(Backend b) {
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
+           : b == Backend::kCutlassWide    ? "cutlass-pingpong-64x256"
+           : b == Backend::kCutlassDirect  ? "cutlass-cooperative-direct-store (nt/nn: cooperative)"
+           : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
                                            : "sync-cublas";
 }
 
@@ -149,6 +152,9 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassPingpong);
             out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kCutlassSwap);
+            out.push_back(Backend::kCutlassWide);
+            out.push_back(Backend::kCutlassDirect);
+            out.push_back(Backend::kCutlass2x2);
             out.push_back(Backend::kAuto);
         }
     }
@@ -161,12 +167,16 @@ void select(Backend b) {
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlassWide ||
+        b == Backend::kCutlassDirect || b == Backend::kCutlass2x2) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
                            : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
+                           : b == Backend::kCutlassWide    ? CutlassConfig::kPingpongWide
+                           : b == Backend::kCutlassDirect  ? CutlassConfig::kCooperativeDirect
+                           : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

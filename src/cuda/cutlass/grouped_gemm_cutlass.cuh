@@ -56,6 +56,29 @@ struct CooperativeTall {
     using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+// wgrad (tn) A/B candidates: the cooperative tile writing its fp32 gradient straight from the registers (no shared
+// memory staging: the stores drain while the next tile's main loop runs, and the epilogue's shared memory goes to
+// more load stages), and on a 2x2 cluster (both operands multicast).
+struct CooperativeDirect {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+    using Epilogue = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+    using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
+struct Cooperative2x2 {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+    using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+    using Cluster = cute::Shape<cute::_2, cute::_2, cute::_1>;
+};
+// Ping-pong on 64x256 tiles (each consumer warpgroup one tile, 256-wide wgmma; the 256-column operand multicast
+// across the 2x1 cluster): half the row padding of a 128-row tile on groups of ~1000 rows.
+struct PingpongWide {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+    using Tile = cute::Shape<cute::_64, cute::_256, cute::_64>;
+    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
 struct Pingpong {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
@@ -296,6 +319,14 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
             run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
+        if (config == CutlassConfig::kCooperativeDirect) {
+            run_grouped<kOp, CooperativeDirect>(s, A, B, C, d_offsets, write, stream);
+            return;
+        }
+        if (config == CutlassConfig::kCooperative2x2) {
+            run_grouped<kOp, Cooperative2x2>(s, A, B, C, d_offsets, write, stream);
+            return;
+        }
     } else if (config == CutlassConfig::kSwapAB) {
         if constexpr (kOp == Op::kNT)
             run_swapped_nt(s, A, B, C, d_offsets, stream);
@@ -303,7 +334,9 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
             run_swapped_nn(s, A, B, C, d_offsets, stream);
         return;
     }
-    if (config == CutlassConfig::kPingpong)
+    if (config == CutlassConfig::kPingpongWide)
+        run_grouped<kOp, PingpongWide>(s, A, B, C, d_offsets, write, stream);
+    else if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
     else if (config == CutlassConfig::kCooperativeTall)
         run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);

@@ -1,4 +1,4 @@
-// The CUTLASS grouped GEMM for the tn product (grouped_gemm_cutlass.h), its three tile configurations.
+// The CUTLASS grouped GEMM for the tn product (grouped_gemm_cutlass.h), its tile configurations.
 #include "cuda/cutlass/grouped_gemm_cutlass.cuh"
 
 namespace moekit::cuda {
