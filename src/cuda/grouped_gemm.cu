@@ -78,7 +78,9 @@ CutlassConfig small_group_config() {
 //    weight rows x 192 token rows a tile (small_group_config: a whole group in one tile, each weight tile read
 //    once, and the weights rather than a group's ~128 rows fill the tensor-core tile's 128-row side; before it
 //    the 256x128 tile, 20-25% faster than 128-row tiles, which spent half its math on padding rows);
-//    tn CUTLASS cooperative 128x256 (5% faster);
+//    tn CUTLASS cooperative 128x256 on a 2x2 cluster (both operands multicast; H200, 2026-11-27, three
+//    interleaved rounds on dsv3-e256: fc1 wgrad 10.59-10.72 ms vs 10.83-11.04 on the 1x2 cluster, fc2 5.17-5.22 vs
+//    5.32-5.35; the 1x2 cooperative was 5% faster than ping-pong);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative 128x256 (8-10% faster);
 //  - the other nt/nn: CUTLASS ping-pong (each consumer warpgroup's epilogue overlaps the other's main loop). H200,
@@ -101,7 +103,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     if (rows_per_group < kSmallGroupRows)
-        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative : small_group_config()};
+        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative2x2 : small_group_config()};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,

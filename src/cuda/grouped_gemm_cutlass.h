@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|split|swap|wide|direct|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|split|swap|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -29,20 +29,8 @@ bool cutlass_grouped_gemm_built();
 //   kSwapAB (nt/nn only; tn takes kAuto's choice): the transposed product Cᵀ = W·Aᵀ, 128 weight rows by 192
 //                     token rows a tile, cooperative, 2x1 cluster (the token tile multicast): the weights, not the
 //                     few token rows of a small group, fill the tensor-core tile's 128-row side.
-//   kPingpongWide:    ping-pong on 64x256x64 tiles, 2x1 cluster (the 256-column operand multicast).
-//   kCooperativeDirect, kCooperative2x2 (tn only; nt/nn take kCooperative): kCooperative writing the fp32
-//                     gradient from the registers (no shared-memory epilogue), or on a 2x2 cluster.
-enum class CutlassConfig {
-    kAuto,
-    kCooperative,
-    kCooperativeTall,
-    kPingpong,
-    kSplitBySize,
-    kSwapAB,
-    kPingpongWide,
-    kCooperativeDirect,
-    kCooperative2x2
-};
+//   kCooperative2x2 (tn only; nt/nn take kCooperative): kCooperative on a 2x2 cluster, both operands multicast.
+enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize, kSwapAB, kCooperative2x2 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
@@ -52,6 +40,11 @@ void set_cutlass_config(CutlassConfig config);
 // (wgrad of mid-sized groups all ping-pong, as before 2026-11-26).
 WgradSplit wgrad_split();
 bool wgrad_split_on();
+// Whether a wgrad that overwrites its gradients (WgradWrite::overwrite / overwrite_nonempty) runs the kernels built
+// without a source operand (default; set_wgrad_source_free(false) or MOEKIT_WGRAD_SOURCE_FREE=0 run the
+// source-reading ones with beta = 0, for A/B measurements).
+bool wgrad_source_free();
+void set_wgrad_source_free(bool on);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,

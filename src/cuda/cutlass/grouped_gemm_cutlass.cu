@@ -21,14 +21,24 @@ std::atomic<int> g_config{int(CutlassConfig::kAuto)};
 
 void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 
+namespace {
+std::atomic<int> g_source_free{-1};  // -1: MOEKIT_WGRAD_SOURCE_FREE decides (default on)
+}
+bool wgrad_source_free() {
+    const int v = g_source_free.load();
+    if (v >= 0) return v == 1;
+    const char* env = std::getenv("MOEKIT_WGRAD_SOURCE_FREE");
+    return !(env && std::strcmp(env, "0") == 0);
+}
+void set_wgrad_source_free(bool on) { g_source_free = on ? 1 : 0; }
+
 namespace cutlass_detail {
 
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
     if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
-    if ((requested == CutlassConfig::kCooperativeDirect || requested == CutlassConfig::kCooperative2x2) && !wgrad)
-        requested = CutlassConfig::kCooperative;  // tn only
+    if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
@@ -36,8 +46,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
             if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
-            if (std::strcmp(env, "wide") == 0) return CutlassConfig::kPingpongWide;
-            if (std::strcmp(env, "direct") == 0 && wgrad) return CutlassConfig::kCooperativeDirect;
             if (std::strcmp(env, "coop22") == 0 && wgrad) return CutlassConfig::kCooperative2x2;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
