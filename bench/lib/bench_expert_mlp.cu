@@ -222,16 +222,9 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     {"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
                 if (c.op != Op::kTN)  // computed transposed (the small groups' choice)
                     columns.push_back({"cutlass_swap_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB)});
-                if (c.op == Op::kTN) {  // on a 2x2 cluster; the per-shape choice with kernels that read C
+                if (c.op == Op::kTN)  // on a 2x2 cluster
                     columns.push_back(
                         {"cutlass_2x2_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative2x2)});
-                    columns.push_back({"auto_src_ms", [&, g = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto)] {
-                                           set_wgrad_source_free(false);
-                                           const double t = g();
-                                           set_wgrad_source_free(true);
-                                           return t;
-                                       }});
-                }
                 if (c.op == Op::kTN && wgrad_split_on())  // wgrad groups split by size between the two
                     columns.push_back(
                         {"cutlass_split_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSplitBySize)});
@@ -278,7 +271,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // auto = the per-shape choice the layer runs; tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 /
     // 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by size
     // (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn); cl-2x2
-    // (wgrad) = cooperative on a 2x2 cluster; auto-src (wgrad) = the per-shape choice with the kernels that read C;
+    // (wgrad) = cooperative on a 2x2 cluster;
     // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over
     // the chosen kernel's (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32
     // gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
@@ -293,7 +286,6 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"cutlass_split_ms", "cl-split"},
                            {"cutlass_swap_ms", "cl-swap"},
                            {"cutlass_2x2_ms", "cl-2x2"},
-                           {"auto_src_ms", "auto-src"},
                            {"mma_ms", "mma ms"}};
     char cell[64];
     auto add = [&](const char* fmt, auto v) {

@@ -72,6 +72,18 @@ CutlassConfig small_group_config() {
     return c;
 }
 
+// wgrad of small groups: CUTLASS cooperative on a 2x2 cluster (choose_for_shape); MOEKIT_SMALL_GROUP_WGRAD=coop picks
+// the 1x2 cluster for measurements.
+CutlassConfig small_group_wgrad_config() {
+    static const CutlassConfig c = [] {
+        const char* env = std::getenv("MOEKIT_SMALL_GROUP_WGRAD");
+        if (!env || std::strcmp(env, "2x2") == 0) return CutlassConfig::kCooperative2x2;
+        MOEKIT_CHECK(std::strcmp(env, "coop") == 0, "MOEKIT_SMALL_GROUP_WGRAD=", env, ": expected 2x2 or coop");
+        return CutlassConfig::kCooperative;
+    }();
+    return c;
+}
+
 // Per-shape choice among CUTLASS's configurations (and the own TMA kernel), from bench_grouped_gemm's per-GEMM
 // A/B (docs/perf.md); rows per group = max_rows / G.
 //  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS computing Cᵀ = W·Aᵀ with 128
@@ -103,7 +115,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     if (rows_per_group < kSmallGroupRows)
-        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? CutlassConfig::kCooperative2x2 : small_group_config()};
+        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? small_group_wgrad_config() : small_group_config()};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,

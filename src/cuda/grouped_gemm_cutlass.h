@@ -40,11 +40,6 @@ void set_cutlass_config(CutlassConfig config);
 // (wgrad of mid-sized groups all ping-pong, as before 2026-11-26).
 WgradSplit wgrad_split();
 bool wgrad_split_on();
-// Whether a wgrad that overwrites its gradients (WgradWrite::overwrite / overwrite_nonempty) runs the kernels built
-// without a source operand (default; set_wgrad_source_free(false) or MOEKIT_WGRAD_SOURCE_FREE=0 run the
-// source-reading ones with beta = 0, for A/B measurements).
-bool wgrad_source_free();
-void set_wgrad_source_free(bool on);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,

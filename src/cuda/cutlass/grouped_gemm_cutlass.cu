@@ -21,16 +21,6 @@ std::atomic<int> g_config{int(CutlassConfig::kAuto)};
 
 void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 
-namespace {
-std::atomic<int> g_source_free{-1};  // -1: MOEKIT_WGRAD_SOURCE_FREE decides (default on)
-}
-bool wgrad_source_free() {
-    const int v = g_source_free.load();
-    if (v >= 0) return v == 1;
-    const char* env = std::getenv("MOEKIT_WGRAD_SOURCE_FREE");
-    return !(env && std::strcmp(env, "0") == 0);
-}
-void set_wgrad_source_free(bool on) { g_source_free = on ? 1 : 0; }
 
 namespace cutlass_detail {
 

@@ -34,15 +34,13 @@ enum class Op { kNT, kNN, kTN };
 // weights fill CUTLASS's M and a group's token rows its N:
 //   nt: A' = W[n, k] row-major (K-major), B' = A column-major (K-major), D' = Cᵀ column-major
 //   nn: A' = W[k, n]ᵀ column-major (M-major), B' = A column-major (K-major), D' = Cᵀ column-major
-// kSource (tn only): the epilogue reads C (beta = 1, WgradWrite::accumulate). Without it (overwrite) C is void: no
-// shared memory is set aside for C's stages, which the main loop gets as load stages instead.
-template <Op kOp, bool kSwap = false, bool kSource = kOp == Op::kTN>
+template <Op kOp, bool kSwap = false>
 struct OpTraits {
     using LayoutA = std::conditional_t<kOp == Op::kTN || (kSwap && kOp == Op::kNN), cutlass::layout::ColumnMajor,
                                        cutlass::layout::RowMajor>;
     using LayoutB = std::conditional_t<kOp == Op::kNT || kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
     using LayoutD = std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-    using ElementC = std::conditional_t<kSource, float, void>;  // void: no source operand
+    using ElementC = std::conditional_t<kOp == Op::kTN, float, void>;  // void: no source operand
     using ElementD = std::conditional_t<kOp == Op::kTN, float, cutlass::bfloat16_t>;
 };
 
@@ -88,9 +86,9 @@ constexpr bool swapped() {
     return std::is_same_v<Config, SwapAB>;
 }
 
-template <Op kOp, class Config, bool kSource = kOp == Op::kTN>
+template <Op kOp, class Config>
 struct GemmFor {
-    using Traits = OpTraits<kOp, swapped<Config>(), kSource>;
+    using Traits = OpTraits<kOp, swapped<Config>()>;
     using ElementAB = cutlass::bfloat16_t;
     using ElementC = typename Traits::ElementC;
     using ElementD = typename Traits::ElementD;
@@ -224,11 +222,10 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
     return a;
 }
 
-template <Op kOp, class Config, bool kSource = kOp == Op::kTN>
+template <Op kOp, class Config>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
                  const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll) {
-    using G = GemmFor<kOp, Config, kSource>;
-    MOEKIT_CHECK(kSource || write != WgradWrite::accumulate, "an accumulating wgrad needs its source-reading kernel");
+    using G = GemmFor<kOp, Config>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
@@ -246,7 +243,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         r.epilogue.ptr_D = a.ptr_d;
         r.epilogue.dD = a.stride_d;
         r.epilogue.thread.alpha = 1.f;
-        r.epilogue.thread.beta = kSource && write == WgradWrite::accumulate ? 1.f : 0.f;
+        r.epilogue.thread.beta = kOp == Op::kTN && write == WgradWrite::accumulate ? 1.f : 0.f;
         r.hw_info = hw;
         r.scheduler.raster_order = raster_along_n() ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                                     : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
@@ -293,20 +290,21 @@ void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
-// One launch (or a split pair) of the configuration `config` (resolved); kSource as in GemmFor.
-template <Op kOp, bool kSource = kOp == Op::kTN>
-void run_config(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream) {
+template <Op kOp>
+void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+         const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream) {
+    const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
+    const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if constexpr (kOp == Op::kTN) {
         if (config == CutlassConfig::kSplitBySize) {
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            run_grouped<kOp, Cooperative, kSource>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
-            run_grouped<kOp, Pingpong, kSource>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
+            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
+            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         }
         if (config == CutlassConfig::kCooperative2x2) {
-            run_grouped<kOp, Cooperative2x2, kSource>(s, A, B, C, d_offsets, write, stream);
+            run_grouped<kOp, Cooperative2x2>(s, A, B, C, d_offsets, write, stream);
             return;
         }
     } else if (config == CutlassConfig::kSwapAB) {
@@ -317,26 +315,11 @@ void run_config(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bf
         return;
     }
     if (config == CutlassConfig::kPingpong)
-        run_grouped<kOp, Pingpong, kSource>(s, A, B, C, d_offsets, write, stream);
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
     else if (config == CutlassConfig::kCooperativeTall)
-        run_grouped<kOp, CooperativeTall, kSource>(s, A, B, C, d_offsets, write, stream);
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);
     else
-        run_grouped<kOp, Cooperative, kSource>(s, A, B, C, d_offsets, write, stream);
-}
-
-// tn without reading C (grouped_gemm_cutlass_tn_overwrite.cu: its own translation unit, compiled in parallel).
-void run_tn_overwrite(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                      const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream);
-
-template <Op kOp>
-void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-         const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream) {
-    const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
-    const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
-    if (kOp == Op::kTN && write != WgradWrite::accumulate && wgrad_source_free())
-        run_tn_overwrite(s, A, B, C, d_offsets, write, config, stream);
-    else
-        run_config<kOp>(s, A, B, C, d_offsets, write, config, stream);
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail
