@@ -3,6 +3,7 @@
 // src/core/activation_math.h; d(prob) is a fixed-order warp or block reduction, so it is bitwise reproducible.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/activation.cuh"
@@ -61,6 +62,34 @@ struct RowGroup {
     }
 };
 
+// One vector of kPer columns, forward: a = act(gate) [* up] * p, rounded through the router dtype R as Megatron.
+template <typename R, int kPer>
+__device__ __forceinline__ void forward_vector(const ActivationShape& s, const float* g, const float* u, R p,
+                                               float* a) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+        a[i] = float(R(s.gated ? glu_forward(s.act, g[i], u[i]) : activation_forward(s.act, g[i])) * p);
+}
+
+// One vector backward: d gate (and d up) from the output gradient go, and the vector's act * go added to dp in
+// column order.
+template <int kPer>
+__device__ __forceinline__ void backward_vector(const ActivationShape& s, const float* go, const float* g,
+                                                const float* u, float p, float* dg, float* du, float& dp) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+        const float da = go[i] * p;
+        if (s.gated) {
+            float a;
+            glu_backward_and_value(s.act, g[i], u[i], da, &dg[i], &du[i], &a);
+            dp += a * go[i];
+        } else {
+            dg[i] = da * activation_grad(s.act, g[i]);
+            dp += activation_forward(s.act, g[i]) * go[i];
+        }
+    }
+}
+
 template <typename R, int kPer, int kRowThreads>
 __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
                                           const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
@@ -75,8 +104,7 @@ __global__ void activation_forward_kernel(ActivationShape s, const int32_t* __re
             float g[kPer], u[kPer], a[kPer];
             load<kPer>(row + f, g);
             if (s.gated) load<kPer>(row + F + f, u);
-            for (int i = 0; i < kPer; ++i)
-                a[i] = float(R(s.gated ? glu_forward(s.act, g[i], u[i]) : activation_forward(s.act, g[i])) * p);
+            forward_vector<R, kPer>(s, g, u, p, a);
             store<kPer>(out + r * F + f, a);
         }
     }
@@ -121,17 +149,7 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
             load<kPer>(grad_out + r * F + f, go);
             load<kPer>(row + f, g);
             if (s.gated) load<kPer>(row + F + f, u);
-            for (int i = 0; i < kPer; ++i) {
-                const float da = go[i] * p;
-                if (s.gated) {
-                    float a;
-                    glu_backward_and_value(s.act, g[i], u[i], da, &dg[i], &du[i], &a);
-                    dp += a * go[i];
-                } else {
-                    dg[i] = da * activation_grad(s.act, g[i]);
-                    dp += activation_forward(s.act, g[i]) * go[i];
-                }
-            }
+            backward_vector<kPer>(s, go, g, u, p, dg, du, dp);
             store<kPer>(grow + f, dg);
             if (s.gated) store<kPer>(grow + F + f, du);
         }
@@ -140,6 +158,102 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
             if (G::lane() == 0) grad_probs[r] = R(total);
         }
     }
+}
+
+// Narrow rows (F <= kWarpRowMaxFfn, F % 8 == 0): a warp a row, and each lane loads all of its kU 16-byte vectors of
+// the row (gate, up, and the backward's output gradient) before it uses the first, kept as raw bf16 (4 registers a
+// vector): the looping kernels above have one vector a stream in flight per lane, too little to cover DRAM latency
+// at F = 768 (qwen3-30b), where each lane has three. Same formulas, same column order per lane, so d(prob) sums in
+// the same order as there.
+__device__ __forceinline__ void unpack8(const uint4& v, float* out) {
+    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = __bfloat162float(b[i]);
+}
+
+template <typename R, int kU>
+__global__ void activation_forward_rows_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
+                                               const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
+                                               __nv_bfloat16* __restrict__ out) {
+    using G = RowGroup<32>;
+    const int64_t n = num_rows ? min(int64_t(*num_rows), s.max_rows) : s.max_rows;
+    const int64_t F = s.ffn, in_cols = s.gated ? 2 * F : F;
+    for (int64_t r = G::first(); r < n; r += G::stride()) {
+        const __nv_bfloat16* row = fc1 + r * in_cols;
+        uint4 gv[kU], uv[kU];
+#pragma unroll
+        for (int j = 0; j < kU; ++j) {
+            const int64_t f = (G::lane() + 32 * j) * 8;
+            if (f < F) {
+                gv[j] = __ldg(reinterpret_cast<const uint4*>(row + f));
+                if (s.gated) uv[j] = __ldg(reinterpret_cast<const uint4*>(row + F + f));
+            }
+        }
+        const R p = probs ? probs[r] : R(1);
+#pragma unroll
+        for (int j = 0; j < kU; ++j) {
+            const int64_t f = (G::lane() + 32 * j) * 8;
+            if (f >= F) continue;
+            float g[8], u[8], a[8];
+            unpack8(gv[j], g);
+            if (s.gated) unpack8(uv[j], u);
+            forward_vector<R, 8>(s, g, u, p, a);
+            store<8>(out + r * F + f, a);
+        }
+    }
+}
+
+template <typename R, int kU>
+__global__ void activation_backward_rows_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
+                                                const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
+                                                const __nv_bfloat16* __restrict__ grad_out,
+                                                __nv_bfloat16* __restrict__ grad_fc1, R* __restrict__ grad_probs) {
+    using G = RowGroup<32>;
+    const int64_t n = num_rows ? min(int64_t(*num_rows), s.max_rows) : s.max_rows;
+    const int64_t F = s.ffn, in_cols = s.gated ? 2 * F : F;
+    for (int64_t r = G::first(); r < n; r += G::stride()) {
+        const __nv_bfloat16* row = fc1 + r * in_cols;
+        uint4 ov[kU], gv[kU], uv[kU];
+#pragma unroll
+        for (int j = 0; j < kU; ++j) {
+            const int64_t f = (G::lane() + 32 * j) * 8;
+            if (f < F) {
+                ov[j] = __ldg(reinterpret_cast<const uint4*>(grad_out + r * F + f));
+                gv[j] = __ldg(reinterpret_cast<const uint4*>(row + f));
+                if (s.gated) uv[j] = __ldg(reinterpret_cast<const uint4*>(row + F + f));
+            }
+        }
+        const float p = probs ? float(probs[r]) : 1.0f;
+        __nv_bfloat16* grow = grad_fc1 + r * in_cols;
+        float dp = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kU; ++j) {
+            const int64_t f = (G::lane() + 32 * j) * 8;
+            if (f >= F) continue;
+            float go[8], g[8], u[8], dg[8], du[8];
+            unpack8(ov[j], go);
+            unpack8(gv[j], g);
+            if (s.gated) unpack8(uv[j], u);
+            backward_vector<8>(s, go, g, u, p, dg, du, dp);
+            store<8>(grow + f, dg);
+            if (s.gated) store<8>(grow + F + f, du);
+        }
+        if (grad_probs) {
+            const float total = row_sum<32>(dp, nullptr);
+            if (G::lane() == 0) grad_probs[r] = R(total);
+        }
+    }
+}
+
+// Whether the all-vectors-first kernels take narrow rows (MOEKIT_ACT_ROWS_FIRST=0: the looping ones, for A/B), and
+// with how many vectors a lane (0: not for this F).
+int rows_first_vectors(int64_t ffn, int row_threads) {
+    static const bool on = [] {
+        const char* env = std::getenv("MOEKIT_ACT_ROWS_FIRST");
+        return !(env && std::strcmp(env, "0") == 0);
+    }();
+    if (!on || row_threads != 32 || ffn % 8 != 0 || ffn > kWarpRowMaxFfn) return 0;
+    return int(ceil_div(ffn, 32 * 8));
 }
 
 // Threads a row (MOEKIT_ACT_ROW_THREADS=32|256 forces one): a warp up to F = 1024, else the block. H200,
@@ -167,6 +281,14 @@ void activation_forward(const ActivationShape& s, const int32_t* num_rows, const
     const int per = s.ffn % 8 == 0 ? 8 : 1;
     const int rt = row_threads(s.ffn), grid = grid_for_rows(s.max_rows, rt);
     auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, out); };
+    if (const int u = rows_first_vectors(s.ffn, rt)) {
+        if (u == 1) launch(activation_forward_rows_kernel<R, 1>);
+        else if (u == 2) launch(activation_forward_rows_kernel<R, 2>);
+        else if (u == 3) launch(activation_forward_rows_kernel<R, 3>);
+        else launch(activation_forward_rows_kernel<R, 4>);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        return;
+    }
     if (per == 8)
         rt == 32 ? launch(activation_forward_kernel<R, 8, 32>) : launch(activation_forward_kernel<R, 8, kThreads>);
     else
@@ -199,6 +321,14 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
     };
+    if (const int u = rows_first_vectors(s.ffn, rt)) {
+        if (u == 1) launch(activation_backward_rows_kernel<R, 1>);
+        else if (u == 2) launch(activation_backward_rows_kernel<R, 2>);
+        else if (u == 3) launch(activation_backward_rows_kernel<R, 3>);
+        else launch(activation_backward_rows_kernel<R, 4>);
+        MOEKIT_CUDA_LAUNCH_CHECK();
+        return;
+    }
     auto launch_width = [&](auto row_threads_tag) {
         constexpr int kRt = decltype(row_threads_tag)::value;
         if (width == 8) launch(activation_backward_kernel<R, 8, kRt>);

@@ -167,8 +167,9 @@ void check_stages(MoeConfig c, bool padding) {
 }
 
 // The activation backward and forward on their own against a double reference on the same bf16 inputs, at output
-// widths that take each row mapping and vector width of the kernels (a warp a row: 40 and 1024 4-wide, 1030
-// scalar; a block a row: 2048 and 4104 4-wide, 6150 scalar), gated SwiGLU / GeGLU with and without probs, ungated
+// widths that take each row mapping and vector width of the kernels (a warp a row with all its vectors loaded
+// first: 40, 520, 768 and 1024, one to four 8-wide vectors a lane, 520 leaving most lanes' last one out; a warp a row
+// looping: 1030 scalar; a block a row: 2048 and 4104 4-wide, 6150 scalar), gated SwiGLU / GeGLU with and without probs, ungated
 // GELU; rows past *num_rows untouched.
 void check_activation_backward(int64_t F, bool gated, Activation act, bool with_probs, uint64_t seed) {
     SCOPED_TRACE(::testing::Message() << "F=" << F << " gated=" << gated << " act=" << activation_name(act)
@@ -307,7 +308,7 @@ TEST(CudaStages, GatingLinearOnTensorCoresAtFp32Accuracy) {
 TEST(CudaStages, ActivationBackwardAtEveryVectorWidth) {
     SKIP_WITHOUT_GPU();
     uint64_t seed = 500;
-    for (int64_t F : {40, 1030, 1024, 2048, 4104, 6150}) {
+    for (int64_t F : {40, 520, 768, 1030, 1024, 2048, 4104, 6150}) {
         check_activation_backward(F, true, Activation::silu, true, ++seed);
         check_activation_backward(F, true, Activation::gelu, false, ++seed);
         check_activation_backward(F, false, Activation::gelu, true, ++seed);
