@@ -160,11 +160,11 @@ __global__ void activation_backward_kernel(ActivationShape s, const int32_t* __r
     }
 }
 
-// Narrow rows (F <= kWarpRowMaxFfn, F % 8 == 0): a warp a row, and each lane loads all of its kU 16-byte vectors of
-// the row (gate, up, and the backward's output gradient) before it uses the first, kept as raw bf16 (4 registers a
-// vector): the looping kernels above have one vector a stream in flight per lane, too little to cover DRAM latency
-// at F = 768 (qwen3-30b), where each lane has three. Same formulas, same column order per lane, so d(prob) sums in
-// the same order as there.
+// Forward of narrow rows (F <= kWarpRowMaxFfn, F % 8 == 0): a warp a row, and each lane loads all of its kU 16-byte
+// vectors of gate and up before it uses the first, kept as raw bf16 (4 registers a vector): the looping kernel
+// above has one vector a stream in flight per lane. qwen3-30b (F 768, three vectors a lane): forward stage 0.215 ->
+// 0.167 ms (H200, 2026-11-27, moekit bench, two interleaved runs each). The backward built the same way (three
+// streams, 94 registers at F 768, two blocks an SM) was slower, 0.321 -> 0.415 ms, and was not kept.
 __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
     const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v);
 #pragma unroll
@@ -203,49 +203,7 @@ __global__ void activation_forward_rows_kernel(ActivationShape s, const int32_t*
     }
 }
 
-template <typename R, int kU>
-__global__ void activation_backward_rows_kernel(ActivationShape s, const int32_t* __restrict__ num_rows,
-                                                const __nv_bfloat16* __restrict__ fc1, const R* __restrict__ probs,
-                                                const __nv_bfloat16* __restrict__ grad_out,
-                                                __nv_bfloat16* __restrict__ grad_fc1, R* __restrict__ grad_probs) {
-    using G = RowGroup<32>;
-    const int64_t n = num_rows ? min(int64_t(*num_rows), s.max_rows) : s.max_rows;
-    const int64_t F = s.ffn, in_cols = s.gated ? 2 * F : F;
-    for (int64_t r = G::first(); r < n; r += G::stride()) {
-        const __nv_bfloat16* row = fc1 + r * in_cols;
-        uint4 ov[kU], gv[kU], uv[kU];
-#pragma unroll
-        for (int j = 0; j < kU; ++j) {
-            const int64_t f = (G::lane() + 32 * j) * 8;
-            if (f < F) {
-                ov[j] = __ldg(reinterpret_cast<const uint4*>(grad_out + r * F + f));
-                gv[j] = __ldg(reinterpret_cast<const uint4*>(row + f));
-                if (s.gated) uv[j] = __ldg(reinterpret_cast<const uint4*>(row + F + f));
-            }
-        }
-        const float p = probs ? float(probs[r]) : 1.0f;
-        __nv_bfloat16* grow = grad_fc1 + r * in_cols;
-        float dp = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kU; ++j) {
-            const int64_t f = (G::lane() + 32 * j) * 8;
-            if (f >= F) continue;
-            float go[8], g[8], u[8], dg[8], du[8];
-            unpack8(ov[j], go);
-            unpack8(gv[j], g);
-            if (s.gated) unpack8(uv[j], u);
-            backward_vector<8>(s, go, g, u, p, dg, du, dp);
-            store<8>(grow + f, dg);
-            if (s.gated) store<8>(grow + F + f, du);
-        }
-        if (grad_probs) {
-            const float total = row_sum<32>(dp, nullptr);
-            if (G::lane() == 0) grad_probs[r] = R(total);
-        }
-    }
-}
-
-// Whether the all-vectors-first kernels take narrow rows (MOEKIT_ACT_ROWS_FIRST=0: the looping ones, for A/B), and
+// Whether the all-vectors-first forward takes narrow rows (MOEKIT_ACT_ROWS_FIRST=0: the looping one, for A/B), and
 // with how many vectors a lane (0: not for this F).
 int rows_first_vectors(int64_t ffn, int row_threads) {
     static const bool on = [] {
@@ -321,14 +279,6 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);
     };
-    if (const int u = rows_first_vectors(s.ffn, rt)) {
-        if (u == 1) launch(activation_backward_rows_kernel<R, 1>);
-        else if (u == 2) launch(activation_backward_rows_kernel<R, 2>);
-        else if (u == 3) launch(activation_backward_rows_kernel<R, 3>);
-        else launch(activation_backward_rows_kernel<R, 4>);
-        MOEKIT_CUDA_LAUNCH_CHECK();
-        return;
-    }
     auto launch_width = [&](auto row_threads_tag) {
         constexpr int kRt = decltype(row_threads_tag)::value;
         if (width == 8) launch(activation_backward_kernel<R, 8, kRt>);
