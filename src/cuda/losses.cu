@@ -21,6 +21,11 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kLossThreads = 1024;  // loss_values_kernel's one block
 constexpr int kLossRuns = 8;        // ColumnRuns' groups of the column statistics and the fold
 
+// A warp's slice of the aux-score kernel's shared memory: a token's E scores and its E taken flags, 16-byte aligned.
+__host__ __device__ constexpr size_t aux_scores_warp_bytes(int64_t experts, size_t score_bytes) {
+    return (size_t(experts) * (score_bytes + 1) + 15) / 16 * 16;
+}
+
 // The runs' three partial sums of a column added in run order into the first group's thread; every thread of the
 // block calls it (barriers), each scratch array has a slot a thread.
 template <typename R>
@@ -43,7 +48,7 @@ __global__ void aux_scores_kernel(RouterShape s, LossTensors<R> t, bool need_aux
     const int64_t tok = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
     if (tok >= s.num_tokens) return;
     const int E = int(s.num_experts), fn = int(s.score_function);
-    const size_t stride = (size_t(E) * (sizeof(R) + 1) + 15) / 16 * 16;
+    const size_t stride = aux_scores_warp_bytes(E, sizeof(R));
     R* sc = reinterpret_cast<R*>(smem_raw + stride * warp);
     uint8_t* taken = reinterpret_cast<uint8_t*>(sc + E);
     const R* row = t.logits + tok * E;
@@ -259,10 +264,14 @@ LossShape LossShape::from_config(const MoeConfig& c) {
     return l;
 }
 
+size_t aux_scores_smem_bytes(int64_t num_experts, bool fp64) {
+    return aux_scores_warp_bytes(num_experts, fp64 ? sizeof(double) : sizeof(float)) * kWarpsPerBlock;
+}
+
 template <typename R>
 void losses_forward(const RouterShape& s, const LossShape& ls, const LossTensors<R>& t, cudaStream_t stream) {
     const int64_t E = s.num_experts;
-    const size_t smem = (size_t(E) * (sizeof(R) + 1) + 15) / 16 * 16 * kWarpsPerBlock;
+    const size_t smem = aux_scores_smem_bytes(E, std::is_same_v<R, double>);
     if (smem > 48 * 1024)
         MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&aux_scores_kernel<R>),
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

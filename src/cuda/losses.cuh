@@ -58,6 +58,9 @@ constexpr int64_t loss_chunk_count_elems(int64_t seq_length, int64_t batch, int6
     return loss_chunks(seq_length) * batch * (2 * experts + 1);
 }
 
+// Dynamic shared memory a block of the forward's aux-score kernel takes (a token's scores a warp; with an aux loss).
+size_t aux_scores_smem_bytes(int64_t num_experts, bool fp64);
+
 // Forward: statistics, loss values, gradient coefficients, tracker updates (training only).
 template <typename R>
 void losses_forward(const RouterShape& shape, const LossShape& loss, const LossTensors<R>& t, cudaStream_t stream);

@@ -468,6 +468,29 @@ std::string CudaLayerShape::to_string() const {
                router_fp64 ? " fp64" : " fp32", "}");
 }
 
+namespace {
+// The kernels whose shared memory grows with the expert count (route: a token's scores a warp; the aux-score
+// pass alike; the routing plan: a chunk's map slice): past the device's opt-in limit their launches would fail
+// with a CUDA error inside a step. The expert count is the user's input, so the layer is refused here, naming
+// the flag (exit 2).
+void require_experts_fit_shared_memory(const CudaLayerShape& s) {
+    int dev = 0, optin = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const int64_t E = s.router.num_experts;
+    auto require = [&](const char* kernel, size_t bytes, size_t limit) {
+        MOEKIT_REQUIRE(bytes <= limit, "--num-experts=", E, ": the CUDA ", kernel, " over ", E, " experts (",
+                       s.router_fp64 ? "fp64" : "fp32", " router) needs ", bytes,
+                       " bytes of shared memory a block, more than the ", limit, " it may take on this GPU");
+    };
+    require("router's top-k", route_smem_bytes(s.router, s.router_fp64), size_t(optin));
+    if (s.loss.need_aux())
+        require("aux-loss scores", aux_scores_smem_bytes(E, s.router_fp64), size_t(optin));
+    require("routing plan", size_t(plan_fill_smem_bytes(s.router.num_tokens, E)),
+            size_t(std::min<int64_t>(kPlanMaxSmem, optin)));
+}
+}  // namespace
+
 std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int64_t seq_length,
                                                    int64_t micro_batch_size, bool own_io, DeviceComm* ep) {
     MoeConfig c = config;
@@ -475,6 +498,7 @@ std::unique_ptr<CudaMoeLayer> CudaMoeLayer::create(const MoeConfig& config, int6
     MOEKIT_REQUIRE(!c.add_bias_linear, "--add-bias-linear: not supported on --device cuda");
     CudaLayerShape shape = CudaLayerShape::from_config(c, seq_length, micro_batch_size);
     shape.router.validate();
+    require_experts_fit_shared_memory(shape);
     if (shape.ep_size > 1) {
         MOEKIT_CHECK(ep && ep->size() == shape.ep_size, "--expert-model-parallel-size=", shape.ep_size,
                      ": the CUDA layer needs a device communicator over ", shape.ep_size, " ranks, got ",

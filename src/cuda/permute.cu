@@ -249,7 +249,7 @@ void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>
         MOEKIT_CUDA_CHECK(cudaMemsetAsync(p.token_offsets, 0, sizeof(int32_t), stream));
         return;
     }
-    const int64_t tile = chunk * plan_tile_stride(E), fill_smem = plan_tile_offset(E) + tile;
+    const int64_t tile = chunk * plan_tile_stride(E), fill_smem = plan_fill_smem_bytes(T, E);
     // A usage error (exit 2): the expert count is the user's (--num-experts, or a rank's local experts).
     MOEKIT_REQUIRE(fill_smem <= kPlanMaxSmem, "--num-experts: the CUDA routing plan over ", E, " experts needs ",
                    fill_smem, " bytes of shared memory a block, more than its ", kPlanMaxSmem);

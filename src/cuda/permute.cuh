@@ -47,6 +47,10 @@ MOEKIT_HD constexpr int64_t plan_chunk_tokens(int64_t num_tokens, int64_t num_ex
     while (c > 1 && c * plan_tile_stride(num_experts) > kPlanTileBytes) c /= 2;
     return c;
 }
+// The fill pass's shared memory a block (the launch opts in above 48 KB; past kPlanMaxSmem the plan is refused).
+MOEKIT_HD constexpr int64_t plan_fill_smem_bytes(int64_t num_tokens, int64_t num_experts) {
+    return plan_tile_offset(num_experts) + plan_chunk_tokens(num_tokens, num_experts) * plan_tile_stride(num_experts);
+}
 MOEKIT_HD constexpr int64_t plan_chunks(int64_t num_tokens, int64_t num_experts) {
     return ceil_div(num_tokens, plan_chunk_tokens(num_tokens, num_experts));
 }

@@ -296,6 +296,11 @@ void set_smem(const void* kernel, size_t bytes) {
 
 }  // namespace
 
+size_t route_smem_bytes(const RouterShape& s, bool fp64) {
+    return (fp64 ? WarpSmem<double>::bytes(s.num_experts, s.num_groups) : WarpSmem<float>::bytes(s.num_experts, s.num_groups)) *
+           kWarpsPerBlock;
+}
+
 RouterShape RouterShape::from_config(const MoeConfig& c, int64_t seq_length, int64_t micro_batch_size) {
     RouterShape s;
     s.seq_length = seq_length;
@@ -380,7 +385,7 @@ void route_after_logits(const RouterShape& s, const RouterTensors<R>& t, cudaStr
         MOEKIT_CHECK(t.sinkhorn && t.sinkhorn_d0, "router: Sinkhorn routing needs its [T, E] and [T] buffers");
         sinkhorn_forward<R>(T, E, t.logits, t.padding_mask, t.sinkhorn, t.sinkhorn_d0, stream);
     }
-    const size_t smem = WarpSmem<R>::bytes(E, s.num_groups) * kWarpsPerBlock;
+    const size_t smem = route_smem_bytes(s, std::is_same_v<R, double>);
     set_smem<R>(reinterpret_cast<const void*>(&route_kernel<R>), smem);
     route_kernel<R><<<int(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * kWarp, smem, stream>>>(
         s, t.logits, t.expert_bias, sinkhorn ? t.sinkhorn : nullptr, t.padding_mask, t.topk_idx, t.probs,

@@ -88,6 +88,10 @@ constexpr double kSinkhornTolerance = 1e-4;
 // shape.linear_on_tensor_cores), then scores/top-k/normalise/scale into probs and routing_map,
 // then capacity dropping (if shape.capacity >= 0). x_R is jittered first when shape.jitter_eps > 0.
 // training: Sinkhorn selection (shape.sinkhorn) runs only in training, as Megatron.
+// Dynamic shared memory a block of the route kernel takes (each of its warps stages a token's scores): it grows
+// with the expert count, and moe_layer.cu refuses a layer whose kernels would not fit the device.
+size_t route_smem_bytes(const RouterShape& shape, bool fp64);
+
 template <typename R>
 void router_forward(const RouterShape& shape, const RouterTensors<R>& t, cublasHandle_t cublas, cudaStream_t stream,
                     bool training = true);

@@ -255,6 +255,29 @@ TEST(CudaLayer, UnsupportedOptionsAreClearErrors) {
     EXPECT_THROW(cuda::CudaMoeLayer::create(c, 16, 2), ::moekit::UsageError);
 }
 
+// The route, aux-score and routing-plan kernels' shared memory grows with the expert count: past the GPU's limit the
+// layer is refused at creation with a usage error naming --num-experts (exit 2), before a launch could fail.
+TEST(CudaLayer, TooManyExpertsForSharedMemoryIsAUsageError) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    auto refusal = [&](int64_t experts, const char* dtype) {
+        c.num_moe_experts = experts;
+        c.moe_router_dtype = dtype;
+        try {
+            cuda::CudaMoeLayer::create(c, 16, 2);
+            return std::string();
+        } catch (const ::moekit::UsageError& e) {
+            return std::string(e.what());
+        }
+    };
+    const std::string fp32 = refusal(8192, "fp32");  // 9 bytes an expert a warp, four warps a block: 295 KB
+    EXPECT_NE(fp32.find("--num-experts=8192"), std::string::npos) << fp32;
+    EXPECT_NE(fp32.find("fp32 router"), std::string::npos) << fp32;
+    const std::string fp64 = refusal(4096, "fp64");
+    EXPECT_NE(fp64.find("--num-experts=4096"), std::string::npos) << fp64;
+    EXPECT_EQ(refusal(4096, "fp32"), "") << "4096 experts fit the fp32 router (147 KB a block)";
+}
+
 // `moekit train` with varying shapes: the runner rebuilds its CudaMoeLayer when the token count
 // changes and must carry the expert-bias counts and the global_aux_loss tracker across, as the CPU
 // oracle's RouterState does. Steps of T = 32, 12, 32 tokens; the global aux loss of every step
