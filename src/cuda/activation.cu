@@ -268,13 +268,15 @@ void activation_backward(const ActivationShape& s, const int32_t* num_rows, cons
     // With one sigmoid an element the pass leans on memory more: 4-wide (H200, 2026-11-26: mixtral F 14336 0.74 /
     // 0.89 / 0.78 ms for 4 / 2 / 8). The block's 2-wide fallback for F < 1024 went with the warp a row (row_threads):
     // such rows now take a warp, 4-wide, every lane busy (qwen3-30b F 768 0.53 ms block 2-wide -> 0.36 warp 4-wide).
+    // A warp's row 8-wide (three 16-byte vectors a lane at F 768): qwen3-30b 0.324 / 0.318 ms 4-wide, 0.287 / 0.286
+    // 8-wide, 0.371 / 0.370 2-wide (H200, 2026-11-27, moekit bench, two interleaved runs each).
     static const int forced = [] {
         const char* env = std::getenv("MOEKIT_ACT_BWD_VEC");
         const int v = env ? std::atoi(env) : 0;
         return v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
     }();
     const int rt = row_threads(s.ffn), grid = grid_for_rows(s.max_rows, rt);
-    const int vec = forced ? forced : 4;
+    const int vec = forced ? forced : rt == 32 ? 8 : 4;
     const int width = s.ffn % vec == 0 ? vec : 1;
     auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(s, num_rows, fc1_out, probs, grad_out, grad_fc1, grad_probs);

@@ -169,7 +169,7 @@ void check_stages(MoeConfig c, bool padding) {
 // The activation backward and forward on their own against a double reference on the same bf16 inputs, at output
 // widths that take each row mapping and vector width of the kernels (a warp a row: 40, 520, 768 and 1024 with the
 // forward loading one to four 8-wide vectors a lane first, 520 leaving most lanes' last one out, the backward
-// looping 4-wide; 1030 scalar; a block a row: 2048 and 4104 4-wide, 6150 scalar), gated SwiGLU / GeGLU with and
+// looping 8-wide; 1030 scalar; a block a row: 2048 and 4104 4-wide, 6150 scalar), gated SwiGLU / GeGLU with and
 // without probs, ungated GELU; rows past *num_rows untouched.
 void check_activation_backward(int64_t F, bool gated, Activation act, bool with_probs, uint64_t seed) {
     SCOPED_TRACE(::testing::Message() << "F=" << F << " gated=" << gated << " act=" << activation_name(act)
