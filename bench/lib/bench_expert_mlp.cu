@@ -192,8 +192,8 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                          {"n", c.n},
                          {"k", c.k},
                          {"gflop", gemm_flops(q, c) / 1e9}};
-        // Every column of a GEMM, timed once a round and rounds interleaved (each round starts one column later),
-        // the median reported: single runs of one column drift by up to ~10 % between calls, which must not decide
+        // Every column of a GEMM, timed once a round, the rounds in balanced orders (balanced_order), the median
+        // reported: single runs of one column drift by up to ~10 % between calls, which must not decide
         // a per-shape rule. The sync-free columns are timed as the layer runs them, by graph replays (two CUTLASS
         // launches of a split wgrad then cost no host time on the GPU's clock); the sync baseline cannot be captured.
         struct Column {
@@ -248,10 +248,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         const int rounds = std::max(o.rounds, 1), n = int(columns.size());
         std::vector<std::vector<double>> ms(n);
         for (int round = 0; round < rounds; ++round)
-            for (int j = 0; j < n; ++j) {
-                const int col = (j + round) % n;
-                ms[col].push_back(columns[col].time());
-            }
+            for (int col : balanced_order(n, round)) ms[col].push_back(columns[col].time());
         for (int col = 0; col < n; ++col) {
             r[columns[col].key] = median(ms[col]);
             if (rounds > 1) r[std::string(columns[col].key) + "_rounds"] = ms[col];

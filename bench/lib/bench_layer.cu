@@ -252,9 +252,10 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         auto warming = [&] {
             return warm < o.warmup || std::chrono::steady_clock::now() - warm_start < std::chrono::seconds(2);
         };
-        // The four start the round in turn (round i: the i-th first): a measurement's place in the round moved it
-        // by up to 4 % (mixtral's eager step, always first after the floor, read 3.6 % under its replay, which
-        // timed phase by phase equals it: H200, 2026-11-26, docs/perf.md).
+        // The four in a balanced order (balanced_order: each directly after each other one equally often): a
+        // measurement's place in the round moved it by up to 4 % (mixtral's eager step, always first after the
+        // floor, read 3.6 % under its replay, which timed phase by phase equals it: H200, 2026-11-26), and with the
+        // rounds merely rotated the floor always ran right after the sync baseline's host waits.
         const std::function<void()> runs[4] = {
             [&] { step(ExpertGemmKind::grouped); },
             [&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, s)); },
@@ -266,9 +267,10 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                 }
             }};
         for (int it = 0; warming() || it < warm + o.iters; ++it) {
+            const std::vector<int> order = balanced_order(4, it);
             double t[4] = {};
             for (int j = 0; j < 4; ++j) {
-                const int which = (it + j) % 4;
+                const int which = order[j];
                 t[which] = time_ms(runs[which], s, 0, 1);
             }
             const double e = t[0], g = t[1], y = t[2], d = t[3];

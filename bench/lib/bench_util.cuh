@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/cuda_check.h"
+#include "lib/balanced_order.h"
 #include "cuda/dense_gemm.cuh"
 #include "cuda/event_timing.h"
 #include "cuda/random_fill.h"
@@ -21,6 +22,7 @@ using bf16 = __nv_bfloat16;
 using cuda::dense_gemm;
 using cuda::fill_uniform;
 using cuda::time_ms;
+using moekit::bench::balanced_order;
 
 // Internal linkage: this header is included by more than one benchmark .cu of the same library.
 namespace {
