@@ -222,8 +222,6 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     {"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
                 if (c.op != Op::kTN)  // computed transposed (the small groups' choice)
                     columns.push_back({"cutlass_swap_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB)});
-                if (c.op != Op::kTN)  // the same on a 4x1 cluster
-                    columns.push_back({"cutlass_swap4_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB4)});
                 if (c.op == Op::kTN)  // on a 2x2 cluster
                     columns.push_back(
                         {"cutlass_2x2_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative2x2)});
@@ -269,11 +267,11 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 /
     // 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by size
-    // (wgrad_split()); cl-swap / cl-swap4 = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows, on a 2x1 /
-    // 4x1 cluster (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other GPUs); best = the
-    // fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's (the per-GEMM
-    // acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor
-    // (bench_wgrad_stores says what else bounds it).
+    // (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn); cl-2x2
+    // (wgrad) = cooperative on a 2x2 cluster;
+    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over
+    // the chosen kernel's (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32
+    // gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
     struct Col {
         const char *key, *head;
     };
@@ -284,7 +282,6 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"cutlass_pingpong_ms", "cl-pp"},
                            {"cutlass_split_ms", "cl-split"},
                            {"cutlass_swap_ms", "cl-swap"},
-                           {"cutlass_swap4_ms", "cl-swap4"},
                            {"cutlass_2x2_ms", "cl-2x2"},
                            {"mma_ms", "mma ms"}};
     char cell[64];

@@ -66,8 +66,7 @@ CutlassConfig small_group_config() {
     static const CutlassConfig c = [] {
         const char* env = std::getenv("MOEKIT_SMALL_GROUP_CONFIG");
         if (!env || std::strcmp(env, "swap") == 0) return CutlassConfig::kSwapAB;
-        if (std::strcmp(env, "swap4") == 0) return CutlassConfig::kSwapAB4;
-        MOEKIT_CHECK(std::strcmp(env, "tall") == 0, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected swap, swap4 or tall");
+        MOEKIT_CHECK(std::strcmp(env, "tall") == 0, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected swap or tall");
         return CutlassConfig::kCooperativeTall;
     }();
     return c;

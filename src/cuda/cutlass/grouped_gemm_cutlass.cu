@@ -27,8 +27,7 @@ namespace cutlass_detail {
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
-    if ((requested == CutlassConfig::kSwapAB || requested == CutlassConfig::kSwapAB4) && wgrad)
-        requested = CutlassConfig::kAuto;  // nt / nn only
+    if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
     if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
@@ -37,7 +36,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
             if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
-            if (std::strcmp(env, "swap4") == 0 && !wgrad) return CutlassConfig::kSwapAB4;
             if (std::strcmp(env, "coop22") == 0 && wgrad) return CutlassConfig::kCooperative2x2;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):

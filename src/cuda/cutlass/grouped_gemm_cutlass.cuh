@@ -81,14 +81,9 @@ struct SwapAB {
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
     using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
-// The same on a 4x1 cluster: the token tile multicast to the CTAs of four consecutive weight-row tiles (a quarter
-// of its L2 reads a CTA instead of half; an A/B candidate, CutlassConfig::kSwapAB4).
-struct SwapAB4 : SwapAB {
-    using Cluster = cute::Shape<cute::_4, cute::_1, cute::_1>;
-};
 template <class Config>
 constexpr bool swapped() {
-    return std::is_base_of_v<SwapAB, Config>;
+    return std::is_same_v<Config, SwapAB>;
 }
 
 template <Op kOp, class Config>
@@ -286,16 +281,13 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 // nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
 // instantiations compile in parallel).
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
+                    const int32_t* d_offsets, cudaStream_t stream);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream);
+                    const int32_t* d_offsets, cudaStream_t stream);
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, CutlassConfig config, cudaStream_t stream) {
-    if (config == CutlassConfig::kSwapAB4)
-        run_grouped<kOp, SwapAB4>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    else
-        run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+                 const int32_t* d_offsets, cudaStream_t stream) {
+    run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
 template <Op kOp>
@@ -315,11 +307,11 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
             run_grouped<kOp, Cooperative2x2>(s, A, B, C, d_offsets, write, stream);
             return;
         }
-    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapAB4) {
+    } else if (config == CutlassConfig::kSwapAB) {
         if constexpr (kOp == Op::kNT)
-            run_swapped_nt(s, A, B, C, d_offsets, config, stream);
+            run_swapped_nt(s, A, B, C, d_offsets, stream);
         else
-            run_swapped_nn(s, A, B, C, d_offsets, config, stream);
+            run_swapped_nn(s, A, B, C, d_offsets, stream);
         return;
     }
     if (config == CutlassConfig::kPingpong)
