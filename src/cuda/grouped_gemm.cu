@@ -60,27 +60,29 @@ struct Choice {
     CutlassConfig config;
 };
 
+// A measurement switch between two configurations, environment variable `var` read once a call site: unset or
+// `preferred_name` gives `preferred`, `other_name` gives `other`, anything else is an error naming both.
+CutlassConfig config_from_env(const char* var, const char* preferred_name, CutlassConfig preferred,
+                              const char* other_name, CutlassConfig other) {
+    const char* env = std::getenv(var);
+    if (!env || std::strcmp(env, preferred_name) == 0) return preferred;
+    MOEKIT_CHECK(std::strcmp(env, other_name) == 0, var, "=", env, ": expected ", preferred_name, " or ", other_name);
+    return other;
+}
+
 // nt / nn of small groups: the transposed product, 192 token rows a tile (kSwapAB; H200, 2026-11-27: the dsv3-e256
 // layer 34.1 -> 30.6 ms, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall picks the 256x128 tile for measurements.
 CutlassConfig small_group_config() {
-    static const CutlassConfig c = [] {
-        const char* env = std::getenv("MOEKIT_SMALL_GROUP_CONFIG");
-        if (!env || std::strcmp(env, "swap") == 0) return CutlassConfig::kSwapAB;
-        MOEKIT_CHECK(std::strcmp(env, "tall") == 0, "MOEKIT_SMALL_GROUP_CONFIG=", env, ": expected swap or tall");
-        return CutlassConfig::kCooperativeTall;
-    }();
+    static const CutlassConfig c = config_from_env("MOEKIT_SMALL_GROUP_CONFIG", "swap", CutlassConfig::kSwapAB,
+                                                   "tall", CutlassConfig::kCooperativeTall);
     return c;
 }
 
 // wgrad of small groups: CUTLASS cooperative on a 2x2 cluster (choose_for_shape); MOEKIT_SMALL_GROUP_WGRAD=coop picks
 // the 1x2 cluster for measurements.
 CutlassConfig small_group_wgrad_config() {
-    static const CutlassConfig c = [] {
-        const char* env = std::getenv("MOEKIT_SMALL_GROUP_WGRAD");
-        if (!env || std::strcmp(env, "2x2") == 0) return CutlassConfig::kCooperative2x2;
-        MOEKIT_CHECK(std::strcmp(env, "coop") == 0, "MOEKIT_SMALL_GROUP_WGRAD=", env, ": expected 2x2 or coop");
-        return CutlassConfig::kCooperative;
-    }();
+    static const CutlassConfig c = config_from_env("MOEKIT_SMALL_GROUP_WGRAD", "2x2", CutlassConfig::kCooperative2x2,
+                                                   "coop", CutlassConfig::kCooperative);
     return c;
 }
 
