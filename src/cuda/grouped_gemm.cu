@@ -94,7 +94,7 @@ CutlassConfig small_group_wgrad_config() {
 //    the 256x128 tile, 20-25% faster than 128-row tiles, which spent half its math on padding rows);
 //    tn CUTLASS cooperative 128x256 on a 2x2 cluster (both operands multicast; H200, 2026-11-27, three
 //    interleaved rounds on dsv3-e256: fc1 wgrad 10.59-10.72 ms vs 10.83-11.04 on the 1x2 cluster, fc2 5.17-5.22 vs
-//    5.32-5.35; the 1x2 cooperative was 5% faster than ping-pong);
+//    5.32-5.35, the layer step no different; the 1x2 cooperative was 5% faster than ping-pong);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative 128x256 (8-10% faster);
 //  - the other nt/nn: CUTLASS ping-pong (each consumer warpgroup's epilogue overlaps the other's main loop). H200,

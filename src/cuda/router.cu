@@ -297,8 +297,9 @@ void set_smem(const void* kernel, size_t bytes) {
 }  // namespace
 
 size_t route_smem_bytes(const RouterShape& s, bool fp64) {
-    return (fp64 ? WarpSmem<double>::bytes(s.num_experts, s.num_groups) : WarpSmem<float>::bytes(s.num_experts, s.num_groups)) *
-           kWarpsPerBlock;
+    const size_t warp = fp64 ? WarpSmem<double>::bytes(s.num_experts, s.num_groups)
+                             : WarpSmem<float>::bytes(s.num_experts, s.num_groups);
+    return warp * kWarpsPerBlock;
 }
 
 RouterShape RouterShape::from_config(const MoeConfig& c, int64_t seq_length, int64_t micro_batch_size) {

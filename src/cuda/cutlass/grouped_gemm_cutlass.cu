@@ -21,7 +21,6 @@ std::atomic<int> g_config{int(CutlassConfig::kAuto)};
 
 void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 
-
 namespace cutlass_detail {
 
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
