@@ -263,8 +263,8 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
 std::string format_gemm_table(const nlohmann::json& r) {
     std::string out = str(r["preset"].get<std::string>(), " (rows ", r["rows"].get<int64_t>(), ", counts ",
                           r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
-                          r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1), " rounds in balanced order) on ",
-                          r["device"].get<std::string>(), "\n");
+                          r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1),
+                          " rounds in balanced order) on ", r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 /
     // 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by size
     // (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn); cl-2x2
