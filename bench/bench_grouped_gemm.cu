@@ -39,7 +39,9 @@ int main(int argc, char** argv) {
             else
                 throw moekit::UsageError("unknown flag " + a);
         }
-        MOEKIT_REQUIRE(o.iters >= 1 && o.rounds >= 1 && o.rounds <= 100, "--iters and --rounds must be positive (rounds <= 100)");
+        MOEKIT_REQUIRE(o.iters >= 1 && o.rounds >= 1 && o.rounds <= 100,
+                       "--iters and --rounds must be positive (rounds <= 100)");
+        if (preset != "all") find_preset(preset);  // an unknown name is a usage error (exit 2), not an empty run
         nlohmann::json all = nlohmann::json::array();
         for (auto& p : presets()) {
             if (preset != "all" && preset != p.name) continue;
