@@ -438,6 +438,8 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 // Built without the CUTLASS headers: resolve_kernel refuses kCutlass before any of these is reached.
 bool cutlass_grouped_gemm_built() { return false; }
 void set_cutlass_config(CutlassConfig) {}
+void set_wgrad_stores(WgradStores) {}
+WgradStores wgrad_stores() { return WgradStores::kPlain; }
 void cutlass_grouped_gemm_nt(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
                              const int32_t*, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");

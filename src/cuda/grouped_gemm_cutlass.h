@@ -35,6 +35,11 @@ enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSp
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
 void set_cutlass_config(CutlassConfig config);
+// How the wgrad (tn) epilogue writes its fp32 gradient: CUTLASS's plain TMA stores, or the same marked evict-first
+// in L2 (src/cuda/cutlass/tma_store_evict_first.cuh). Default from MOEKIT_WGRAD_STORES=plain|evict_first.
+enum class WgradStores { kPlain, kEvictFirst };
+void set_wgrad_stores(WgradStores stores);
+WgradStores wgrad_stores();
 // Which wgrad groups kSplitBySize gives to the cooperative launch: WgradSplit's defaults, or
 // MOEKIT_WGRAD_SPLIT_ROWS (small_below) and MOEKIT_WGRAD_SPLIT_LARGE (large_from); with both 0 the split is off
 // (wgrad of mid-sized groups all ping-pong, as before 2026-11-26).

@@ -21,6 +21,26 @@ std::atomic<int> g_config{int(CutlassConfig::kAuto)};
 
 void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 
+namespace {
+std::atomic<int> g_stores{-1};  // -1: not set yet, MOEKIT_WGRAD_STORES decides at first use
+}
+
+void set_wgrad_stores(WgradStores stores) { g_stores = int(stores); }
+
+WgradStores wgrad_stores() {
+    int s = g_stores.load();
+    if (s < 0) {
+        const char* env = std::getenv("MOEKIT_WGRAD_STORES");
+        MOEKIT_CHECK(!env || std::strcmp(env, "plain") == 0 || std::strcmp(env, "evict_first") == 0,
+                     "MOEKIT_WGRAD_STORES=", env, ": expected plain or evict_first");
+        s = env && std::strcmp(env, "evict_first") == 0 ? int(WgradStores::kEvictFirst) : int(WgradStores::kPlain);
+        int unset = -1;
+        g_stores.compare_exchange_strong(unset, s);
+        s = g_stores.load();
+    }
+    return WgradStores(s);
+}
+
 namespace cutlass_detail {
 
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {

@@ -21,6 +21,7 @@
 #include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_cutlass.h"
+#include "cuda/cutlass/tma_store_evict_first.cuh"
 
 namespace moekit::cuda::cutlass_detail {
 
@@ -86,7 +87,26 @@ constexpr bool swapped() {
     return std::is_same_v<Config, SwapAB>;
 }
 
-template <Op kOp, class Config>
+// The collective epilogue `Epi` (as CUTLASS's builder made it) with its shared-to-global TMA copy replaced by `StoreOp`.
+template <class Epi, class StoreOp>
+struct WithStoreOp;
+template <int kStagesC, int kStagesD, int kFragment, bool kReuseC, bool kDelay, int kWarpGroups, class Tile,
+          class EpiTile, class EC, class StrideC, class ED, class StrideD, class Callbacks, class G2S, class AtomC,
+          class S2R, class S2G, class AtomD, class R2S, class CopyAtomC, class R2R, class StoreOp>
+struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<
+                       cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<kStagesC, kStagesD, kFragment, kReuseC, kDelay,
+                                                                         kWarpGroups>,
+                       Tile, EpiTile, EC, StrideC, ED, StrideD, Callbacks, G2S, AtomC, S2R, S2G, AtomD, R2S, CopyAtomC,
+                       R2R>,
+                   StoreOp> {
+    using type = cutlass::epilogue::collective::CollectiveEpilogue<
+        cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<kStagesC, kStagesD, kFragment, kReuseC, kDelay, kWarpGroups>,
+        Tile, EpiTile, EC, StrideC, ED, StrideD, Callbacks, G2S, AtomC, S2R, StoreOp, AtomD, R2S, CopyAtomC, R2R>;
+};
+
+using Stores = WgradStores;
+
+template <Op kOp, class Config, Stores kStores = Stores::kPlain>
 struct GemmFor {
     using Traits = OpTraits<kOp, swapped<Config>()>;
     using ElementAB = cutlass::bfloat16_t;
@@ -94,11 +114,14 @@ struct GemmFor {
     using ElementD = typename Traits::ElementD;
     static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
     static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
-    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, typename Traits::LayoutD*, kAlignC,
         ElementD, typename Traits::LayoutD*, kAlignD, typename Config::Epilogue,
         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+    using CollectiveEpilogue = std::conditional_t<kStores == Stores::kEvictFirst,
+                                                  typename WithStoreOp<BuiltEpilogue, TmaStoreEvictFirst>::type,
+                                                  BuiltEpilogue>;
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Traits::LayoutA*, 8, ElementAB,
         typename Traits::LayoutB*, 8, float, typename Config::Tile, typename Config::Cluster,
@@ -222,10 +245,10 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
     return a;
 }
 
-template <Op kOp, class Config>
+template <Op kOp, class Config, Stores kStores = Stores::kPlain>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
                  const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll) {
-    using G = GemmFor<kOp, Config>;
+    using G = GemmFor<kOp, Config, kStores>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
@@ -290,23 +313,39 @@ void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
+// wgrad (tn) in a resolved configuration, its gradient written with kStores.
+template <Stores kStores>
+void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+            const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream) {
+    switch (config) {
+        case CutlassConfig::kSplitBySize:
+            // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
+            // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
+            run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
+            run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
+            return;
+        case CutlassConfig::kCooperative2x2: return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
+        case CutlassConfig::kPingpong: return run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream);
+        case CutlassConfig::kCooperativeTall:
+            return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
+        default: return run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream);
+    }
+}
+// run_tn<Stores::kEvictFirst> (grouped_gemm_cutlass_tn_evict_first.cu: its own translation unit).
+void run_tn_evict_first(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                        const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream);
+
 template <Op kOp>
 void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
          const int32_t* d_offsets, WgradWrite write, CutlassConfig requested, cudaStream_t stream) {
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if constexpr (kOp == Op::kTN) {
-        if (config == CutlassConfig::kSplitBySize) {
-            // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
-            // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
-            return;
-        }
-        if (config == CutlassConfig::kCooperative2x2) {
-            run_grouped<kOp, Cooperative2x2>(s, A, B, C, d_offsets, write, stream);
-            return;
-        }
+        if (wgrad_stores() == Stores::kEvictFirst)
+            run_tn_evict_first(s, A, B, C, d_offsets, write, config, stream);
+        else
+            run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
+        return;
     } else if (config == CutlassConfig::kSwapAB) {
         if constexpr (kOp == Op::kNT)
             run_swapped_nt(s, A, B, C, d_offsets, stream);
