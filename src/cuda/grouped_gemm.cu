@@ -299,7 +299,8 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
     } else {
-        const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
+        const int64_t clusters = std::min<int64_t>(
+            {jobs, max_clusters<kKernel, kCluster>(kSmem), std::max(1, grouped_gemm_sm_count() / kCluster)});
         cudaLaunchConfig_t cfg{};
         cudaLaunchAttribute attr{};
         attr.id = cudaLaunchAttributeClusterDimension;
@@ -439,7 +440,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 bool cutlass_grouped_gemm_built() { return false; }
 void set_cutlass_config(CutlassConfig) {}
 void set_wgrad_stores(WgradStores) {}
-WgradStores wgrad_stores() { return WgradStores::kPlain; }
+WgradStores wgrad_stores() { return WgradStores::kAuto; }
 void cutlass_grouped_gemm_nt(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
                              const int32_t*, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
@@ -461,6 +462,10 @@ OwnGemmKernelScope::~OwnGemmKernelScope() {
     if (on_) --t_own_kernel_only;
 }
 
+namespace {
+thread_local int t_sm_limit = 0;  // GemmSmLimitScope's limit on this thread (0: none)
+}
+
 int grouped_gemm_sm_count() {
     static std::atomic<int> cached[64] = {};
     int dev = 0;
@@ -470,8 +475,14 @@ int grouped_gemm_sm_count() {
         MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
         if (dev < 64) cached[dev] = n;
     }
-    return n;
+    return t_sm_limit > 0 ? std::min(n, t_sm_limit) : n;
 }
+
+GemmSmLimitScope::GemmSmLimitScope(int sms) : previous_(t_sm_limit) {
+    MOEKIT_CHECK(sms >= 0, "GemmSmLimitScope: ", sms, " multiprocessors");
+    if (sms > 0) t_sm_limit = previous_ > 0 ? std::min(previous_, sms) : sms;
+}
+GemmSmLimitScope::~GemmSmLimitScope() { t_sm_limit = previous_; }
 
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }

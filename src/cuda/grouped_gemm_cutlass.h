@@ -36,8 +36,12 @@ enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSp
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
 void set_cutlass_config(CutlassConfig config);
 // How the wgrad (tn) epilogue writes its fp32 gradient: CUTLASS's plain TMA stores, or the same marked evict-first
-// in L2 (src/cuda/cutlass/tma_store_evict_first.cuh). Default from MOEKIT_WGRAD_STORES=plain|evict_first.
-enum class WgradStores { kPlain, kEvictFirst };
+// in L2 (src/cuda/cutlass/tma_store_evict_first.cuh), or kAuto: evict-first for the small groups' 2x2-cluster
+// configuration only. There the gradient (e.g. dsv3-e256's 30 GB fp32) streams past operand slabs that every output
+// tile of a group re-reads, and evict-first keeps them in L2 (H200, 2026-11-27: fc1 wgrad 10.43 -> 9.55 ms, DRAM
+// reads under ncu 2.2 -> 0.8 GB); on mid-sized and large groups it was a wash or slower (docs/perf.md).
+// Default from MOEKIT_WGRAD_STORES=auto|plain|evict_first (unset: auto).
+enum class WgradStores { kAuto, kPlain, kEvictFirst };
 void set_wgrad_stores(WgradStores stores);
 WgradStores wgrad_stores();
 // Which wgrad groups kSplitBySize gives to the cooperative launch: WgradSplit's defaults, or

@@ -443,6 +443,25 @@ TEST(GroupedGemm, WgradGroupsSplitBySize) {
     check_tn(mixed, 7, 192, 256, WgradWrite::overwrite_nonempty, 117);
 }
 
+TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {
+    SKIP_WITHOUT_GPU();
+    // Both ways the wgrad epilogue stores the gradient (WgradStores: CUTLASS's plain TMA stores, or marked
+    // evict-first in L2; auto uses the latter on small groups only), every backend: small groups (the 2x2-cluster
+    // configuration), mid-sized ones with zeros, one group taking every row; overwrite, accumulate, and
+    // overwrite_nonempty.
+    struct Restore {
+        WgradStores was = wgrad_stores();
+        ~Restore() { set_wgrad_stores(was); }
+    } restore;
+    for (WgradStores stores : {WgradStores::kPlain, WgradStores::kEvictFirst}) {
+        SCOPED_TRACE(stores == WgradStores::kPlain ? "plain stores" : "evict-first stores");
+        set_wgrad_stores(stores);
+        check_tn(random_counts(24, 3000, 151, 0.25), 5, 256, 192, false, 152);
+        check_tn({0, 0, 700, 0}, 3, 192, 256, true, 153);
+        check_tn(random_counts(10, 4000, 154, 0.2), 4, 128, 264, WgradWrite::overwrite_nonempty, 155);
+    }
+}
+
 TEST(GroupedGemm, SecondOperandBaseForTheLastGroups) {
     SKIP_WITHOUT_GPU();
     // ECHO's layout: L home groups, then S slot groups whose weights / gradients live in another buffer; slots with

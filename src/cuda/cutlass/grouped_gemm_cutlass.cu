@@ -22,23 +22,23 @@ std::atomic<int> g_config{int(CutlassConfig::kAuto)};
 void set_cutlass_config(CutlassConfig config) { g_config = int(config); }
 
 namespace {
-std::atomic<int> g_stores{-1};  // -1: not set yet, MOEKIT_WGRAD_STORES decides at first use
+std::atomic<int> g_stores{-1};  // -1: not set, MOEKIT_WGRAD_STORES decides at first use
 }
 
 void set_wgrad_stores(WgradStores stores) { g_stores = int(stores); }
 
 WgradStores wgrad_stores() {
     int s = g_stores.load();
-    if (s < 0) {
+    if (s >= 0) return WgradStores(s);
+    static const WgradStores from_env = [] {
         const char* env = std::getenv("MOEKIT_WGRAD_STORES");
-        MOEKIT_CHECK(!env || std::strcmp(env, "plain") == 0 || std::strcmp(env, "evict_first") == 0,
-                     "MOEKIT_WGRAD_STORES=", env, ": expected plain or evict_first");
-        s = env && std::strcmp(env, "evict_first") == 0 ? int(WgradStores::kEvictFirst) : int(WgradStores::kPlain);
-        int unset = -1;
-        g_stores.compare_exchange_strong(unset, s);
-        s = g_stores.load();
-    }
-    return WgradStores(s);
+        if (!env || std::strcmp(env, "auto") == 0) return WgradStores::kAuto;
+        if (std::strcmp(env, "plain") == 0) return WgradStores::kPlain;
+        MOEKIT_CHECK(std::strcmp(env, "evict_first") == 0, "MOEKIT_WGRAD_STORES=", env,
+                     ": expected auto, plain or evict_first");
+        return WgradStores::kEvictFirst;
+    }();
+    return from_env;
 }
 
 namespace cutlass_detail {

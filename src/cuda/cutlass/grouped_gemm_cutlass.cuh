@@ -104,7 +104,7 @@ struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<
         Tile, EpiTile, EC, StrideC, ED, StrideD, Callbacks, G2S, AtomC, S2R, StoreOp, AtomD, R2S, CopyAtomC, R2R>;
 };
 
-using Stores = WgradStores;
+enum class Stores { kPlain, kEvictFirst };
 
 template <Op kOp, class Config, Stores kStores = Stores::kPlain>
 struct GemmFor {
@@ -331,7 +331,8 @@ void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat
         default: return run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream);
     }
 }
-// run_tn<Stores::kEvictFirst> (grouped_gemm_cutlass_tn_evict_first.cu: its own translation unit).
+// run_tn<Stores::kEvictFirst> (grouped_gemm_cutlass_tn_evict_first.cu: its own translation unit); which one
+// runs: WgradStores (grouped_gemm_cutlass.h).
 void run_tn_evict_first(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
                         const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream);
 
@@ -341,7 +342,9 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     const CutlassConfig config = resolve_config(requested, rows_per_group, kOp == Op::kTN);
     if constexpr (kOp == Op::kTN) {
-        if (wgrad_stores() == Stores::kEvictFirst)
+        const WgradStores stores = wgrad_stores();
+        if (stores == WgradStores::kEvictFirst ||
+            (stores == WgradStores::kAuto && config == CutlassConfig::kCooperative2x2))
             run_tn_evict_first(s, A, B, C, d_offsets, write, config, stream);
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
