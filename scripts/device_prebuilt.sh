@@ -11,7 +11,7 @@ B=prebuilt
 [ -f $B/bin.tgz ] && tar -xzf $B/bin.tgz -C $B
 # The lines of a step's log that go to the summary: gtest verdicts and failures, the benchmarks' table rows.
 SUMMARY_LINES='^\[  (PASSED|FAILED) |Failure|Expected|Which is|^EP=|^  (configuration|ECHO|forced|busiest|acceptance)'
-SUMMARY_LINES+='|^  (fc|gemm)|wgrad|^moekit|interleaved|balanced order|roofline|ERROR SUMMARY|backward overlap'
+SUMMARY_LINES+='|^  (fc|gemm)|wgrad|^moekit|interleaved|balanced order|roofline|ERROR SUMMARY'
 SUMMARY_LINES+='|^  tiles|^  strips|cudaMemset|^fp32'
 IFS=';' read -ra steps <<<"${STEPS:?STEPS is empty}"
 i=0

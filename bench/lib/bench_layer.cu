@@ -239,26 +239,12 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         layer->backward(s);
         MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
         MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        // The same step captured with the other backward overlap (CudaMoeLayer::set_backward_overlap_sms: off if
-        // the layer overlaps, else kOtherOverlapSms), timed in the same rounds for A/B.
-        constexpr int kOtherOverlapSms = 16;
-        const int overlap = layer->backward_overlap_sms(), other_overlap = overlap > 0 ? 0 : kOtherOverlapSms;
-        cudaGraph_t other_graph = nullptr;
-        cudaGraphExec_t other_exec = nullptr;
-        layer->set_backward_overlap_sms(other_overlap);
-        MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        layer->forward(s, true);
-        layer->backward(s);
-        MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &other_graph));
-        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&other_exec, other_graph, 0));
-        const bool other_overlapped = layer->last_backward_overlapped();
-        layer->set_backward_overlap_sms(overlap);
         auto step = [&](ExpertGemmKind kind) {
             layer->set_expert_gemm(expert_gemm(kind));
             layer->forward(s, true);
             layer->backward(s);
         };
-        std::vector<double> eager, replay, sync, dense, other;
+        std::vector<double> eager, replay, sync, dense;
         // Warm-up rounds: o.warmup, and at least 2 s of them, so that the rounds timed see the power cap's steady
         // clocks, as the peers of scripts/device_anchors.sh do (bench/anchors/peer_timing.py).
         const auto warm_start = std::chrono::steady_clock::now();
@@ -270,7 +256,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         // measurement's place in the round moved it by up to 4 % (mixtral's eager step, always first after the
         // floor, read 3.6 % under its replay, which timed phase by phase equals it: H200, 2026-11-26), and with the
         // rounds merely rotated the floor always ran right after the sync baseline's host waits.
-        const std::function<void()> runs[5] = {
+        const std::function<void()> runs[4] = {
             [&] { step(ExpertGemmKind::grouped); },
             [&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, s)); },
             [&] { step(ExpertGemmKind::sync_baseline); },
@@ -279,34 +265,28 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                     dense_gemm(Op::kNT, R, 2 * F, H, b.rows, b.fc1, b.fc1_out, s);
                     dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s);
                 }
-            },
-            [&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(other_exec, s)); }};
+            }};
         for (int it = 0; warming() || it < warm + o.iters; ++it) {
-            const std::vector<int> order = balanced_order(5, it);
-            double t[5] = {};
-            for (int j = 0; j < 5; ++j) {
+            const std::vector<int> order = balanced_order(4, it);
+            double t[4] = {};
+            for (int j = 0; j < 4; ++j) {
                 const int which = order[j];
                 t[which] = time_ms(runs[which], s, 0, 1);
             }
+            const double e = t[0], g = t[1], y = t[2], d = t[3];
             if (warming()) {
                 ++warm;
                 continue;
             }
-            eager.push_back(t[0]), replay.push_back(t[1]), sync.push_back(t[2]), dense.push_back(t[3]);
-            other.push_back(t[4]);
+            eager.push_back(e), replay.push_back(g), sync.push_back(y), dense.push_back(d);
         }
         layer->set_expert_gemm(expert_gemm(ExpertGemmKind::grouped));
         MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
         MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
-        MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(other_exec));
-        MOEKIT_CUDA_CHECK(cudaGraphDestroy(other_graph));
         out["interleaved"] = {{"eager_ms", median(eager)},
                               {"graph_ms", median(replay)},
                               {"sync_ms", median(sync)},
-                              {"floor_ms", median(dense)},
-                              {"overlap_sms", overlap},
-                              {"other_overlap_sms", other_overlapped ? other_overlap : 0},
-                              {"other_overlap_graph_ms", median(other)}};
+                              {"floor_ms", median(dense)}};
     }
     const auto& il = out["interleaved"];
     // The interleaved totals are the headline ones (what the table, the ratios and bench/anchors read); the
@@ -382,14 +362,6 @@ std::string format_layer_table(const nlohmann::json& r) {
                   il["graph_ms"].get<double>(), il["eager_ms"].get<double>(), il["sync_ms"].get<double>(),
                   il["floor_ms"].get<double>());
     out += line;
-    if (il.contains("other_overlap_graph_ms")) {
-        std::snprintf(line, sizeof line,
-                      "  backward overlap (wgrads beside the passes, SMs left to them): %d -> %.3f ms one graph; "
-                      "%d -> %.3f ms (same rounds)\n",
-                      il["overlap_sms"].get<int>(), il["graph_ms"].get<double>(), il["other_overlap_sms"].get<int>(),
-                      il["other_overlap_graph_ms"].get<double>());
-        out += line;
-    }
     std::snprintf(line, sizeof line,
                   "  TFLOP/s (expert GEMMs): sync-free %.0f, sync %.0f, floor %.0f | host syncs/step: %.0f vs %.0f\n",
                   r["tflops"]["grouped"].get<double>(), r["tflops"]["sync"].get<double>(),

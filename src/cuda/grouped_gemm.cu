@@ -94,7 +94,8 @@ CutlassConfig small_group_wgrad_config() {
 //    the 256x128 tile, 20-25% faster than 128-row tiles, which spent half its math on padding rows);
 //    tn CUTLASS cooperative 128x256 on a 2x2 cluster (both operands multicast; H200, 2026-11-27, three
 //    interleaved rounds on dsv3-e256: fc1 wgrad 10.59-10.72 ms vs 10.83-11.04 on the 1x2 cluster, fc2 5.17-5.22 vs
-//    5.32-5.35, the layer step no different; the 1x2 cooperative was 5% faster than ping-pong);
+//    5.32-5.35, the layer step no different; the 1x2 cooperative was 5% faster than ping-pong), its gradient
+//    stored evict-first in L2 (WgradStores::kAuto, grouped_gemm_cutlass.h: fc1 9.40-9.55 vs 10.43-10.83 ms);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative 128x256 (8-10% faster);
 //  - the other nt/nn: CUTLASS ping-pong (each consumer warpgroup's epilogue overlaps the other's main loop). H200,
@@ -299,8 +300,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
     } else {
-        const int64_t clusters = std::min<int64_t>(
-            {jobs, max_clusters<kKernel, kCluster>(kSmem), std::max(1, grouped_gemm_sm_count() / kCluster)});
+        const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
         cudaLaunchConfig_t cfg{};
         cudaLaunchAttribute attr{};
         attr.id = cudaLaunchAttributeClusterDimension;
@@ -462,10 +462,6 @@ OwnGemmKernelScope::~OwnGemmKernelScope() {
     if (on_) --t_own_kernel_only;
 }
 
-namespace {
-thread_local int t_sm_limit = 0;  // GemmSmLimitScope's limit on this thread (0: none)
-}
-
 int grouped_gemm_sm_count() {
     static std::atomic<int> cached[64] = {};
     int dev = 0;
@@ -475,14 +471,8 @@ int grouped_gemm_sm_count() {
         MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
         if (dev < 64) cached[dev] = n;
     }
-    return t_sm_limit > 0 ? std::min(n, t_sm_limit) : n;
+    return n;
 }
-
-GemmSmLimitScope::GemmSmLimitScope(int sms) : previous_(t_sm_limit) {
-    MOEKIT_CHECK(sms >= 0, "GemmSmLimitScope: ", sms, " multiprocessors");
-    if (sms > 0) t_sm_limit = previous_ > 0 ? std::min(previous_, sms) : sms;
-}
-GemmSmLimitScope::~GemmSmLimitScope() { t_sm_limit = previous_; }
 
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }

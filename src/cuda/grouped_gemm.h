@@ -89,23 +89,8 @@ bool glu_backward_fusion_enabled();  // what set_glu_backward_fusion / the envir
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream);
 
-// Multiprocessors of the current device (cached per device), or fewer while a GemmSmLimitScope lives on this
-// thread: the size of every backend's persistent grid.
+// Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
 int grouped_gemm_sm_count();
-
-// While it lives on a thread, the grouped GEMMs launched there take at most `sms` multiprocessors (0: no limit), so
-// that kernels on another stream run beside them on the rest (the layer's backward overlaps its weight gradients
-// with the memory-bound passes this way: moe_layer.cu).
-class GemmSmLimitScope {
-public:
-    explicit GemmSmLimitScope(int sms);
-    ~GemmSmLimitScope();
-    GemmSmLimitScope(const GemmSmLimitScope&) = delete;
-    GemmSmLimitScope& operator=(const GemmSmLimitScope&) = delete;
-
-private:
-    int previous_;
-};
 
 // Several EP ranks on one GPU (virtual ranks) spin in device barriers while a peer still runs its GEMMs. CUTLASS's
 // kernels hold a whole SM per CTA (their register budget), so they cannot be scheduled beside the spinning blocks

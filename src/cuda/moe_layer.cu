@@ -39,18 +39,6 @@ GroupedGemmShape home_and_slots(int64_t L, int64_t S, int64_t max_rows, int64_t 
     return GroupedGemmShape{L + S, max_rows, n, k, S > 0 ? L : 0, S > 0 ? slot_base : nullptr};
 }
 
-// MOEKIT_BWD_OVERLAP_SMS: the SMs the backward's memory-bound passes keep while a weight gradient runs beside them
-// (CudaMoeLayer::set_backward_overlap_sms; 0 = the backward on one stream).
-int default_backward_overlap_sms() {
-    const char* env = std::getenv("MOEKIT_BWD_OVERLAP_SMS");
-    if (!env) return 0;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    MOEKIT_REQUIRE(end != env && *end == 0 && v >= 0 && v <= 1024, "MOEKIT_BWD_OVERLAP_SMS=", env,
-                   ": expected a count of multiprocessors (0 = off)");
-    return int(v);
-}
-
 template <typename R>
 class LayerImpl final : public CudaMoeLayer {
 public:
@@ -114,22 +102,12 @@ public:
         workspace_.resize(int64_t(kCublasWorkspaceBytes));
         MOEKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace_.get(), kCublasWorkspaceBytes));
         for (auto& e : events_) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
-        // The backward's weight-gradient stream (backward_overlap): the highest priority, so that where both
-        // streams have work ready the wgrad's persistent CTAs are placed first and the passes take the SMs left.
-        int least = 0, greatest = 0;
-        MOEKIT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-        MOEKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&wgrad_stream_, cudaStreamNonBlocking, greatest));
-        for (auto& e : fork_join_) MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-        overlap_sms_ = default_backward_overlap_sms();
         fill_buffers();
     }
     ~LayerImpl() override {
         if (cublas_) cublasDestroy(cublas_);
         for (auto& e : events_)
             if (e) cudaEventDestroy(e);
-        for (auto& e : fork_join_)
-            if (e) cudaEventDestroy(e);
-        if (wgrad_stream_) cudaStreamDestroy(wgrad_stream_);
     }
 
     const CudaLayerShape& shape() const override { return shape_; }
@@ -160,12 +138,6 @@ public:
     void save_router_trackers(cudaStream_t stream) override { copy_trackers(true, stream); }
     void restore_router_trackers(cudaStream_t stream) override { copy_trackers(false, stream); }
     void enable_stage_timing(bool on) override { timing_ = on; }
-    void set_backward_overlap_sms(int sms) override {
-        MOEKIT_REQUIRE(sms >= 0, "backward overlap: ", sms, " multiprocessors (0 turns it off)");
-        overlap_sms_ = sms;
-    }
-    int backward_overlap_sms() const override { return overlap_sms_; }
-    bool last_backward_overlapped() const override { return overlapped_; }
     StageTimesMs forward_times_ms() override { return times(0); }
     StageTimesMs backward_times_ms() override { return times(1); }
 
@@ -235,19 +207,8 @@ public:
         if (!fused_act)
             gemm_.nn(home_and_slots(L, S, M, F, H, experts_.slot_fc2), grad_rows, buf_.fc2, grad_act_.get(), offsets,
                      stream);
-        // Backward overlap: each wgrad on the wgrad stream, on all but overlap_sms_ SMs, beside the memory-bound
-        // passes that do not need it (fc2's beside the activation's backward; fc1's beside the input gradient's
-        // scatter and the router's backward). Each fork follows a dgrad and each join precedes the next, so no two
-        // GEMMs share the GPU; every buffer is written by one side only.
-        const int wgrad_sms = backward_overlap_wgrad_sms(S, fused_act);
-        cudaStream_t wgrad_stream = wgrad_sms > 0 ? wgrad_stream_ : stream;
-        overlapped_ = wgrad_sms > 0;
-        if (wgrad_sms > 0) fork_join(stream, wgrad_stream_, 0);
-        {
-            const GemmSmLimitScope limit(wgrad_sms);
-            gemm_.tn(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2,
-                     offsets, wgrad_write(acc), wgrad_stream);
-        }
+        gemm_.tn(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2,
+                 offsets, wgrad_write(acc), stream);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
         if (fused_act) {
@@ -259,16 +220,11 @@ public:
                                    grad_fc1_out_.get(), grad_row_probs_.get(), stream);
         }
         mark(stream, 1, LayerStage::activation, false);
-        if (wgrad_sms > 0) fork_join(wgrad_stream_, stream, 1);
         mark(stream, 1, LayerStage::fc1, true);
         gemm_.nn(home_and_slots(L, S, M, H, F1, experts_.slot_fc1), grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(),
                  offsets, stream);
-        if (wgrad_sms > 0) fork_join(stream, wgrad_stream_, 2);
-        {
-            const GemmSmLimitScope limit(wgrad_sms);
-            gemm_.tn(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
-                     buf_.grad_fc1, offsets, wgrad_write(acc), wgrad_stream);
-        }
+        gemm_.tn(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
+                 buf_.grad_fc1, offsets, wgrad_write(acc), stream);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
         dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,
@@ -286,7 +242,6 @@ public:
         router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), buf_.grad_router_weight, buf_.grad_input,
                                   hidden_r_.get(), cublas_, stream, acc);
         mark(stream, 1, LayerStage::router, false);
-        if (wgrad_sms > 0) fork_join(wgrad_stream_, stream, 3);
     }
 
     LossValues read_losses() const override {
@@ -403,23 +358,6 @@ private:
         b.global_tokens_per_expert = global_tokens_.get(), b.ga_steps = ga_steps_.get();
     }
     // Stage timing: events [pass][stage][begin/end]; recorded only when enabled.
-    // The SMs each backward wgrad gets when it overlaps (0: it does not). Only the single-GPU layer of the grouped
-    // GEMMs overlaps: with ECHO slots dispatch_backward reads the slots' weight gradients, a shared expert adds into
-    // the input gradient beside the router, EP dispatchers communicate, and virtual ranks share the GPU already.
-    int backward_overlap_wgrad_sms(int64_t slots, bool fused_act) const {
-        if (overlap_sms_ <= 0 || slots > 0 || fused_act || shape_.has_shared || shares_gpu_with_ranks_ ||
-            dispatcher_->name() != "local" || std::string(gemm_.name) != "grouped")
-            return 0;
-        const int sms = grouped_gemm_sm_count();
-        return overlap_sms_ * 2 <= sms ? sms - overlap_sms_ : 0;  // never more than half the GPU to the passes
-    }
-    // `to` waits for what `from` has enqueued so far (fork_join_[i]); under stream capture this joins `to` to the
-    // capture or back.
-    void fork_join(cudaStream_t from, cudaStream_t to, int i) {
-        MOEKIT_CUDA_CHECK(cudaEventRecord(fork_join_[i], from));
-        MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(to, fork_join_[i], 0));
-    }
-
     void mark(cudaStream_t stream, int pass, LayerStage stage, bool begin) {
         if (!timing_) return;
         // Under stream capture an External record becomes an event node of the graph (a plain one would only mark
@@ -454,10 +392,6 @@ private:
     cublasHandle_t cublas_ = nullptr;
     bool training_ = true, timing_ = false;
     std::array<cudaEvent_t, size_t(LayerStage::count) * 4> events_{};
-    cudaStream_t wgrad_stream_ = nullptr;  // backward overlap (backward_overlap_wgrad_sms)
-    std::array<cudaEvent_t, 4> fork_join_{};
-    int overlap_sms_ = 0;
-    bool overlapped_ = false;
     std::array<std::array<bool, size_t(LayerStage::count)>, 2> recorded_{};
     DeviceBuffer<uint8_t> workspace_;
     DeviceBuffer<bf16> hidden_, grad_output_, router_weight_, fc1_, fc2_, output_;

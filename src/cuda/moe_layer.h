@@ -149,12 +149,6 @@ public:
 
     // Per-stage cudaEvent timing of eager steps (off by default; not while capturing).
     virtual void enable_stage_timing(bool on) = 0;
-    // Backward overlap: each weight-gradient GEMM runs on a second stream on all but `sms` multiprocessors, beside
-    // the memory-bound passes that do not depend on it (0 = off; default MOEKIT_BWD_OVERLAP_SMS). Single-GPU layers
-    // of the grouped GEMMs without ECHO slots or a shared expert only; results are bitwise the same either way.
-    virtual void set_backward_overlap_sms(int sms) = 0;
-    virtual int backward_overlap_sms() const = 0;
-    virtual bool last_backward_overlapped() const = 0;  // whether the last backward() enqueued the overlap
     // Waits for the recorded events (outside a step).
     virtual StageTimesMs forward_times_ms() = 0;
     virtual StageTimesMs backward_times_ms() = 0;
