@@ -215,7 +215,8 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         if (c.op == Op::kTN && is_hopper() && cutlass_grouped_gemm_built()) {
             // The layer's choice with every gradient store plain (WgradStores::kPlain), for A/B against auto's
             // evict-first stores on small groups; elsewhere the same kernel as auto (a measure of the noise).
-            columns.push_back({"auto_plain_stores_ms", [&, plain = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto)] {
+            auto plain = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto);
+            columns.push_back({"auto_plain_stores_ms", [plain] {
                                    const WgradStores was = wgrad_stores();
                                    set_wgrad_stores(WgradStores::kPlain);
                                    const double ms = plain();
@@ -277,9 +278,9 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1),
                           " rounds in balanced order) on ", r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; auto pl (wgrad) = the same with plain gradient stores (auto marks
-    // them evict-first in L2 on small groups: WgradStores); tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 /
-    // 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by size
-    // (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn); cl-2x2
+    // them evict-first in L2 on small groups: WgradStores); tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS
+    // 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by
+    // size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn); cl-2x2
     // (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other GPUs); best = the fastest grouped (sync-free)
     // column; dense/auto = dense cuBLAS time over the chosen kernel's (the per-GEMM acceptance ratio); fill (wgrad
     // only) = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else

@@ -34,8 +34,8 @@ WgradStores wgrad_stores() {
         const char* env = std::getenv("MOEKIT_WGRAD_STORES");
         if (!env || std::strcmp(env, "auto") == 0) return WgradStores::kAuto;
         if (std::strcmp(env, "plain") == 0) return WgradStores::kPlain;
-        MOEKIT_CHECK(std::strcmp(env, "evict_first") == 0, "MOEKIT_WGRAD_STORES=", env,
-                     ": expected auto, plain or evict_first");
+        MOEKIT_REQUIRE(std::strcmp(env, "evict_first") == 0, "MOEKIT_WGRAD_STORES=", env,
+                       ": expected auto, plain or evict_first");
         return WgradStores::kEvictFirst;
     }();
     return from_env;

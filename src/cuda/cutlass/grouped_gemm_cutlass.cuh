@@ -87,7 +87,8 @@ constexpr bool swapped() {
     return std::is_same_v<Config, SwapAB>;
 }
 
-// The collective epilogue `Epi` (as CUTLASS's builder made it) with its shared-to-global TMA copy replaced by `StoreOp`.
+// The collective epilogue `Epi` (as CUTLASS's builder made it) with its shared-to-global TMA copy replaced by
+// `StoreOp`.
 template <class Epi, class StoreOp>
 struct WithStoreOp;
 template <int kStagesC, int kStagesD, int kFragment, bool kReuseC, bool kDelay, int kWarpGroups, class Tile,
@@ -324,11 +325,14 @@ void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat
             run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
             run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
-        case CutlassConfig::kCooperative2x2: return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
-        case CutlassConfig::kPingpong: return run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream);
+        case CutlassConfig::kCooperative2x2:
+            return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
+        case CutlassConfig::kPingpong:
+            return run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kCooperativeTall:
             return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
-        default: return run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream);
+        default:
+            return run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream);
     }
 }
 // run_tn<Stores::kEvictFirst> (grouped_gemm_cutlass_tn_evict_first.cu: its own translation unit); which one

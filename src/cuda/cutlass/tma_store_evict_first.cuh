@@ -1,7 +1,7 @@
 // A CuTe TMA store that marks the lines it writes evict-first in L2, for the wgrad epilogue: the fp32 gradient a
 // wgrad writes is not read again in the step, while the operand tiles it would push out of L2 are (each token row
 // of a group serves every output tile of that group). Plugged into CUTLASS's pointer-array TMA epilogue as its
-// shared-to-global copy (grouped_gemm_cutlass.cuh, StreamedStores); the traits mirror CuTe's SM90_TMA_STORE ones
+// shared-to-global copy (grouped_gemm_cutlass.cuh, WithStoreOp); the traits mirror CuTe's SM90_TMA_STORE ones
 // (a descriptor, or for grouped GEMMs a pointer to the per-group descriptor) and differ only in the instruction.
 #pragma once
 #include <cute/arch/copy_sm90_desc.hpp>
