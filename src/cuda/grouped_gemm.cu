@@ -61,12 +61,14 @@ struct Choice {
 };
 
 // A measurement switch between two configurations, environment variable `var` read once a call site: unset or
-// `preferred_name` gives `preferred`, `other_name` gives `other`, anything else is an error naming both.
+// `preferred_name` gives `preferred`, `other_name` gives `other`, anything else is a usage error (exit 2) naming
+// both, as for MOEKIT_WGRAD_STORES (grouped_gemm_cutlass.cu).
 CutlassConfig config_from_env(const char* var, const char* preferred_name, CutlassConfig preferred,
                               const char* other_name, CutlassConfig other) {
     const char* env = std::getenv(var);
     if (!env || std::strcmp(env, preferred_name) == 0) return preferred;
-    MOEKIT_CHECK(std::strcmp(env, other_name) == 0, var, "=", env, ": expected ", preferred_name, " or ", other_name);
+    MOEKIT_REQUIRE(std::strcmp(env, other_name) == 0, var, "=", env, ": expected ", preferred_name, " or ",
+                   other_name);
     return other;
 }
 
