@@ -45,31 +45,26 @@ struct OpTraits {
     using ElementD = std::conditional_t<kOp == Op::kTN, float, cutlass::bfloat16_t>;
 };
 
-// What every configuration may override: the epilogue's subtile and its shared-memory stages (0: the builder's).
-struct ConfigDefaults {
-    using EpiTile = cutlass::epilogue::collective::EpilogueTileAuto;
-    static constexpr int kStagesC = 0, kStagesD = 0;
-};
-struct Cooperative : ConfigDefaults {
+struct Cooperative {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
     using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-struct CooperativeTall : ConfigDefaults {
+struct CooperativeTall {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
     using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
 // wgrad (tn) on a 2x2 cluster: both operand tiles multicast (a small group's tile loads half its B rows).
-struct Cooperative2x2 : ConfigDefaults {
+struct Cooperative2x2 {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
     using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
     using Cluster = cute::Shape<cute::_2, cute::_2, cute::_1>;
 };
-struct Pingpong : ConfigDefaults {
+struct Pingpong {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
     using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
@@ -81,7 +76,7 @@ struct Pingpong : ConfigDefaults {
 // bound it. Measured on an H200 (docs/perf.md, 2026-11-27): 192 token rows beat 128 / 160 / 224 / 256 (dsv3-e256
 // layer 30.4-30.6 ms vs 35.4 / 32.4 / 37.3 / 33.7; the 256x128 tile 33.7-34.1). The 2x1 cluster multicasts the
 // token tile to the CTA of the next 128 weight rows (single CTAs: 31.7 ms).
-struct SwapAB : ConfigDefaults {
+struct SwapAB {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
@@ -110,33 +105,6 @@ struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<
         Tile, EpiTile, EC, StrideC, ED, StrideD, Callbacks, G2S, AtomC, S2R, StoreOp, AtomD, R2S, CopyAtomC, R2R>;
 };
 
-// The collective epilogue `Epi` with kStagesC shared-memory buffers and kStagesD TMA stores in flight (0: as built).
-template <class Epi, int kC, int kD>
-struct WithStages {
-    using type = Epi;
-};
-template <int kStagesC, int kStagesD, int kFragment, bool kReuseC, bool kDelay, int kWarpGroups, class Tile,
-          class EpiTile, class EC, class StrideC, class ED, class StrideD, class Callbacks, class G2S, class AtomC,
-          class S2R, class S2G, class AtomD, class R2S, class CopyAtomC, class R2R, int kC, int kD>
-    requires(kC > 0 && kD > 0)
-struct WithStages<cutlass::epilogue::collective::CollectiveEpilogue<
-                      cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<kStagesC, kStagesD, kFragment, kReuseC, kDelay,
-                                                                        kWarpGroups>,
-                      Tile, EpiTile, EC, StrideC, ED, StrideD, Callbacks, G2S, AtomC, S2R, S2G, AtomD, R2S, CopyAtomC,
-                      R2R>,
-                  kC, kD> {
-    using type = cutlass::epilogue::collective::CollectiveEpilogue<
-        cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<kC, kD, kFragment, kReuseC, kDelay, kWarpGroups>, Tile,
-        EpiTile, EC, StrideC, ED, StrideD, Callbacks, G2S, AtomC, S2R, S2G, AtomD, R2S, CopyAtomC, R2R>;
-};
-
-// Experiment (MOEKIT_WGRAD_EPI): the cooperative wgrad with other epilogue subtiles / stages.
-template <int kEpiN, int kC, int kD>
-struct CooperativeEpi : Cooperative {
-    using EpiTile = cute::Shape<cute::_128, cute::Int<kEpiN>>;
-    static constexpr int kStagesC = kC, kStagesD = kD;
-};
-
 enum class Stores { kPlain, kEvictFirst };
 
 template <Op kOp, class Config, Stores kStores = Stores::kPlain>
@@ -149,13 +117,12 @@ struct GemmFor {
     static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
     using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-        typename Config::EpiTile, float, float, ElementC, typename Traits::LayoutD*, kAlignC,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, typename Traits::LayoutD*, kAlignC,
         ElementD, typename Traits::LayoutD*, kAlignD, typename Config::Epilogue,
         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
-    using StagedEpilogue = typename WithStages<BuiltEpilogue, Config::kStagesC, Config::kStagesD>::type;
     using CollectiveEpilogue = std::conditional_t<kStores == Stores::kEvictFirst,
-                                                  typename WithStoreOp<StagedEpilogue, TmaStoreEvictFirst>::type,
-                                                  StagedEpilogue>;
+                                                  typename WithStoreOp<BuiltEpilogue, TmaStoreEvictFirst>::type,
+                                                  BuiltEpilogue>;
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Traits::LayoutA*, 8, ElementAB,
         typename Traits::LayoutB*, 8, float, typename Config::Tile, typename Config::Cluster,
@@ -347,11 +314,6 @@ void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
-// Experiment: MOEKIT_WGRAD_EPI=1..3 runs the cooperative wgrad with another epilogue (grouped_gemm_cutlass_tn_epi.cu).
-int wgrad_epi_variant();
-void run_tn_epi(int variant, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share);
-
 // wgrad (tn) in a resolved configuration, its gradient written with kStores.
 template <Stores kStores>
 void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
@@ -360,10 +322,7 @@ void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat
         case CutlassConfig::kSplitBySize:
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
-            if (kStores == Stores::kPlain && wgrad_epi_variant() > 0)
-                run_tn_epi(wgrad_epi_variant(), s, A, B, C, d_offsets, write, stream, Share::kCooperative);
-            else
-                run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
+            run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
             run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
             return;
         case CutlassConfig::kCooperative2x2:
@@ -373,8 +332,6 @@ void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat
         case CutlassConfig::kCooperativeTall:
             return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
         default:
-            if (kStores == Stores::kPlain && wgrad_epi_variant() > 0)
-                return run_tn_epi(wgrad_epi_variant(), s, A, B, C, d_offsets, write, stream, Share::kAll);
             return run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream);
     }
 }
