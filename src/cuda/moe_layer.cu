@@ -102,9 +102,15 @@ public:
         workspace_.resize(int64_t(kCublasWorkspaceBytes));
         MOEKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace_.get(), kCublasWorkspaceBytes));
         for (auto& e : events_) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+        MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+        MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+        MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
         fill_buffers();
     }
     ~LayerImpl() override {
+        if (fork_) cudaEventDestroy(fork_);
+        if (join_) cudaEventDestroy(join_);
+        if (side_) cudaStreamDestroy(side_);
         if (cublas_) cublasDestroy(cublas_);
         for (auto& e : events_)
             if (e) cudaEventDestroy(e);
@@ -148,7 +154,17 @@ public:
         training_ = training;
         mark(stream, 0, LayerStage::router, true);
         router_forward<R>(r, router_tensors(), cublas_, stream, training);
-        if (training && (shape_.loss.any() || r.has_expert_bias)) losses_forward<R>(r, shape_.loss, loss_tensors(), stream);
+        // The load-balancing losses read the logits and the map and write only their own buffers, which backward
+        // reads: a branch of their own (side_), beside the routing plan and the dispatch, joined at the end of
+        // forward. Their kernels are small and latency-bound, as the plan's are, so the two overlap (inside a
+        // captured graph too: the fork and join become its edges).
+        const bool losses = training && (shape_.loss.any() || r.has_expert_bias);
+        if (losses) {
+            MOEKIT_CUDA_CHECK(cudaEventRecord(fork_, stream));
+            MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+            losses_forward<R>(r, shape_.loss, loss_tensors(), side_);
+            MOEKIT_CUDA_CHECK(cudaEventRecord(join_, side_));
+        }
         mark(stream, 0, LayerStage::router, false);
         mark(stream, 0, LayerStage::permute, true);
         build_routing_plan<R>(map_.get(), probs_.get(), plan(), stream);
@@ -178,6 +194,7 @@ public:
         dispatcher_->combine(plan(), expert_out_.get(), shape_.has_shared ? s_out_.get() : nullptr,
                              shape_.has_shared && shape_.shared.has_gate ? s_gate_.get() : nullptr, buf_.output, stream);
         mark(stream, 0, LayerStage::combine, false);
+        if (losses) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
     }
 
     void backward(cudaStream_t stream, const BackwardOptions& options) override {
@@ -390,6 +407,8 @@ private:
     ExpertInput<R> experts_;  // what the last dispatch gave the experts (backward reads it)
     LayerBuffers buf_;
     cublasHandle_t cublas_ = nullptr;
+    cudaStream_t side_ = nullptr;  // forward's loss branch
+    cudaEvent_t fork_ = nullptr, join_ = nullptr;
     bool training_ = true, timing_ = false;
     std::array<cudaEvent_t, size_t(LayerStage::count) * 4> events_{};
     std::array<std::array<bool, size_t(LayerStage::count)>, 2> recorded_{};

@@ -3,8 +3,9 @@
 // coalesced 16-byte load a thread at a time: (1) a block per chunk counts each expert's tokens in the chunk and each
 // token's experts; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each expert's
 // chunks, split into segments walked in parallel), the expert offsets and the chunks' token bases; (3) a block per
-// chunk ranks its tokens inside each expert (a walk down each column of the staged slice), scans its token counts
-// into token offsets and walks each token's experts in ascending order, writing both index directions. The walks
+// chunk ranks its tokens inside each expert (a walk down each column of the staged slice, writing the ranks and the
+// rows' probabilities), scans its token counts into token offsets and walks each token's experts in ascending
+// order, writing both index directions. The walks
 // read shared memory only: the global-memory walks before them (a thread an expert stepping down the chunk) ran at
 // 2-3 % of the copy bandwidth (qwen3-30b: 200 us of plan against 240 us of row copies, ncu, H200, 2026-11-27).
 // Same results as src/cpu/permute.cpp, integer-exact.
@@ -130,9 +131,14 @@ __global__ void __launch_bounds__(kScanThreads)
     block_exclusive_scan(chunk_tokens, C, chunk_tokens);
 }
 
-// Pass 3, block per chunk: the staged slice's routed entries become their chunk-local rank + 1 (a thread an
-// expert down its column; a chunk has at most kPlanThreads tokens, so a byte holds it), then a thread a token:
-// token offsets, and the token's rows in ascending expert order.
+// Pass 3, block per chunk: a thread an expert down its column of the staged slice: each routed entry's rank inside
+// its expert (the chunk's base + its place in the chunk, which replaces the entry's 1 in the tile: a chunk has at
+// most kPlanThreads tokens, so a byte holds it) and its row's probability; then a thread a token: token offsets,
+// and the token's rows in ascending expert order. The probabilities are read for whole rows of the chunk,
+// kProbRows rows in flight a thread (consecutive experts, so coalesced): read inside the token walk, a load a
+// routed entry behind a branch the warp's tokens diverge on, their latencies added up (qwen3-30b: 34 us, ncu, H200).
+constexpr int kProbRows = 16;
+
 template <typename R>
 __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs,
                                  const int32_t* __restrict__ chunk_bases, const int32_t* __restrict__ chunk_tokens,
@@ -146,11 +152,26 @@ __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __res
     stage_chunk(map, t0, rows, E, stride, tile);
     for (int64_t e = threadIdx.x; e < E; e += blockDim.x) base[e] = chunk_bases[c * E + e], offset[e] = p.offsets[e];
     __syncthreads();
+    int32_t* __restrict__ rank = p.rank;
+    R* __restrict__ row_prob = p.row_prob;
     for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        const int32_t b = base[e], o = offset[e];
         int local = 0;
-        for (int r = 0; r < rows; ++r) {
-            uint8_t& v = tile[r * stride + e];
-            if (v) v = uint8_t(++local);
+        for (int r0 = 0; r0 < rows; r0 += kProbRows) {
+            R prob[kProbRows];
+#pragma unroll
+            for (int i = 0; i < kProbRows; ++i)
+                prob[i] = probs && r0 + i < rows ? probs[(t0 + r0 + i) * E + e] : R(1);
+#pragma unroll
+            for (int i = 0; i < kProbRows; ++i) {
+                if (r0 + i >= rows) break;
+                uint8_t& v = tile[(r0 + i) * stride + e];
+                if (!v) continue;
+                v = uint8_t(++local);
+                const int32_t r = b + local - 1;
+                rank[(t0 + r0 + i) * E + e] = r;
+                row_prob[o + r] = prob[i];
+            }
         }
     }
     __syncthreads();
@@ -167,12 +188,9 @@ __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __res
     if (t == T - 1) p.token_offsets[T] = j + n;
     const uint8_t* row = tile + threadIdx.x * stride;
     auto take = [&](int64_t e, int local) {
-        const int32_t r = base[e] + local - 1;
-        p.rank[t * E + e] = r;
-        const int32_t out = offset[e] + r;
+        const int32_t out = offset[e] + base[e] + local - 1;
         p.token_rows[j++] = out;
         p.row_token[out] = int32_t(t);
-        p.row_prob[out] = probs ? probs[t * E + e] : R(1);
     };
     int64_t e = 0;
     for (; e + 16 <= E; e += 16) {  // 16 experts a load; most are not routed
