@@ -474,6 +474,57 @@ TEST(CudaStages, RoutingPlanMatchesCpuAcrossChunks) {
     }
 }
 
+// The permuted rows against cpu::permute, exactly, at every row width the CUDA permute treats apart: the
+// prefetching persistent kernel's 2, 4 and 8 vectors a thread (a vector short of and past each limit), the
+// one-token-a-block kernel past them, and rows not made of 16-byte vectors; more tokens than the persistent grid
+// (each block walks several), tokens routed nowhere, and a row buffer shorter than the plan (rows past it are not
+// written).
+TEST(CudaStages, PermuteRowsAtEveryRowWidth) {
+    SKIP_WITHOUT_GPU();
+    for (const int64_t H : {int64_t(24), int64_t(2048), int64_t(2056), int64_t(4096), int64_t(7168), int64_t(8200),
+                            int64_t(20)}) {
+        const int64_t T = 3001, E = 16, k = 3;
+        SCOPED_TRACE("H=" + std::to_string(H));
+        Rng rng(uint64_t(91 + H));
+        std::vector<uint8_t> map(size_t(T * E), 0);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < (t % 7 == 2 ? 0 : k); ++j)
+                map[size_t(t * E + int64_t(rng.uniform() * double(E)) % E)] = 1;
+        Matrix<float> probs(T, E), tokens(T, H);
+        for (auto& v : probs.data) v = float(rng.uniform());
+        for (auto& v : tokens.data) v = float(rng.uniform() * 2.0 - 1.0);
+        tokens.data = float_of(bf16_of(tokens.data));  // as the device holds them
+        const cpu::RoutingPlan<float> want = cpu::build_routing_plan(map, probs, T, E);
+        const Matrix<float> rows_ref = cpu::permute(tokens, want);
+        const int64_t N = want.num_rows(), M = N - 5;  // the last 5 rows fall past the buffer
+        cuda::DeviceBuffer<uint8_t> d_map(T * E);
+        cuda::DeviceBuffer<float> d_probs(T * E), row_prob(N);
+        cuda::DeviceBuffer<int32_t> counts(E), offsets(E + 1), rank(T * E), row_token(N), token_offsets(T + 1),
+            token_rows(N), token_counts(T), scratch(cuda::routing_plan_scratch_elems(T, E));
+        cuda::DeviceBuffer<bf16> d_tokens(T * H), d_rows(N * H);
+        d_map.upload(map);
+        d_probs.upload(probs.data);
+        d_tokens.upload(bf16_of(tokens.data));
+        const std::vector<bf16> sentinel(size_t(N * H), __float2bfloat16(-7.0f));
+        d_rows.upload(sentinel);
+        cuda::RoutingPlan<float> p;
+        p.num_tokens = T, p.num_experts = E, p.max_rows = N;
+        p.counts = counts.get(), p.offsets = offsets.get(), p.rank = rank.get(), p.row_token = row_token.get();
+        p.row_prob = row_prob.get(), p.token_offsets = token_offsets.get(), p.token_rows = token_rows.get();
+        p.token_counts = token_counts.get(), p.chunk_scratch = scratch.get();
+        cuda::build_routing_plan<float>(d_map.get(), d_probs.get(), p, nullptr);
+        p.max_rows = M;
+        cuda::permute_rows<float>(p, H, d_tokens.get(), d_rows.get(), nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<float> got = float_of(d_rows.download());
+        for (int64_t r = 0; r < N; ++r)
+            for (int64_t h = 0; h < H; ++h) {
+                const float w = r < M ? rows_ref.data[size_t(r * H + h)] : -7.0f;
+                ASSERT_EQ(got[size_t(r * H + h)], w) << "row " << r << " column " << h;
+            }
+    }
+}
+
 // Device time of the one-block Sinkhorn loop at preset-like shapes (not a correctness test: run with
 // --gtest_also_run_disabled_tests). Router-like logits (std 1).
 TEST(CudaStages, DISABLED_SinkhornTiming) {
