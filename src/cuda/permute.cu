@@ -18,7 +18,6 @@
 #include "core/hd.h"
 #include "cuda/column_runs.cuh"
 #include "cuda/cuda_check.h"
-#include "cuda/grouped_gemm.h"  // grouped_gemm_sm_count
 #include "cuda/permute.cuh"
 
 namespace moekit::cuda {
@@ -226,51 +225,6 @@ __global__ void permute_rows_kernel(const int32_t* __restrict__ token_offsets, c
     }
 }
 
-// The same for rows of at most kVecs * kPermuteThreads 16-byte vectors, a persistent grid: a block's next token is
-// loaded (its offsets one token further ahead) while the current one is stored, so a thread's loads wait once per
-// token instead of before each vector's stores. The one-token-a-block kernel reached 84 % of the copy bandwidth
-// on qwen3-30b (172 us; the combine, read-heavy, 99 %).
-constexpr int kPermuteThreads = 128;
-
-template <int kVecs>
-__global__ void __launch_bounds__(kPermuteThreads)
-    permute_rows_prefetch_kernel(const int32_t* __restrict__ token_offsets, const int32_t* __restrict__ token_rows,
-                                 int64_t T, int64_t vecs_per_row, int64_t max_rows, const uint4* __restrict__ tokens,
-                                 uint4* __restrict__ rows) {
-    uint4 cur[kVecs], next[kVecs];
-    auto load = [&](int64_t t, uint4 (&to)[kVecs]) {
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u) {
-            const int64_t i = threadIdx.x + int64_t(u) * kPermuteThreads;
-            if (i < vecs_per_row) to[u] = tokens[t * vecs_per_row + i];
-        }
-    };
-    int64_t t = blockIdx.x;
-    if (t >= T) return;
-    int32_t lo = token_offsets[t], hi = token_offsets[t + 1];
-    if (hi > lo) load(t, cur);
-    for (; t < T; t += gridDim.x) {
-        const int64_t tn = t + gridDim.x;
-        int32_t next_lo = 0, next_hi = 0;
-        if (tn < T) {
-            next_lo = token_offsets[tn], next_hi = token_offsets[tn + 1];
-            if (next_hi > next_lo) load(tn, next);
-        }
-        for (int32_t j = lo; j < hi; ++j) {
-            const int64_t r = token_rows[j];
-            if (r >= max_rows) continue;
-#pragma unroll
-            for (int u = 0; u < kVecs; ++u) {
-                const int64_t i = threadIdx.x + int64_t(u) * kPermuteThreads;
-                if (i < vecs_per_row) rows[r * vecs_per_row + i] = cur[u];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u) cur[u] = next[u];
-        lo = next_lo, hi = next_hi;
-    }
-}
-
 // grad_tokens[t] (+)= sum over the rows of t, 8 columns per thread (H % 8 == 0) or one.
 template <int kPer>
 __global__ void permute_backward_kernel(const int32_t* __restrict__ token_offsets,
@@ -340,24 +294,10 @@ void permute_rows(const RoutingPlan<R>& p, int64_t H, const __nv_bfloat16* token
                   cudaStream_t stream) {
     if (p.num_tokens == 0) return;
     const int grid = int(std::min<int64_t>(p.num_tokens, 65535));
-    const int64_t vecs = H / 8;
-    const auto* src = reinterpret_cast<const uint4*>(tokens);
-    auto* dst = reinterpret_cast<uint4*>(rows);
-    auto prefetching = [&](auto kernel) {
-        // Persistent: as many blocks as fit at once (16 a multiprocessor at 128 threads), never more than tokens.
-        const int blocks = int(std::min<int64_t>(p.num_tokens, int64_t(grouped_gemm_sm_count()) * 16));
-        kernel<<<blocks, kPermuteThreads, 0, stream>>>(p.token_offsets, p.token_rows, p.num_tokens, vecs, p.max_rows,
-                                                       src, dst);
-    };
-    if (H % 8 == 0 && vecs <= 2 * kPermuteThreads) {
-        prefetching(permute_rows_prefetch_kernel<2>);
-    } else if (H % 8 == 0 && vecs <= 4 * kPermuteThreads) {
-        prefetching(permute_rows_prefetch_kernel<4>);
-    } else if (H % 8 == 0 && vecs <= 8 * kPermuteThreads) {
-        prefetching(permute_rows_prefetch_kernel<8>);
-    } else if (H % 8 == 0) {
-        permute_rows_kernel<uint4><<<grid, 128, 0, stream>>>(p.token_offsets, p.token_rows, p.num_tokens, vecs,
-                                                             p.max_rows, src, dst);
+    if (H % 8 == 0) {
+        permute_rows_kernel<uint4><<<grid, 128, 0, stream>>>(p.token_offsets, p.token_rows, p.num_tokens, H / 8,
+                                                             p.max_rows, reinterpret_cast<const uint4*>(tokens),
+                                                             reinterpret_cast<uint4*>(rows));
     } else {
         permute_rows_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(p.token_offsets, p.token_rows, p.num_tokens, H,
                                                                      p.max_rows, tokens, rows);

@@ -474,11 +474,9 @@ TEST(CudaStages, RoutingPlanMatchesCpuAcrossChunks) {
     }
 }
 
-// The permuted rows against cpu::permute, exactly, at every row width the CUDA permute treats apart: the
-// prefetching persistent kernel's 2, 4 and 8 vectors a thread (a vector short of and past each limit), the
-// one-token-a-block kernel past them, and rows not made of 16-byte vectors; more tokens than the persistent grid
-// (each block walks several), tokens routed nowhere, and a row buffer shorter than the plan (rows past it are not
-// written).
+// The permuted rows against cpu::permute, exactly, at row widths of less than one 16-byte vector a thread, one,
+// two and more (a thread walking its vectors), rows not made of 16-byte vectors (the element-wise kernel), tokens
+// routed nowhere, and a row buffer shorter than the plan (rows past it are not written).
 TEST(CudaStages, PermuteRowsAtEveryRowWidth) {
     SKIP_WITHOUT_GPU();
     for (const int64_t H : {int64_t(24), int64_t(2048), int64_t(2056), int64_t(4096), int64_t(7168), int64_t(8200),
