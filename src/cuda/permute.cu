@@ -4,8 +4,8 @@
 // token's experts; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each expert's
 // chunks, split into segments walked in parallel), the expert offsets and the chunks' token bases; (3) a block per
 // chunk ranks its tokens inside each expert (a walk down each column of the staged slice, writing the ranks and the
-// rows' probabilities), scans its token counts into token offsets and walks each token's experts in ascending
-// order, writing both index directions. The walks
+// rows' probabilities, four threads a column), scans its token counts into token offsets and walks each token's
+// experts in ascending order, writing both index directions. The walks
 // read shared memory only: the global-memory walks before them (a thread an expert stepping down the chunk) ran at
 // 2-3 % of the copy bandwidth (qwen3-30b: 200 us of plan against 240 us of row copies, ncu, H200, 2026-11-27).
 // Same results as src/cpu/permute.cpp, integer-exact.
@@ -131,19 +131,23 @@ __global__ void __launch_bounds__(kScanThreads)
     block_exclusive_scan(chunk_tokens, C, chunk_tokens);
 }
 
-// Pass 3, block per chunk: a thread an expert down its column of the staged slice: each routed entry's rank inside
-// its expert (the chunk's base + its place in the chunk, which replaces the entry's 1 in the tile: a chunk has at
-// most kPlanThreads tokens, so a byte holds it) and its row's probability; then a thread a token: token offsets,
-// and the token's rows in ascending expert order. The probabilities are read for whole rows of the chunk,
-// kProbRows rows in flight a thread (consecutive experts, so coalesced): read inside the token walk, a load a
-// routed entry behind a branch the warp's tokens diverge on, their latencies added up (qwen3-30b: 34 us, ncu, H200).
-constexpr int kProbRows = 16;
+// Pass 3, block per chunk: the chunk's rows split into kFillSegments segments, a thread an (expert, segment): each
+// counts the routed entries of its piece of the expert's column in the staged slice, then, from the counts of the
+// segments above it, walks the piece: each routed entry's rank inside its expert (the chunk's base + its place in
+// the chunk, which replaces the entry's 1 in the tile: a chunk has at most kPlanThreads tokens, so a byte holds it)
+// and its row's probability. Then a thread a token: token offsets, and the token's rows in ascending expert order.
+// The probabilities are read for whole rows of the piece, kProbRows rows in flight a thread (consecutive experts,
+// so coalesced). Read inside the token walk instead (a load a routed entry behind a branch the warp's tokens
+// diverge on) and with a thread walking a whole column, the pass took 34 us on qwen3-30b (ncu, H200).
+constexpr int kProbRows = 16, kFillSegments = 4, kFillThreads = kPlanThreads * kFillSegments;
 
 template <typename R>
-__global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs,
-                                 const int32_t* __restrict__ chunk_bases, const int32_t* __restrict__ chunk_tokens,
-                                 int64_t chunk, RoutingPlan<R> p) {
+__global__ void __launch_bounds__(kFillThreads)
+    plan_fill_kernel(const uint8_t* __restrict__ map, const R* __restrict__ probs,
+                     const int32_t* __restrict__ chunk_bases, const int32_t* __restrict__ chunk_tokens, int64_t chunk,
+                     RoutingPlan<R> p) {
     extern __shared__ __align__(16) uint8_t plan_smem[];
+    __shared__ int32_t segment_count[kFillSegments][kPlanThreads];
     const int64_t T = p.num_tokens, E = p.num_experts, c = blockIdx.x, t0 = c * chunk, stride = plan_tile_stride(E);
     const int rows = int(min(T, t0 + chunk) - t0);
     int32_t* base = reinterpret_cast<int32_t*>(plan_smem);  // [E] this chunk's first rank inside each expert
@@ -154,31 +158,43 @@ __global__ void plan_fill_kernel(const uint8_t* __restrict__ map, const R* __res
     __syncthreads();
     int32_t* __restrict__ rank = p.rank;
     R* __restrict__ row_prob = p.row_prob;
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
-        const int32_t b = base[e], o = offset[e];
-        int local = 0;
-        for (int r0 = 0; r0 < rows; r0 += kProbRows) {
-            R prob[kProbRows];
+    const int lane = int(threadIdx.x) % kPlanThreads, segment = int(threadIdx.x) / kPlanThreads;
+    const int segment_rows = (rows + kFillSegments - 1) / kFillSegments;
+    const int r_lo = min(rows, segment * segment_rows), r_hi = min(rows, r_lo + segment_rows);
+    for (int64_t e0 = 0; e0 < E; e0 += kPlanThreads) {
+        const int64_t e = e0 + lane;
+        int n = 0;
+        if (e < E)
+            for (int r = r_lo; r < r_hi; ++r) n += tile[r * stride + e];
+        segment_count[segment][lane] = n;
+        __syncthreads();
+        if (e < E) {
+            int local = 0;
+            for (int q = 0; q < segment; ++q) local += segment_count[q][lane];
+            const int32_t b = base[e], o = offset[e];
+            for (int r0 = r_lo; r0 < r_hi; r0 += kProbRows) {
+                R prob[kProbRows];
 #pragma unroll
-            for (int i = 0; i < kProbRows; ++i)
-                prob[i] = probs && r0 + i < rows ? probs[(t0 + r0 + i) * E + e] : R(1);
+                for (int i = 0; i < kProbRows; ++i)
+                    prob[i] = probs && r0 + i < r_hi ? probs[(t0 + r0 + i) * E + e] : R(1);
 #pragma unroll
-            for (int i = 0; i < kProbRows; ++i) {
-                if (r0 + i >= rows) break;
-                uint8_t& v = tile[(r0 + i) * stride + e];
-                if (!v) continue;
-                v = uint8_t(++local);
-                const int32_t r = b + local - 1;
-                rank[(t0 + r0 + i) * E + e] = r;
-                row_prob[o + r] = prob[i];
+                for (int i = 0; i < kProbRows; ++i) {
+                    if (r0 + i >= r_hi) break;
+                    uint8_t& v = tile[(r0 + i) * stride + e];
+                    if (!v) continue;
+                    v = uint8_t(++local);
+                    const int32_t r = b + local - 1;
+                    rank[(t0 + r0 + i) * E + e] = r;
+                    row_prob[o + r] = prob[i];
+                }
             }
         }
+        __syncthreads();  // the counts are read before the next experts' overwrite them; the tile is complete
     }
-    __syncthreads();
     const bool mine = int(threadIdx.x) < rows;
     const int64_t t = t0 + threadIdx.x;
     const int n = mine ? p.token_counts[t] : 0;
-    using Scan = cub::BlockScan<int, kPlanThreads>;
+    using Scan = cub::BlockScan<int, kFillThreads>;
     __shared__ typename Scan::TempStorage temp;
     int excl = 0, total = 0;
     Scan(temp).ExclusiveSum(n, excl, total);
@@ -284,7 +300,7 @@ void build_routing_plan(const uint8_t* map, const R* probs, const RoutingPlan<R>
     MOEKIT_CUDA_LAUNCH_CHECK();
     plan_scan_kernel<<<1, kScanThreads, 0, stream>>>(C, E, chunk_counts, chunk_tokens, p.counts, p.offsets);
     MOEKIT_CUDA_LAUNCH_CHECK();
-    plan_fill_kernel<R><<<unsigned(C), kPlanThreads, size_t(fill_smem), stream>>>(map, probs, chunk_counts,
+    plan_fill_kernel<R><<<unsigned(C), kFillThreads, size_t(fill_smem), stream>>>(map, probs, chunk_counts,
                                                                                   chunk_tokens, chunk, p);
     MOEKIT_CUDA_LAUNCH_CHECK();
 }

@@ -269,13 +269,46 @@ void gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int
 }
 
 // grad logits [T, E] fp32 -> [T, 3E] bf16: row t = hi | mid | lo of its E values (core/bf16.h split_to_bf16x3).
+// The tensor-core gating linear's backward operands in one launch: dL [T, E] fp32 -> its bf16 parts side by side,
+// [hi | mid | lo] [T, 3E], and W [E, H] -> [W; W; W] [3E, H] (three device copies before: three graph nodes).
+// Four experts a thread where E % 4 == 0 and the rows are aligned for it, 16-byte copies of W where aligned.
+__device__ __forceinline__ uint32_t pack_bf16_pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; }
+
 __global__ void split_bf16x3_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int64_t T,
-                                    int64_t E) {
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * E; i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t t = i / E, e = i - t * E;
-        const Bf16x3 p = split_to_bf16x3(src[i]);
-        __nv_bfloat16* row = dst + t * 3 * E + e;
-        row[0] = __nv_bfloat16_raw{p.hi}, row[E] = __nv_bfloat16_raw{p.mid}, row[2 * E] = __nv_bfloat16_raw{p.lo};
+                                    int64_t E, bool quads, const __nv_bfloat16* __restrict__ w,
+                                    __nv_bfloat16* __restrict__ w3, int64_t EH, bool vec_w) {
+    const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+    if (quads) {
+        const int64_t per_row = E / 4;
+        for (int64_t i = first; i < T * per_row; i += step) {
+            const int64_t t = i / per_row, e = (i - t * per_row) * 4;
+            const float4 v = reinterpret_cast<const float4*>(src)[i];
+            const Bf16x3 a = split_to_bf16x3(v.x), b = split_to_bf16x3(v.y), c = split_to_bf16x3(v.z),
+                         d = split_to_bf16x3(v.w);
+            __nv_bfloat16* row = dst + t * 3 * E + e;
+            *reinterpret_cast<uint2*>(row) = make_uint2(pack_bf16_pair(a.hi, b.hi), pack_bf16_pair(c.hi, d.hi));
+            *reinterpret_cast<uint2*>(row + E) =
+                make_uint2(pack_bf16_pair(a.mid, b.mid), pack_bf16_pair(c.mid, d.mid));
+            *reinterpret_cast<uint2*>(row + 2 * E) =
+                make_uint2(pack_bf16_pair(a.lo, b.lo), pack_bf16_pair(c.lo, d.lo));
+        }
+    } else {
+        for (int64_t i = first; i < T * E; i += step) {
+            const int64_t t = i / E, e = i - t * E;
+            const Bf16x3 p = split_to_bf16x3(src[i]);
+            __nv_bfloat16* row = dst + t * 3 * E + e;
+            row[0] = __nv_bfloat16_raw{p.hi}, row[E] = __nv_bfloat16_raw{p.mid}, row[2 * E] = __nv_bfloat16_raw{p.lo};
+        }
+    }
+    if (vec_w) {
+        const int64_t n = EH / 8;
+        for (int64_t i = first; i < n; i += step) {
+            const uint4 v = reinterpret_cast<const uint4*>(w)[i];
+            uint4* out = reinterpret_cast<uint4*>(w3);
+            out[i] = v, out[n + i] = v, out[2 * n + i] = v;
+        }
+    } else {
+        for (int64_t i = first; i < EH; i += step) w3[i] = w3[EH + i] = w3[2 * EH + i] = w[i];
     }
 }
 
@@ -459,11 +492,13 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
             MOEKIT_CHECK(t.grad_logits_split && t.weight3 && t.grad_weight3,
                          "router: the tensor-core gating linear needs its split, weight3 and grad_weight3 buffers");
             const int64_t EH = int64_t(E) * H;
-            split_bf16x3_kernel<<<grid_for(int64_t(T) * E), 256, 0, stream>>>(grad_logits, t.grad_logits_split, T, E);
+            const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+            const bool quads = E % 4 == 0 && aligned(grad_logits, 16) && aligned(t.grad_logits_split, 8);
+            const bool vec_w = EH % 8 == 0 && aligned(t.weight, 16) && aligned(t.weight3, 16);
+            split_bf16x3_kernel<<<grid_for(std::max(int64_t(T) * E / (quads ? 4 : 1), vec_w ? EH / 8 : EH)), 256, 0,
+                                  stream>>>(grad_logits, t.grad_logits_split, T, E, quads, t.weight, t.weight3, EH,
+                                            vec_w);
             MOEKIT_CUDA_LAUNCH_CHECK();
-            for (int part = 0; part < 3; ++part)
-                MOEKIT_CUDA_CHECK(cudaMemcpyAsync(t.weight3 + part * EH, t.weight, EH * sizeof(__nv_bfloat16),
-                                                  cudaMemcpyDeviceToDevice, stream));
             gemm_bf16(cublas, CUBLAS_OP_T, CUBLAS_OP_N, 3 * E, H, T, t.grad_logits_split, 3 * E, t.hidden, H, 0.0f,
                       t.grad_weight3, H);
             sum_three_parts_kernel<<<grid_for(EH), 256, 0, stream>>>(t.grad_weight3, grad_weight, EH, accumulate);

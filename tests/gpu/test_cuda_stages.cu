@@ -238,9 +238,11 @@ void check_activation_backward(int64_t F, bool gated, Activation act, bool with_
 // of upcast copies, each against a double reference on the same bf16 x, W and fp32 grad logits: logits, dW
 // (overwritten and accumulated) and dX (+=). Grad logits span 2^-20..2^20 with full 24-bit significands, so a
 // split that dropped its mid or lo part would miss by 2^-9 or 2^-17 relative; both paths must sit at fp32 rounding.
-void check_gating_linear(bool tensor_cores, bool accumulate, uint64_t seed) {
-    SCOPED_TRACE(::testing::Message() << "tensor cores " << tensor_cores << " accumulate " << accumulate);
-    const int64_t T = 300, E = 24, H = 136;
+// E = 24, H = 136: the split four experts a thread and W copied 16 bytes at a time; E = 23, H = 130: one by one.
+void check_gating_linear(bool tensor_cores, bool accumulate, uint64_t seed, int64_t E, int64_t H) {
+    SCOPED_TRACE(::testing::Message() << "tensor cores " << tensor_cores << " accumulate " << accumulate << " E " << E
+                                      << " H " << H);
+    const int64_t T = 300;
     cuda::RouterShape s;
     s.num_tokens = T, s.seq_length = T, s.num_experts = E, s.hidden = H, s.topk = 2;
     s.tensor_core_linear = tensor_cores;
@@ -302,7 +304,8 @@ TEST(CudaStages, GatingLinearOnTensorCoresAtFp32Accuracy) {
     SKIP_WITHOUT_GPU();
     uint64_t seed = 900;
     for (bool tc : {true, false})
-        for (bool acc : {false, true}) check_gating_linear(tc, acc, ++seed);
+        for (bool acc : {false, true}) check_gating_linear(tc, acc, ++seed, 24, 136);
+    for (bool acc : {false, true}) check_gating_linear(true, acc, ++seed, 23, 130);
 }
 
 TEST(CudaStages, ActivationBackwardAtEveryVectorWidth) {
