@@ -3,11 +3,11 @@
 // coalesced 16-byte load a thread at a time: (1) a block per chunk counts each expert's tokens in the chunk and each
 // token's experts; (2) one block turns the per-chunk counts into per-chunk bases (a running sum down each expert's
 // chunks, split into segments walked in parallel), the expert offsets and the chunks' token bases; (3) a block per
-// chunk ranks its tokens inside each expert (a walk down each column of the staged slice, writing the ranks and the
-// rows' probabilities, four threads a column), scans its token counts into token offsets and walks each token's
-// experts in ascending order, writing both index directions. The walks
-// read shared memory only: the global-memory walks before them (a thread an expert stepping down the chunk) ran at
-// 2-3 % of the copy bandwidth (qwen3-30b: 200 us of plan against 240 us of row copies, ncu, H200, 2026-11-27).
+// chunk ranks its tokens inside each expert (a walk down each column of the staged slice, four threads a column,
+// writing the ranks and the rows' probabilities), scans its token counts into token offsets and walks each token's
+// experts in ascending order, writing both index directions. The walks read shared memory only: the global-memory
+// walks before them (a thread an expert stepping down the chunk) ran at 2-3 % of the copy bandwidth (qwen3-30b:
+// 200 us of plan against 240 us of row copies, ncu, H200, 2026-11-27).
 // Same results as src/cpu/permute.cpp, integer-exact.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>

@@ -29,11 +29,11 @@ struct RoutingPlan {
     int32_t* chunk_scratch = nullptr; // [routing_plan_scratch_elems(T, E)] per-chunk counts (scratch of the plan build)
 };
 
-// The plan is built chunk by chunk (permute.cu), a block of kPlanThreads a chunk, each chunk's [chunk, E] slice of
-// the map staged in shared memory with rows plan_tile_stride(E) bytes apart: a multiple of 16 (16-byte loads) with
-// an odd count of 16-byte words (a warp's loads of 16 bytes from 8 consecutive rows fall in distinct banks). The
-// chunk is chunk_length(T, kPlanThreads) tokens (core/chunk_math.h), halved while the slice passes kPlanTileBytes
-// (many experts).
+// The plan is built chunk by chunk (permute.cu), a block of kPlanThreads a chunk (four times that in the fill
+// pass), each chunk's [chunk, E] slice of the map staged in shared memory with rows plan_tile_stride(E) bytes apart:
+// a multiple of 16 (16-byte loads) with an odd count of 16-byte words (a warp's loads of 16 bytes from 8
+// consecutive rows fall in distinct banks). The chunk is chunk_length(T, kPlanThreads) tokens (core/chunk_math.h),
+// halved while the slice passes kPlanTileBytes (many experts).
 constexpr int kPlanThreads = 128;
 constexpr int64_t kPlanTileBytes = 32 * 1024, kPlanMaxSmem = 200 * 1024;
 MOEKIT_HD constexpr int64_t plan_tile_stride(int64_t num_experts) {

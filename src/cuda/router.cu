@@ -268,11 +268,13 @@ void gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int
                                      CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-// grad logits [T, E] fp32 -> [T, 3E] bf16: row t = hi | mid | lo of its E values (core/bf16.h split_to_bf16x3).
-// The tensor-core gating linear's backward operands in one launch: dL [T, E] fp32 -> its bf16 parts side by side,
-// [hi | mid | lo] [T, 3E], and W [E, H] -> [W; W; W] [3E, H] (three device copies before: three graph nodes).
-// Four experts a thread where E % 4 == 0 and the rows are aligned for it, 16-byte copies of W where aligned.
-__device__ __forceinline__ uint32_t pack_bf16_pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; }
+// The tensor-core gating linear's backward operands in one launch: grad logits [T, E] fp32 -> [T, 3E] bf16, row t =
+// hi | mid | lo of its E values (core/bf16.h split_to_bf16x3), and W [E, H] -> [W; W; W] [3E, H] (three device
+// copies before: three graph nodes). Four experts a thread where E % 4 == 0 and the rows are aligned for it,
+// 16-byte copies of W where aligned.
+__device__ __forceinline__ uint32_t pack_bf16_pair(uint16_t lo, uint16_t hi) {
+    return uint32_t(lo) | uint32_t(hi) << 16;
+}
 
 __global__ void split_bf16x3_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int64_t T,
                                     int64_t E, bool quads, const __nv_bfloat16* __restrict__ w,
@@ -492,7 +494,9 @@ void router_backward_linear(const RouterShape& s, const RouterTensors<R>& t, con
             MOEKIT_CHECK(t.grad_logits_split && t.weight3 && t.grad_weight3,
                          "router: the tensor-core gating linear needs its split, weight3 and grad_weight3 buffers");
             const int64_t EH = int64_t(E) * H;
-            const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+            const auto aligned = [](const void* ptr, int bytes) {
+                return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+            };
             const bool quads = E % 4 == 0 && aligned(grad_logits, 16) && aligned(t.grad_logits_split, 8);
             const bool vec_w = EH % 8 == 0 && aligned(t.weight, 16) && aligned(t.weight3, 16);
             split_bf16x3_kernel<<<grid_for(std::max(int64_t(T) * E / (quads ? 4 : 1), vec_w ? EH / 8 : EH)), 256, 0,
