@@ -1,8 +1,9 @@
 // Grouped expert GEMMs per preset: fc1/fc2 forward, dgrad and wgrad timed for the grouped wgmma and mma.sync
 // kernels, the synchronous cuBLAS baseline and dense cuBLAS GEMMs of the same FLOPs (the floor).
-// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--iters N] [--rounds R] [--json FILE] [--mlp]
+// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--even] [--iters N] [--rounds R] [--json FILE] [--mlp]
 // (--rounds: every column timed once a round, rounds interleaved, the median printed; default 3).
 // (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
+// (--even: every expert T·k/E rows instead of routed counts: no tile computes padding rows; not with --skew).
 #include <cstdio>
 #include <string>
 
@@ -36,11 +37,14 @@ int main(int argc, char** argv) {
                 json_path = value();
             else if (a == "--mlp")
                 mlp = true;
+            else if (a == "--even")
+                o.even = true;
             else
                 throw moekit::UsageError("unknown flag " + a);
         }
         MOEKIT_REQUIRE(o.iters >= 1 && o.rounds >= 1 && o.rounds <= 100,
                        "--iters and --rounds must be positive (rounds <= 100)");
+        MOEKIT_REQUIRE(!(o.even && o.zipf_s > 0), "--even gives every expert the same rows: not with --skew");
         if (preset != "all") find_preset(preset);  // an unknown name is a usage error (exit 2), not an empty run
         nlohmann::json all = nlohmann::json::array();
         for (auto& p : presets()) {

@@ -89,7 +89,8 @@ struct Problem {
           H(pr.hidden),
           F(pr.ffn),
           E(pr.experts),
-          counts(routing_counts(pr, o.zipf_s, o.seed)),
+          counts(o.even ? std::vector<int32_t>(pr.experts, int32_t(pr.tokens * pr.topk / pr.experts))
+                        : routing_counts(pr, o.zipf_s, o.seed)),
           offsets(pr.experts + 1, 0),
           d_off(pr.experts + 1),
           x(rows * H),
@@ -224,6 +225,18 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                                    return ms;
                                }});
         }
+        if (c.op == Op::kTN && is_hopper() && cutlass_grouped_gemm_built()) {
+            // The layer's choice with CUTLASS's tiles walked along M, the order before the wgrad's own rule
+            // (CutlassRaster); where the rule walks M as well, the same kernel as auto.
+            auto along_m = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto);
+            columns.push_back({"auto_along_m_ms", [along_m] {
+                                   const CutlassRaster was = cutlass_raster();
+                                   set_cutlass_raster(CutlassRaster::kAlongM);
+                                   const double ms = along_m();
+                                   set_cutlass_raster(was);
+                                   return ms;
+                               }});
+        }
         if (is_hopper()) {
             columns.push_back({"tma_ms", graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto)});
             if (cutlass_grouped_gemm_built()) {
@@ -278,7 +291,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1),
                           " rounds in balanced order) on ", r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; auto pl (wgrad) = the same with plain gradient stores (auto marks
-    // them evict-first in L2 on small groups: WgradStores); tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS
+    // them evict-first in L2 on small groups: WgradStores); auto rm (wgrad) = the same with the tiles walked along M
+    // (CutlassRaster; auto walks the narrower weight dimension); tma = own kernel; cl-coop / cl-tall / cl-pp = CUTLASS
     // 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups split between cooperative and ping-pong by
     // size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128 weight rows x 192 token rows (nt/nn); cl-2x2
     // (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other GPUs); best = the fastest grouped (sync-free)
@@ -290,6 +304,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
     };
     const Col grouped[] = {{"auto_ms", "auto ms"},
                            {"auto_plain_stores_ms", "auto pl"},
+                           {"auto_along_m_ms", "auto rm"},
                            {"tma_ms", "tma ms"},
                            {"cutlass_coop_ms", "cl-coop"},
                            {"cutlass_tall_ms", "cl-tall"},

@@ -25,6 +25,9 @@ struct Options {
     int warmup = 3;
     int rounds = 1;  // bench_gemms: interleaved rounds of every column, the median reported
     uint64_t seed = 1234;
+    // Every expert exactly T·k / E rows (a multiple of 128 on every preset: no tile computes padding rows), so a
+    // grouped GEMM against the dense one of the same total shape shows what the grouping costs beyond padding.
+    bool even = false;
 };
 // Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.
 double parse_skew(const std::string& value);

@@ -442,6 +442,8 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
 bool cutlass_grouped_gemm_built() { return false; }
 void set_cutlass_config(CutlassConfig) {}
 void set_wgrad_stores(WgradStores) {}
+void set_cutlass_raster(CutlassRaster) {}
+CutlassRaster cutlass_raster() { return CutlassRaster::kAuto; }
 WgradStores wgrad_stores() { return WgradStores::kAuto; }
 void cutlass_grouped_gemm_nt(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
                              const int32_t*, cudaStream_t, CutlassConfig) {

@@ -44,6 +44,12 @@ void set_cutlass_config(CutlassConfig config);
 enum class WgradStores { kAuto, kPlain, kEvictFirst };
 void set_wgrad_stores(WgradStores stores);
 WgradStores wgrad_stores();
+// The group scheduler's tile order: kAuto walks a group's rows for nt / nn and the narrower weight dimension for
+// wgrad (grouped_gemm_cutlass.cu says why); kAlongM / kAlongN force one for every launch (A/B measurements). Default
+// from MOEKIT_CUTLASS_RASTER=auto|m|n (unset: auto).
+enum class CutlassRaster { kAuto, kAlongM, kAlongN };
+void set_cutlass_raster(CutlassRaster raster);
+CutlassRaster cutlass_raster();
 // Which wgrad groups kSplitBySize gives to the cooperative launch: WgradSplit's defaults, or
 // MOEKIT_WGRAD_SPLIT_ROWS (small_below) and MOEKIT_WGRAD_SPLIT_LARGE (large_from); with both 0 the split is off
 // (wgrad of mid-sized groups all ping-pong, as before 2026-11-26).

@@ -462,6 +462,28 @@ TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {
     }
 }
 
+TEST(GroupedGemm, EveryTileOrder) {
+    SKIP_WITHOUT_GPU();
+    // CUTLASS's group scheduler walking M or N (CutlassRaster; auto walks a group's rows for nt / nn and the
+    // narrower weight dimension for wgrad), every backend: wgrads wider than tall and taller than wide, with zeros,
+    // off the tile grid, small, mid-sized and large groups; the row GEMMs too.
+    struct Restore {
+        CutlassRaster was = cutlass_raster();
+        ~Restore() { set_cutlass_raster(was); }
+    } restore;
+    for (CutlassRaster raster : {CutlassRaster::kAlongM, CutlassRaster::kAlongN}) {
+        SCOPED_TRACE(raster == CutlassRaster::kAlongM ? "along M" : "along N");
+        set_cutlass_raster(raster);
+        const auto mid = random_counts(12, 5000, 161, 0.25);
+        check_tn(mid, 5, 776, 192, false, 162);
+        check_tn(mid, 5, 192, 776, true, 163);
+        check_tn({1700, 0, 3000}, 3, 1032, 256, WgradWrite::overwrite_nonempty, 164);
+        check_tn({40, 200, 0, 90, 130}, 3, 320, 136, false, 165);
+        check_row_gemm(Op::kNT, mid, 4, 776, 192, 166);
+        check_row_gemm(Op::kNN, mid, 4, 192, 776, 167);
+    }
+}
+
 TEST(GroupedGemm, SecondOperandBaseForTheLastGroups) {
     SKIP_WITHOUT_GPU();
     // ECHO's layout: L home groups, then S slot groups whose weights / gradients live in another buffer; slots with

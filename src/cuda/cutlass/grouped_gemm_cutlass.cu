@@ -41,6 +41,25 @@ WgradStores wgrad_stores() {
     return from_env;
 }
 
+namespace {
+std::atomic<int> g_raster{-1};  // -1: not set, MOEKIT_CUTLASS_RASTER decides at first use
+}
+
+void set_cutlass_raster(CutlassRaster raster) { g_raster = int(raster); }
+
+CutlassRaster cutlass_raster() {
+    const int r = g_raster.load();
+    if (r >= 0) return CutlassRaster(r);
+    static const CutlassRaster from_env = [] {
+        const char* env = std::getenv("MOEKIT_CUTLASS_RASTER");
+        if (!env || std::strcmp(env, "auto") == 0) return CutlassRaster::kAuto;
+        if (std::strcmp(env, "m") == 0) return CutlassRaster::kAlongM;
+        MOEKIT_REQUIRE(std::strcmp(env, "n") == 0, "MOEKIT_CUTLASS_RASTER=", env, ": expected auto, m or n");
+        return CutlassRaster::kAlongN;
+    }();
+    return from_env;
+}
+
 namespace cutlass_detail {
 
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
@@ -68,12 +87,21 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
     return requested;
 }
 
-bool raster_along_n() {
-    static const bool n = [] {
-        const char* env = std::getenv("MOEKIT_CUTLASS_RASTER");
-        return env && std::strcmp(env, "n") == 0;
-    }();
-    return n;
+// nt / nn walk a group's rows (M) under one weight tile, which serves them back to back; a group's token rows are
+// few enough to stay in L2 for the next weight tile. A wgrad's M and N are both weight dimensions and its reduction
+// runs over the group's rows, so each operand is a [rows, M] or [rows, N] slab of the group. The walk holds one tile
+// of the dimension it does not walk and re-reads, for every step, the operand of the dimension it walks, which must
+// therefore stay in L2: the narrower one. Walking M, mixtral's fc1 wgrad (M = 2F = 28672, N = H = 4096, 2048 rows a
+// group) re-read a group's 117 MB of gradient rows from DRAM for each of its N tiles.
+bool raster_along_n(bool wgrad, int64_t m, int64_t n) {
+    switch (cutlass_raster()) {
+        case CutlassRaster::kAlongM:
+            return false;
+        case CutlassRaster::kAlongN:
+            return true;
+        default:
+            return wgrad && n < m;
+    }
 }
 
 int swizzle_size() {
