@@ -1,6 +1,8 @@
 // Grouped expert GEMMs per preset: fc1/fc2 forward, dgrad and wgrad timed for the grouped wgmma and mma.sync
 // kernels, the synchronous cuBLAS baseline and dense cuBLAS GEMMs of the same FLOPs (the floor).
-// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--even] [--iters N] [--rounds R] [--json FILE] [--mlp]
+// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--even] [--gemm NAME] [--iters N] [--rounds R]
+//                           [--json FILE] [--mlp]
+// (--gemm: one of fc1_fwd fc2_fwd fc2_dgrad fc2_wgrad fc1_dgrad fc1_wgrad only, e.g. under a profiler).
 // (--rounds: every column timed once a round, rounds interleaved, the median printed; default 3).
 // (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
 // (--even: every expert T·k/E rows instead of routed counts: no tile computes padding rows; not with --skew).
@@ -39,6 +41,8 @@ int main(int argc, char** argv) {
                 mlp = true;
             else if (a == "--even")
                 o.even = true;
+            else if (a == "--gemm")
+                o.only_gemm = value();
             else
                 throw moekit::UsageError("unknown flag " + a);
         }

@@ -28,6 +28,7 @@ struct Options {
     // Every expert exactly T·k / E rows (a multiple of 128 on every preset: no tile computes padding rows), so a
     // grouped GEMM against the dense one of the same total shape shows what the grouping costs beyond padding.
     bool even = false;
+    std::string only_gemm;  // bench_gemms: this one GEMM (fc1_fwd ... fc1_wgrad) only, e.g. to profile it; empty: all
 };
 // Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.
 double parse_skew(const std::string& value);

@@ -108,11 +108,10 @@ CutlassConfig small_group_wgrad_config() {
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
 //    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
 //    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h);
-//  - wgrad of large groups: whose gradient is at least twice as wide as tall (n >= 2k; mixtral fc2 wgrad, 4096 x
-//    14336) CUTLASS ping-pong, the others (mixtral fc1 wgrad, 28672 x 4096) CUTLASS cooperative (H200, 2026-11-26,
-//    three runs each: fc2 2.75-2.95 ms ping-pong vs 3.14-3.17 cooperative and 3.43-3.48 own TMA; fc1 6.47-6.57
-//    cooperative vs 6.91-6.92 own TMA and 8.2-9.2 ping-pong; under zipf 1.2 alike. On the H100 of 2026-11-23 the
-//    own kernel led fc1, 6.19 vs 6.79 ms, before CUTLASS's configurations were tuned per shape).
+//  - wgrad of large groups: CUTLASS ping-pong (H200, 2026-11-26: mixtral fc2 wgrad 2.75-2.95 ms vs 3.14-3.17
+//    cooperative and 3.43-3.48 own TMA). Mixtral's fc1 wgrad (28672 x 4096) took cooperative until its tiles were
+//    walked along N (CutlassRaster, grouped_gemm_cutlass.cu): walking M, ping-pong re-read the gradient rows from
+//    DRAM and took 8.2-9.2 ms; along N it takes 6.13-6.16 against cooperative's 6.21-6.44 (2026-11-27).
 // The own TMA kernel stays the fallback (a C only 8-byte aligned, the hot/cold wgrad interleave, no CUTLASS).
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;
@@ -125,7 +124,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,
                     wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
-        return {GroupedGemmKernel::kCutlass, s.n >= 2 * s.k ? CutlassConfig::kPingpong : CutlassConfig::kCooperative};
+        return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};

@@ -32,7 +32,8 @@ bool cutlass_grouped_gemm_built();
 //   kCooperative2x2 (tn only; nt/nn take kCooperative): kCooperative on a 2x2 cluster, both operands multicast.
 enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize, kSwapAB, kCooperative2x2 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
-// below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad leaves ping-pong.
+// below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no
+// split by size) and nt / nn with a long reduction cooperative.
 constexpr int64_t kSmallGroupRows = 256, kLargeGroupRows = 1536;
 void set_cutlass_config(CutlassConfig config);
 // How the wgrad (tn) epilogue writes its fp32 gradient: CUTLASS's plain TMA stores, or the same marked evict-first
@@ -44,9 +45,10 @@ void set_cutlass_config(CutlassConfig config);
 enum class WgradStores { kAuto, kPlain, kEvictFirst };
 void set_wgrad_stores(WgradStores stores);
 WgradStores wgrad_stores();
-// The group scheduler's tile order: kAuto walks a group's rows for nt / nn and the narrower weight dimension for
-// wgrad (grouped_gemm_cutlass.cu says why); kAlongM / kAlongN force one for every launch (A/B measurements). Default
-// from MOEKIT_CUTLASS_RASTER=auto|m|n (unset: auto).
+// The group scheduler's tile order: kAuto walks M (nt / nn: a group's rows), except for a wgrad whose mean group's
+// [rows, M] operand is the wider and overflows half the L2, which walks N (grouped_gemm_cutlass.cu says why);
+// kAlongM / kAlongN force one for every launch (A/B measurements). Default from MOEKIT_CUTLASS_RASTER=auto|m|n
+// (unset: auto).
 enum class CutlassRaster { kAuto, kAlongM, kAlongN };
 void set_cutlass_raster(CutlassRaster raster);
 CutlassRaster cutlass_raster();

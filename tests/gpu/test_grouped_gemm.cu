@@ -417,9 +417,8 @@ TEST(GroupedGemm, MoreTilesThanMultiprocessors) {
 
 TEST(GroupedGemm, LargeGroupsLongReduction) {
     SKIP_WITHOUT_GPU();
-    // >= 1536 rows per group and k >= 2n: the per-shape choice's CUTLASS-cooperative branch (nt/nn); tn both of
-    // its large-group branches (gradient twice as wide as tall: CUTLASS cooperative; else the own kernel); one
-    // group empty.
+    // >= 1536 rows per group and k >= 2n: the per-shape choice's CUTLASS-cooperative branch (nt/nn); tn its
+    // large-group branch (CUTLASS ping-pong) on gradients wider and taller than wide; one group empty.
     std::vector<int> counts{1700, 0, 3000};  // max_rows / G = 1567
     check_row_gemm(Op::kNT, counts, 3, 64, 256, 91);
     check_row_gemm(Op::kNN, counts, 3, 64, 256, 92);
@@ -464,9 +463,9 @@ TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {
 
 TEST(GroupedGemm, EveryTileOrder) {
     SKIP_WITHOUT_GPU();
-    // CUTLASS's group scheduler walking M or N (CutlassRaster; auto walks a group's rows for nt / nn and the
-    // narrower weight dimension for wgrad), every backend: wgrads wider than tall and taller than wide, with zeros,
-    // off the tile grid, small, mid-sized and large groups; the row GEMMs too.
+    // CUTLASS's group scheduler walking M or N (CutlassRaster; auto walks N only for a wgrad whose [rows, M]
+    // operand overflows half the L2, which these shapes do not), every backend: wgrads wider than tall and taller
+    // than wide, with zeros, off the tile grid, small, mid-sized and large groups; the row GEMMs too.
     struct Restore {
         CutlassRaster was = cutlass_raster();
         ~Restore() { set_cutlass_raster(was); }

@@ -79,29 +79,39 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
         // by rows per group only.
         if (wgrad) {
-            if (rows_per_group < kSmallGroupRows || rows_per_group >= kLargeGroupRows) return CutlassConfig::kCooperative;
-            return wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong;
+            if (rows_per_group < kSmallGroupRows) return CutlassConfig::kCooperative;
+            return wgrad_split_on() && rows_per_group < kLargeGroupRows ? CutlassConfig::kSplitBySize
+                                                                        : CutlassConfig::kPingpong;
         }
         return rows_per_group < kSmallGroupRows ? CutlassConfig::kSwapAB : CutlassConfig::kCooperative;
     }
     return requested;
 }
 
-// nt / nn walk a group's rows (M) under one weight tile, which serves them back to back; a group's token rows are
-// few enough to stay in L2 for the next weight tile. A wgrad's M and N are both weight dimensions and its reduction
-// runs over the group's rows, so each operand is a [rows, M] or [rows, N] slab of the group. The walk holds one tile
-// of the dimension it does not walk and re-reads, for every step, the operand of the dimension it walks, which must
-// therefore stay in L2: the narrower one. Walking M, mixtral's fc1 wgrad (M = 2F = 28672, N = H = 4096, 2048 rows a
-// group) re-read a group's 117 MB of gradient rows from DRAM for each of its N tiles.
-bool raster_along_n(bool wgrad, int64_t m, int64_t n) {
+// Walking M, the scheduler holds one N tile of a group while it visits the group's M tiles, so the group's
+// [rows, M] operand is read again for every N step and must stay in L2; walking N, the same holds for the [rows, N]
+// operand. nt / nn (M = a group's rows, N = the weights' output dimension) walk M: a group's token rows are the
+// small operand. A wgrad (M and N both weight dimensions, the reduction over the group's rows) walks M unless a mean
+// group's [rows, M] operand overflows half the L2 while its [rows, N] operand is smaller: mixtral's fc1 wgrad
+// (M = 2F = 28672, N = H = 4096, ~2048 rows a group: 117 MB against 16.8 MB) walking M read its gradient rows from
+// DRAM once for every N step. H200, 2026-11-27 (docs/perf.md): along N 6.44 vs 6.76 ms cooperative, and 6.13
+// ping-pong, which along M took 8.2-9.2; the wgrads whose operands fit (qwen3-30b, dsv3-ep8, mixtral's fc2) were
+// as fast or faster along M (mixtral fc2 3.06 vs 3.63 ms).
+bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group) {
     switch (cutlass_raster()) {
         case CutlassRaster::kAlongM:
             return false;
         case CutlassRaster::kAlongN:
             return true;
         default:
-            return wgrad && n < m;
+            break;
     }
+    if (!wgrad || n >= m) return false;
+    int dev = 0, l2 = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+    const int64_t m_operand_bytes = rows_per_group * m * int64_t(sizeof(__nv_bfloat16));
+    return m_operand_bytes > int64_t(l2) / 2;
 }
 
 int swizzle_size() {

@@ -217,9 +217,9 @@ __global__ void zero_empty_groups(const int32_t* offsets, float* C, int64_t bloc
 // in flight, also inside captured graphs (the buffer outlives them; it is never freed or moved once handed out).
 void* stream_workspace(cudaStream_t stream, size_t bytes);
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad);
-// Tile order of the group scheduler for a launch of kOp on shape s (MOEKIT_CUTLASS_RASTER=m|n forces one for every
-// launch; grouped_gemm_cutlass.cu says the rule) and its swizzle (MOEKIT_CUTLASS_SWIZZLE=1|2|4|8, default 1).
-bool raster_along_n(bool wgrad, int64_t m, int64_t n);
+// Tile order of the group scheduler for a launch of an m x n product over groups of rows_per_group rows on average
+// (CutlassRaster; grouped_gemm_cutlass.cu says the rule) and its swizzle (MOEKIT_CUTLASS_SWIZZLE=1|2|4|8, default 1).
+bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group);
 int swizzle_size();
 
 // The per-group arrays carved from `base` (256-byte aligned each); *bytes = the space they take. With a null base
@@ -269,7 +269,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         r.epilogue.thread.alpha = 1.f;
         r.epilogue.thread.beta = kOp == Op::kTN && write == WgradWrite::accumulate ? 1.f : 0.f;
         r.hw_info = hw;
-        r.scheduler.raster_order = raster_along_n(kOp == Op::kTN, s.k, s.n)
+        r.scheduler.raster_order = raster_along_n(kOp == Op::kTN, s.k, s.n, groups > 0 ? s.max_rows / groups : 0)
                                        ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                        : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
         r.scheduler.max_swizzle_size = swizzle_size();
