@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <iterator>
 #include <numeric>
 #include <utility>
 
@@ -133,14 +134,15 @@ struct GemmCase {
     const bf16 *A, *B;
     void* C;
 };
+const char* const kGemmNames[] = {"fc1_fwd", "fc2_fwd", "fc2_dgrad", "fc2_wgrad", "fc1_dgrad", "fc1_wgrad"};
 std::vector<GemmCase> gemm_cases(Problem& q, bf16* dy, bf16* dact, bf16* dh, bf16* dx) {
     return {
-        {"fc1_fwd", Op::kNT, 2 * q.F, q.H, q.x.ptr, q.w1.ptr, q.h.ptr},
-        {"fc2_fwd", Op::kNT, q.H, q.F, q.act.ptr, q.w2.ptr, q.y.ptr},
-        {"fc2_dgrad", Op::kNN, q.F, q.H, dy, q.w2.ptr, dact},
-        {"fc2_wgrad", Op::kTN, q.F, q.H, dy, q.act.ptr, q.dw2.ptr},
-        {"fc1_dgrad", Op::kNN, q.H, 2 * q.F, dh, q.w1.ptr, dx},
-        {"fc1_wgrad", Op::kTN, q.H, 2 * q.F, dh, q.x.ptr, q.dw1.ptr},
+        {kGemmNames[0], Op::kNT, 2 * q.F, q.H, q.x.ptr, q.w1.ptr, q.h.ptr},
+        {kGemmNames[1], Op::kNT, q.H, q.F, q.act.ptr, q.w2.ptr, q.y.ptr},
+        {kGemmNames[2], Op::kNN, q.F, q.H, dy, q.w2.ptr, dact},
+        {kGemmNames[3], Op::kTN, q.F, q.H, dy, q.act.ptr, q.dw2.ptr},
+        {kGemmNames[4], Op::kNN, q.H, 2 * q.F, dh, q.w1.ptr, dx},
+        {kGemmNames[5], Op::kTN, q.H, 2 * q.F, dh, q.x.ptr, q.dw1.ptr},
     };
 }
 
@@ -176,6 +178,11 @@ nlohmann::json header(const Problem& q, const Options& o) {
 }  // namespace
 
 nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
+    if (!o.only_gemm.empty()) {  // before any allocation: a bad name is a usage error, also without a GPU
+        const bool known = std::find(std::begin(kGemmNames), std::end(kGemmNames), o.only_gemm) != std::end(kGemmNames);
+        MOEKIT_REQUIRE(known, "--gemm=", o.only_gemm, ": expected fc1_fwd, fc2_fwd, fc2_dgrad, fc2_wgrad, fc1_dgrad or ",
+                       "fc1_wgrad");
+    }
     Problem q(pr, o);
     DevBuf<bf16> dy(q.rows * q.H), dact(q.rows * q.F), dh(q.rows * 2 * q.F), dx(q.rows * q.H);
     fill_uniform(dy.ptr, q.rows * q.H, 1.f, o.seed + 8);
@@ -185,15 +192,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
     nlohmann::json out = header(q, o);
     out["rounds"] = o.rounds;
     out["gemms"] = nlohmann::json::array();
-    const std::vector<GemmCase> cases = gemm_cases(q, dy.ptr, dact.ptr, dh.ptr, dx.ptr);
-    if (!o.only_gemm.empty()) {
-        std::string names;
-        for (auto& c : cases) names += std::string(names.empty() ? "" : ", ") + c.name;
-        const bool known =
-            std::any_of(cases.begin(), cases.end(), [&](const GemmCase& c) { return o.only_gemm == c.name; });
-        MOEKIT_REQUIRE(known, "--gemm=", o.only_gemm, ": not one of ", names);
-    }
-    for (auto& c : cases) {
+    for (auto& c : gemm_cases(q, dy.ptr, dact.ptr, dh.ptr, dx.ptr)) {
         if (!o.only_gemm.empty() && o.only_gemm != c.name) continue;
         nlohmann::json r{{"name", c.name},
                          {"op", c.op == Op::kNT   ? "nt"
