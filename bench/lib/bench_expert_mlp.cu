@@ -255,12 +255,9 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                     {"cutlass_pingpong_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong)});
                 if (c.op != Op::kTN)  // computed transposed (the small groups' choice)
                     columns.push_back({"cutlass_swap_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapAB)});
-                if (c.op == Op::kTN) {  // on a 2x2 cluster
+                if (c.op == Op::kTN)  // on a 2x2 cluster
                     columns.push_back(
                         {"cutlass_2x2_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative2x2)});
-                    columns.push_back(
-                        {"cutlass_pp2x2_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong2x2)});
-                }
                 if (c.op == Op::kTN && wgrad_split_on())  // wgrad groups split by size between the two
                     columns.push_back(
                         {"cutlass_split_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSplitBySize)});
@@ -306,10 +303,10 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // (CutlassRaster: auto walks N for a wgrad whose [rows, M] operand overflows half the L2); tma = own kernel;
     // cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
-    // weight rows x 192 token rows (nt/nn); cl-2x2 / cl-pp22 (wgrad) = cooperative / ping-pong on a 2x2 cluster;
-    // mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over
-    // the chosen kernel's (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32 gradients,
-    // a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
+    // weight rows x 192 token rows (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
+    // GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's
+    // (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound
+    // wgrad's floor (bench_wgrad_stores says what else bounds it).
     struct Col {
         const char *key, *head;
     };
@@ -323,7 +320,6 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"cutlass_split_ms", "cl-split"},
                            {"cutlass_swap_ms", "cl-swap"},
                            {"cutlass_2x2_ms", "cl-2x2"},
-                           {"cutlass_pp2x2_ms", "cl-pp22"},
                            {"mma_ms", "mma ms"}};
     char cell[64];
     auto add = [&](const char* fmt, auto v) {

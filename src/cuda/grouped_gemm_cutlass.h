@@ -30,17 +30,7 @@ bool cutlass_grouped_gemm_built();
 //                     token rows a tile, cooperative, 2x1 cluster (the token tile multicast): the weights, not the
 //                     few token rows of a small group, fill the tensor-core tile's 128-row side.
 //   kCooperative2x2 (tn only; nt/nn take kCooperative): kCooperative on a 2x2 cluster, both operands multicast.
-//   kPingpong2x2 (tn only; nt/nn take kPingpong): kPingpong on a 2x2 cluster, both operands multicast.
-enum class CutlassConfig {
-    kAuto,
-    kCooperative,
-    kCooperativeTall,
-    kPingpong,
-    kSplitBySize,
-    kSwapAB,
-    kCooperative2x2,
-    kPingpong2x2
-};
+enum class CutlassConfig { kAuto, kCooperative, kCooperativeTall, kPingpong, kSplitBySize, kSwapAB, kCooperative2x2 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no
 // split by size) and nt / nn with a long reduction cooperative.

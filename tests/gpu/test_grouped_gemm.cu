@@ -111,7 +111,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap,
-    kCutlass2x2, kCutlassPp2x2, kAuto, kSync
+    kCutlass2x2, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -125,7 +125,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
-           : b == Backend::kCutlassPp2x2   ? "cutlass-pingpong-2x2-cluster (nt/nn: ping-pong)"
                                            : "sync-cublas";
 }
 
@@ -152,7 +151,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kCutlassSwap);
             out.push_back(Backend::kCutlass2x2);
-            out.push_back(Backend::kCutlassPp2x2);
             out.push_back(Backend::kAuto);
         }
     }
@@ -165,15 +163,13 @@ void select(Backend b) {
     if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
-        b == Backend::kCutlassPp2x2) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
                            : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
-                           : b == Backend::kCutlassPp2x2   ? CutlassConfig::kPingpong2x2
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

@@ -67,7 +67,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
     if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
     if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
-    if (requested == CutlassConfig::kPingpong2x2 && !wgrad) requested = CutlassConfig::kPingpong;        // tn only
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
@@ -76,7 +75,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
             if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
             if (std::strcmp(env, "coop22") == 0 && wgrad) return CutlassConfig::kCooperative2x2;
-            if (std::strcmp(env, "pp22") == 0 && wgrad) return CutlassConfig::kPingpong2x2;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):
         // by rows per group only.

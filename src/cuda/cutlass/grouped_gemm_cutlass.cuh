@@ -70,11 +70,6 @@ struct Pingpong {
     using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-// wgrad (tn) ping-pong on a 2x2 cluster: each CTA loads half of both operand tiles (a third less L2-to-SM traffic
-// than the 1x2 cluster, which multicasts one).
-struct Pingpong2x2 : Pingpong {
-    using Cluster = cute::Shape<cute::_2, cute::_2, cute::_1>;
-};
 // Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
@@ -335,8 +330,6 @@ void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat
             return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kPingpong:
             return run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream);
-        case CutlassConfig::kPingpong2x2:
-            return run_grouped<Op::kTN, Pingpong2x2, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kCooperativeTall:
             return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
         default:
