@@ -222,28 +222,24 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         };
         columns.push_back({"auto_ms", graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto)});  // the layer's choice
         if (c.op == Op::kTN && is_hopper() && cutlass_grouped_gemm_built()) {
-            // The layer's choice with every gradient store plain (WgradStores::kPlain), for A/B against auto's
-            // evict-first stores on small groups; elsewhere the same kernel as auto (a measure of the noise).
-            auto plain = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto);
-            columns.push_back({"auto_plain_stores_ms", [plain] {
-                                   const WgradStores was = wgrad_stores();
-                                   set_wgrad_stores(WgradStores::kPlain);
-                                   const double ms = plain();
-                                   set_wgrad_stores(was);
-                                   return ms;
-                               }});
-        }
-        if (c.op == Op::kTN && is_hopper() && cutlass_grouped_gemm_built()) {
-            // The layer's choice with CUTLASS's tiles walked along M, the order before the wgrad's own rule
-            // (CutlassRaster); where the rule walks M as well, the same kernel as auto.
-            auto along_m = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto);
-            columns.push_back({"auto_along_m_ms", [along_m] {
-                                   const CutlassRaster was = cutlass_raster();
-                                   set_cutlass_raster(CutlassRaster::kAlongM);
-                                   const double ms = along_m();
-                                   set_cutlass_raster(was);
-                                   return ms;
-                               }});
+            // The layer's choice with one switch set for the measurement and restored after it.
+            auto switched = [&](auto set, auto get, auto value) {
+                auto run = graph(GroupedGemmKernel::kAuto, CutlassConfig::kAuto);
+                return [run, set, get, value] {
+                    const auto was = get();
+                    set(value);
+                    const double ms = run();
+                    set(was);
+                    return ms;
+                };
+            };
+            // Every gradient store plain (WgradStores::kPlain), for A/B against auto's evict-first stores on small
+            // groups; elsewhere the same kernel as auto (a measure of the noise).
+            columns.push_back({"auto_plain_stores_ms", switched(set_wgrad_stores, wgrad_stores, WgradStores::kPlain)});
+            // CUTLASS's tiles walked along M, the order before the wgrad's own rule (CutlassRaster); where the rule
+            // walks M as well, the same kernel as auto.
+            columns.push_back(
+                {"auto_along_m_ms", switched(set_cutlass_raster, cutlass_raster, CutlassRaster::kAlongM)});
         }
         if (is_hopper()) {
             columns.push_back({"tma_ms", graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto)});

@@ -128,6 +128,15 @@ const char* name(Backend b) {
                                            : "sync-cublas";
 }
 
+// A process-wide switch (getter, setter) put back at the end of a test, whatever the test set it to.
+template <typename T>
+struct RestoredAtExit {
+    void (*set)(T);
+    T was;
+    RestoredAtExit(T (*get)(), void (*setter)(T)) : set(setter), was(get()) {}
+    ~RestoredAtExit() { set(was); }
+};
+
 // own_only: the backends that take a C aligned to 8 bytes only (the own kernels; CUTLASS needs 16).
 std::vector<Backend> backends(bool own_only = false) {
     std::vector<Backend> out{Backend::kMma};
@@ -448,10 +457,7 @@ TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {
     // evict-first in L2; auto uses the latter on small groups only), every backend: small groups (the 2x2-cluster
     // configuration), mid-sized ones with zeros, one group taking every row; overwrite, accumulate, and
     // overwrite_nonempty.
-    struct Restore {
-        WgradStores was = wgrad_stores();
-        ~Restore() { set_wgrad_stores(was); }
-    } restore;
+    const RestoredAtExit<WgradStores> restore(wgrad_stores, set_wgrad_stores);
     for (WgradStores stores : {WgradStores::kPlain, WgradStores::kEvictFirst}) {
         SCOPED_TRACE(stores == WgradStores::kPlain ? "plain stores" : "evict-first stores");
         set_wgrad_stores(stores);
@@ -466,10 +472,7 @@ TEST(GroupedGemm, EveryTileOrder) {
     // CUTLASS's group scheduler walking M or N (CutlassRaster; auto walks N only for a wgrad whose [rows, M]
     // operand overflows half the L2, which these shapes do not), every backend: wgrads wider than tall and taller
     // than wide, with zeros, off the tile grid, small, mid-sized and large groups; the row GEMMs too.
-    struct Restore {
-        CutlassRaster was = cutlass_raster();
-        ~Restore() { set_cutlass_raster(was); }
-    } restore;
+    const RestoredAtExit<CutlassRaster> restore(cutlass_raster, set_cutlass_raster);
     for (CutlassRaster raster : {CutlassRaster::kAlongM, CutlassRaster::kAlongN}) {
         SCOPED_TRACE(raster == CutlassRaster::kAlongM ? "along M" : "along N");
         set_cutlass_raster(raster);
