@@ -108,10 +108,11 @@ def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def build_rows(config, moekit, peers):
+def build_rows(config, moekit, peers, scopes=("layer", "mlp")):
     """Rows of the table for one config. moekit: {'layer': json|None, 'mlp': json|None}; peers: {name: result},
     a result = {'fwd_ms', 'fwd_bwd_ms', 'scope', 'error'?, 'note'?}. Each row: name, scope, fwd/fwd+bwd ms, TFLOP/s,
-    and moekit's speed over it on the same scope (layer vs layer, expert MLP vs expert MLP)."""
+    and moekit's speed over it on the same scope (layer vs layer, expert MLP vs expert MLP). moekit's rows of a
+    scope not in `scopes` (not asked of moekit bench) are left out."""
     preset, zipf_s = parse_config(config)
     p = dict(PRESETS[preset])
     f1, f3 = fwd_flops(p["T"], p["k"], p["H"], p["F"]), fwd_bwd_flops(p["T"], p["k"], p["H"], p["F"])
@@ -128,6 +129,8 @@ def build_rows(config, moekit, peers):
 
     ref = {}
     for scope in ("layer", "mlp"):
+        if scope not in scopes:
+            continue
         j = moekit.get(scope)
         if not j:
             row("moekit " + scope, scope, None, None, note="moekit: no result (see the bench log)")

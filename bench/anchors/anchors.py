@@ -197,7 +197,7 @@ def report(args):
     for c in args.configs:
         moekit = load_moekit(args.moekit_dir, c)
         moekit_all[c] = moekit
-        rows += am.build_rows(c, moekit, per_config[c])
+        rows += am.build_rows(c, moekit, per_config[c], args.scopes)
     devices = [d.get("device") for d in peers_meta.values()] + \
         [j.get("device") for m in moekit_all.values() for j in m.values() if j]
     title = [
@@ -237,6 +237,8 @@ def main(argv):
     ap.add_argument("--peer", action="append", default=[], help="report: NAME=FILE[:RC] (repeatable)")
     ap.add_argument("--json", help="report: write all rows as JSON here")
     ap.add_argument("--table", help="report: write the table here")
+    ap.add_argument("--scopes", nargs="+", choices=["layer", "mlp"], default=["layer", "mlp"],
+                    help="report: the scopes moekit bench was asked for (its rows of the others are left out)")
     args = ap.parse_args(argv)
     try:
         for c in args.configs:

@@ -108,6 +108,15 @@ def test_report(rng):
     check("died or was stopped during this config (exit 139)" in table, "a crashed peer is named per config")
     check("sonic: failed: not reached (exit 139)" in table, "rows a crashed peer never reached are named")
     check(("%.0f" % (f3 / (t["g"] * 1e-3) / 1e12)) in table, "moekit layer TFLOP/s printed")
+    check(("mixtral", "moekit mlp", "mlp") in rows, "moekit's mlp row where both scopes ran")
+    # Only the layer asked of moekit bench: no moekit mlp row (not a "no result" line); the layer rows as before.
+    layer_only = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "report", "--moekit-dir", d,
+                                 "--configs", "mixtral", "--scopes", "layer", "--json", d + "/l.json"],
+                                capture_output=True, text=True)
+    check(layer_only.returncode == 0, "report --scopes layer exits 0 (%s)" % layer_only.stderr[-300:])
+    names = {(r["name"], r["scope"]) for r in json.load(open(d + "/l.json"))["rows"]}
+    check(("moekit layer", "layer") in names and ("moekit mlp", "mlp") not in names,
+          "with --scopes layer, moekit's layer row and no mlp row")
     bad = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "plan", "--configs", "mixtral@zipf-1"],
                          capture_output=True, text=True)
     check(bad.returncode == 2 and "zipf exponent" in bad.stderr, "a bad config exits 2 naming the rule")
