@@ -97,8 +97,8 @@ for peer in $PEERS; do
 done
 
 log "report"
-$A report --moekit-dir "$M" --configs $CONFIGS --scopes $SCOPES $REPORT_PEERS --json "$OUT/anchors.json" --table "$OUT/anchors.txt" \
-  2>&1 | tee -a "$OUT/summary.txt"
+$A report --moekit-dir "$M" --configs $CONFIGS --scopes $SCOPES $REPORT_PEERS --json "$OUT/anchors.json" \
+  --table "$OUT/anchors.txt" 2>&1 | tee -a "$OUT/summary.txt"
 # The device tool returns a limited number of files: moekit's per-config JSON and text travel as one archive.
 tar -czf "$OUT/moekit.tar.gz" -C "$OUT" moekit && rm -rf "$M"
 log "done"

@@ -180,8 +180,8 @@ nlohmann::json header(const Problem& q, const Options& o) {
 nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
     if (!o.only_gemm.empty()) {  // before any allocation: a bad name is a usage error, also without a GPU
         const bool known = std::find(std::begin(kGemmNames), std::end(kGemmNames), o.only_gemm) != std::end(kGemmNames);
-        MOEKIT_REQUIRE(known, "--gemm=", o.only_gemm, ": expected fc1_fwd, fc2_fwd, fc2_dgrad, fc2_wgrad, fc1_dgrad or ",
-                       "fc1_wgrad");
+        MOEKIT_REQUIRE(known, "--gemm=", o.only_gemm,
+                       ": expected fc1_fwd, fc2_fwd, fc2_dgrad, fc2_wgrad, fc1_dgrad or fc1_wgrad");
     }
     Problem q(pr, o);
     DevBuf<bf16> dy(q.rows * q.H), dact(q.rows * q.F), dh(q.rows * 2 * q.F), dx(q.rows * q.H);

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <utility>
 
+#include "core/tile_order_math.h"
 #include "cuda/cutlass/grouped_gemm_cutlass.cuh"
 
 namespace moekit::cuda {
@@ -88,15 +89,7 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
     return requested;
 }
 
-// Walking M, the scheduler holds one N tile of a group while it visits the group's M tiles, so the group's
-// [rows, M] operand is read again for every N step and must stay in L2; walking N, the same holds for the [rows, N]
-// operand. nt / nn (M = a group's rows, N = the weights' output dimension) walk M: a group's token rows are the
-// small operand. A wgrad (M and N both weight dimensions, the reduction over the group's rows) walks M unless a mean
-// group's [rows, M] operand overflows half the L2 while its [rows, N] operand is smaller: mixtral's fc1 wgrad
-// (M = 2F = 28672, N = H = 4096, ~2048 rows a group: 117 MB against 16.8 MB) walking M read its gradient rows from
-// DRAM once for every N step. H200, 2026-11-27 (docs/perf.md): along N 6.44 vs 6.76 ms cooperative, and 6.13
-// ping-pong, which along M took 8.2-9.2; the wgrads whose operands fit (qwen3-30b, dsv3-ep8, mixtral's fc2) were
-// as fast or faster along M (mixtral fc2 3.06 vs 3.63 ms).
+// nt / nn walk M; a wgrad walks N where core/tile_order_math.h says (why is there).
 bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group) {
     switch (cutlass_raster()) {
         case CutlassRaster::kAlongM:
@@ -106,12 +99,11 @@ bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group) {
         default:
             break;
     }
-    if (!wgrad || n >= m) return false;
+    if (!wgrad) return false;
     int dev = 0, l2 = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-    const int64_t m_operand_bytes = rows_per_group * m * int64_t(sizeof(__nv_bfloat16));
-    return m_operand_bytes > int64_t(l2) / 2;
+    return wgrad_walks_along_n(m, n, rows_per_group, l2);
 }
 
 int swizzle_size() {
