@@ -296,13 +296,13 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           " rounds in balanced order) on ", r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; auto pl (wgrad) = the same with plain gradient stores (auto marks
     // them evict-first in L2 on small groups: WgradStores); auto rm (wgrad) = the same with the tiles walked along M
-    // (CutlassRaster: auto walks N for small groups' wgrads and where [rows, M] overflows half the L2); tma = own
-    // kernel; cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad
-    // groups split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ,
-    // 128 weight rows x 192 token rows (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
+    // (CutlassRaster: auto walks N for a wgrad whose [rows, M] operand overflows half the L2); tma = own kernel;
+    // cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups
+    // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
+    // weight rows x 192 token rows (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
     // GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's
-    // (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's
-    // floor (bench_wgrad_stores says what else bounds it).
+    // (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound
+    // wgrad's floor (bench_wgrad_stores says what else bounds it).
     struct Col {
         const char *key, *head;
     };

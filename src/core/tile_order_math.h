@@ -7,17 +7,13 @@
 // 28672, N = H = 4096, ~2048 rows a group: 117 MB against 16.8 MB) walking M read its gradient rows from DRAM once
 // for every N step: H200, 2026-11-27 (docs/perf.md), along N 6.44 vs 6.76 ms cooperative and 6.08-6.13 ping-pong,
 // which along M took 8.2-9.2; wgrads whose operands fit (qwen3-30b, dsv3-ep8, mixtral's fc2) were as fast or
-// faster along M (mixtral fc2 3.06 vs 3.63 ms). Small groups (below small_rows, e.g. dsv3-e256's ~128 rows) also
-// walk N: their wgrads are bound by the fp32 gradient stores, and walking N a wave of tiles writes whole gradient
-// rows rather than a narrow column strip of every row (H200, 2026-11-27: dsv3-e256 fc1 9.86 vs 10.11 ms, fc2 4.95
-// vs 5.11). Plain C++ (tests/cpu/test_tile_order.cpp).
+// faster along M (mixtral fc2 3.06 vs 3.63 ms). Plain C++ (tests/cpu/test_tile_order.cpp).
 #pragma once
 #include <cstdint>
 
 namespace moekit {
 
-inline bool wgrad_walks_along_n(int64_t m, int64_t n, int64_t rows_per_group, int64_t l2_bytes, int64_t small_rows) {
-    if (rows_per_group < small_rows) return true;
+inline bool wgrad_walks_along_n(int64_t m, int64_t n, int64_t rows_per_group, int64_t l2_bytes) {
     const int64_t m_operand_bytes = rows_per_group * m * 2;  // bf16
     return m > n && m_operand_bytes > l2_bytes / 2;
 }

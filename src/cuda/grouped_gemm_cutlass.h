@@ -45,8 +45,8 @@ void set_cutlass_config(CutlassConfig config);
 enum class WgradStores { kAuto, kPlain, kEvictFirst };
 void set_wgrad_stores(WgradStores stores);
 WgradStores wgrad_stores();
-// The group scheduler's tile order: kAuto walks M (nt / nn: a group's rows), except for a wgrad of small groups or
-// whose mean group's [rows, M] operand is the wider and overflows half the L2, which walks N (core/tile_order_math.h);
+// The group scheduler's tile order: kAuto walks M (nt / nn: a group's rows), except for a wgrad whose mean group's
+// [rows, M] operand is the wider and overflows half the L2, which walks N (grouped_gemm_cutlass.cu says why);
 // kAlongM / kAlongN force one for every launch (A/B measurements). Default from MOEKIT_CUTLASS_RASTER=auto|m|n
 // (unset: auto).
 enum class CutlassRaster { kAuto, kAlongM, kAlongN };

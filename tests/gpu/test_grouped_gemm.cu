@@ -469,9 +469,9 @@ TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {
 
 TEST(GroupedGemm, EveryTileOrder) {
     SKIP_WITHOUT_GPU();
-    // CUTLASS's group scheduler walking M or N (CutlassRaster; auto walks N for a wgrad of small groups or whose
-    // [rows, M] operand overflows half the L2), every backend: wgrads wider than tall and taller than wide, with
-    // zeros, off the tile grid, small, mid-sized and large groups; the row GEMMs too.
+    // CUTLASS's group scheduler walking M or N (CutlassRaster; auto walks N only for a wgrad whose [rows, M]
+    // operand overflows half the L2, which these shapes do not), every backend: wgrads wider than tall and taller
+    // than wide, with zeros, off the tile grid, small, mid-sized and large groups; the row GEMMs too.
     const RestoredAtExit<CutlassRaster> restore(cutlass_raster, set_cutlass_raster);
     for (CutlassRaster raster : {CutlassRaster::kAlongM, CutlassRaster::kAlongN}) {
         SCOPED_TRACE(raster == CutlassRaster::kAlongM ? "along M" : "along N");

@@ -89,8 +89,7 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
     return requested;
 }
 
-// nt / nn walk M; a wgrad walks N where core/tile_order_math.h says (why is there), small groups being those
-// below kSmallGroupRows.
+// nt / nn walk M; a wgrad walks N where core/tile_order_math.h says (why is there).
 bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group) {
     switch (cutlass_raster()) {
         case CutlassRaster::kAlongM:
@@ -104,7 +103,7 @@ bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group) {
     int dev = 0, l2 = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-    return wgrad_walks_along_n(m, n, rows_per_group, l2, kSmallGroupRows);
+    return wgrad_walks_along_n(m, n, rows_per_group, l2);
 }
 
 int swizzle_size() {
