@@ -318,16 +318,31 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     }
 }
 
-// Whether the gated activation's backward may ride in the dgrad's epilogue (set_glu_backward_fusion, else
-// MOEKIT_FUSE_GLU_BACKWARD=1). Off by default: measured slower where it applies (H200, moekit bench, 2026-11-26:
-// fc2 backward + activation stages mixtral 8.09 vs 6.26 + 0.89 ms, dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91
-// vs 1.42 + 0.54): the own kernel's two consumer warpgroups share each tile, so its epilogue, now reading gate / up
-// and writing twice the bytes, cannot overlap the next tile's main loop, and that costs more than the separate pass.
-// (glu_backward_fusion_enabled, below.)
+// Where the gated activation's backward rides in the dgrad's epilogue (set_glu_backward_fusion, else
+// MOEKIT_FUSE_GLU_BACKWARD): by default only on CUTLASS's ping-pong kernel, where one warpgroup's epilogue runs
+// under the other's main loop. The own kernel's two consumer warpgroups share each tile, so there the epilogue
+// (reading gate / up, writing twice the bytes) cannot overlap the next tile's main loop: measured slower than the
+// separate pass (H200, moekit bench, 2026-11-26: fc2 backward + activation stages mixtral 8.09 vs 6.26 + 0.89 ms,
+// dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91 vs 1.42 + 0.54); it runs there only when forced (1).
 std::atomic<int> g_glu_fusion{-1};
+enum class GluFusion { kNever, kEverywhere, kHidden };
+GluFusion glu_fusion() {
+    const int set = g_glu_fusion.load();
+    if (set >= 0) return set > 0 ? GluFusion::kEverywhere : GluFusion::kNever;
+    static const GluFusion from_env = [] {
+        const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
+        if (!env) return GluFusion::kHidden;
+        if (std::strcmp(env, "0") == 0) return GluFusion::kNever;
+        MOEKIT_REQUIRE(std::strcmp(env, "1") == 0, "MOEKIT_FUSE_GLU_BACKWARD=", env,
+                       ": expected 0 (never) or 1 (on every kernel with the epilogue); unset: CUTLASS ping-pong only");
+        return GluFusion::kEverywhere;
+    }();
+    return from_env;
+}
 
-// With `glu` (nn only): the fused dgrad + gated-activation backward, launched only where the kernel chosen for this
-// shape is the own TMA kernel with its staged epilogue; returns whether it was launched (nothing is done otherwise).
+// With `glu` (nn only): the fused dgrad + gated-activation backward, launched where the kernel chosen for this shape
+// has that epilogue (CUTLASS unswapped: on its ping-pong configuration; the own TMA kernel with its staged epilogue,
+// when forced) and glu_fusion() allows it; returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
 bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
@@ -339,7 +354,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
                  s.to_string());
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
-    if (glu && !glu_backward_fusion_enabled()) return false;
+    if (glu && glu_fusion() == GluFusion::kNever) return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -389,10 +404,16 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         if (reinterpret_cast<uintptr_t>(C) % 16 != 0) kernel = GroupedGemmKernel::kTma;
     }
     if (glu) {
-        if (kernel != GroupedGemmKernel::kTma || !tma_staged_epilogue()) return false;
         MOEKIT_CHECK(glu->fc1_out && glu->grad_fc1, name, ": null activation input or gradient");
         MOEKIT_CHECK((reinterpret_cast<uintptr_t>(glu->fc1_out) | reinterpret_cast<uintptr_t>(glu->grad_fc1)) % 16 == 0,
                      name, ": the activation input and gradient must be 16-byte aligned");
+        if (kernel == GroupedGemmKernel::kCutlass) {
+            if constexpr (kOp == Op::kNN)
+                return cutlass_grouped_gemm_nn_glu_backward(s, A, B, d_offsets, *glu, stream, config);
+            return false;
+        }
+        if (kernel != GroupedGemmKernel::kTma || !tma_staged_epilogue() || glu_fusion() != GluFusion::kEverywhere)
+            return false;
         p.glu_in = glu->fc1_out;
         p.glu_probs = glu->probs;
         p.glu_grad = glu->grad_fc1;
@@ -456,6 +477,11 @@ void cutlass_grouped_gemm_tn(const GroupedGemmShape&, const __nv_bfloat16*, cons
                              const int32_t*, WgradWrite, cudaStream_t, CutlassConfig) {
     MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
 }
+bool cutlass_grouped_gemm_nn_glu_backward(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*,
+                                          const int32_t*, const GluBackwardEpilogue&, cudaStream_t, CutlassConfig) {
+    MOEKIT_CHECK(false, "CUTLASS grouped GEMMs not built");
+    return false;
+}
 #endif
 
 OwnGemmKernelScope::OwnGemmKernelScope(bool on) : on_(on) {
@@ -481,15 +507,7 @@ void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel);
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
-bool glu_backward_fusion_enabled() {
-    const int set = g_glu_fusion.load();
-    if (set >= 0) return set > 0;
-    static const bool on = [] {
-        const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
-        return env && std::strcmp(env, "1") == 0;
-    }();
-    return on;
-}
+bool glu_backward_fusion_enabled() { return glu_fusion() != GluFusion::kNever; }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {
@@ -516,7 +534,7 @@ void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
     launch<gemm_detail::Op::kTN>("grouped_gemm_tn", shape, A, B, C, d_offsets, write, stream);
 }
 
-int64_t glu_backward_tiles(int64_t n) { return ceil_div(n, 256); }
+int64_t glu_backward_tiles(int64_t n) { return ceil_div(n, kGluBackwardTileColumns); }
 
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream) {

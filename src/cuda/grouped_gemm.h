@@ -67,14 +67,15 @@ inline WgradWrite wgrad_write(bool accumulate) { return accumulate ? WgradWrite:
 void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                      const int32_t* d_offsets /*[G+1]*/, WgradWrite write, cudaStream_t stream);
 
-// fc2's dgrad with the gated activation's backward in its epilogue (one pass over the rows fewer): where the kernel
-// chosen for this shape is the own TMA kernel (staged epilogue), computes dA = A · B[g] as grouped_gemm_nn would,
-// rounds it to bf16, and writes instead grad_fc1[r] = [d gate | d up] ([max_rows, 2n]) of fc1_out[r] = [gate | up]
-// with d a = dA * probs[r] (probs null = 1), bitwise what activation_backward makes of the stored dA, and
-// dp_partials[r * glu_backward_tiles(n) + t] = the sum over column tile t of act(gate) * up * dA (null: skipped;
-// activation_backward_probs_from_partials sums them). Returns false having launched nothing where the chosen kernel
-// has no such epilogue, or the fusion is off (the default: measured slower, grouped_gemm.cu g_glu_fusion):
-// then the caller runs grouped_gemm_nn + activation_backward.
+// fc2's dgrad with the gated activation's backward in its epilogue (one pass over the rows fewer): computes dA =
+// A · B[g] as grouped_gemm_nn would, rounds it to bf16, and writes instead grad_fc1[r] = [d gate | d up]
+// ([max_rows, 2n]) of fc1_out[r] = [gate | up] with d a = dA * probs[r] (probs null = 1), bitwise what
+// activation_backward makes of the stored dA, and dp_partials[r * glu_backward_tiles(n) + t] = the sum over the t-th
+// kGluBackwardTileColumns columns of act(gate) * up * dA (null: skipped; activation_backward_probs_from_partials
+// sums them). Where the chosen kernel is CUTLASS (unswapped) it runs on the ping-pong configuration, one warpgroup's
+// epilogue under the other's main loop; on the own TMA kernel (staged epilogue) only when forced
+// (set_glu_backward_fusion(1): its shared tiles leave the epilogue unhidden, measured slower). Returns false having
+// launched nothing where it does not run: then the caller runs grouped_gemm_nn + activation_backward.
 struct GluBackwardEpilogue {
     const __nv_bfloat16* fc1_out;
     const float* probs;
@@ -82,8 +83,10 @@ struct GluBackwardEpilogue {
     float* dp_partials;
     Activation act;
 };
-int64_t glu_backward_tiles(int64_t n);
-// 1 = fuse where possible, 0 = never; -1 (default) = the environment variable MOEKIT_FUSE_GLU_BACKWARD=1, else never.
+constexpr int64_t kGluBackwardTileColumns = 128;
+int64_t glu_backward_tiles(int64_t n);  // ceil(n / kGluBackwardTileColumns)
+// 1 = fuse on every kernel that has the epilogue, 0 = never; -1 (default) = MOEKIT_FUSE_GLU_BACKWARD=0|1 if set,
+// else fuse where the kernel hides the epilogue (CUTLASS ping-pong).
 void set_glu_backward_fusion(int on);
 bool glu_backward_fusion_enabled();  // what set_glu_backward_fusion / the environment say now
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,

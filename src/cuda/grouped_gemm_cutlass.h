@@ -64,6 +64,14 @@ void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16*
 void cutlass_grouped_gemm_nn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,
                              CutlassConfig config = CutlassConfig::kAuto);
+// grouped_gemm_nn_glu_backward's contract on the ping-pong configuration (128x128 tiles: a d(prob) partial per
+// 128 columns), its epilogue hidden under the other warpgroup's main loop. Runs where `config` is the per-shape
+// choice of an unswapped one (the fusion is worth a switch to ping-pong), or kAuto with CUTLASS forced and
+// ping-pong resolved (a forced other configuration keeps its unfused kernel); returns whether it ran.
+bool cutlass_grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A,
+                                          const __nv_bfloat16* B, const int32_t* d_offsets,
+                                          const GluBackwardEpilogue& epilogue, cudaStream_t stream,
+                                          CutlassConfig config);
 void cutlass_grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
                              const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
                              CutlassConfig config = CutlassConfig::kAuto);

@@ -138,9 +138,9 @@ __device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, int r, int lane, 
 // rounded to bf16 through its staging buffer 64 columns at a time (as the staged epilogue: the values the unfused
 // path would store), then each thread takes 8 columns of 4 rows, with those rows' gate and up and probs, and
 // writes d gate and d up (the formulas of src/cuda/activation.cu, so the results are the same bits); the 8 threads
-// of a row then sum their act * dA into the row's d-prob partial for this column tile. The gate / up loads of a
-// chunk are issued before its accumulators are staged, so their latency hides behind the staging (issued after
-// it, the epilogue cost mixtral's fc2 dgrad 1.8 ms more: H200, 2026-11-26).
+// of a row then sum their act * dA into the row's d-prob partial of each 128 columns (kGluBackwardTileColumns).
+// The gate / up loads of a chunk are issued before its accumulators are staged, so their latency hides behind the
+// staging (issued after it, the epilogue cost mixtral's fc2 dgrad 1.8 ms more: H200, 2026-11-26).
 __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
                                                       uint32_t buf, int r, int lane, const float (&d)[128]) {
     const Activation act = Activation(p.glu_act);
@@ -153,9 +153,26 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
         prob[q] = p.glu_probs && grow[q] < job.row_end ? __ldg(p.glu_probs + grow[q]) : 1.0f;
     }
     const int ch = ctid & 7;
+    const int64_t dp_tiles = (p.n + kGluBackwardTileColumns - 1) / kGluBackwardTileColumns;
+    // A row's partial per 128 columns (two chunks): the 8 threads of a row are 8 consecutive lanes (ch = lane & 7).
+    auto flush = [&](int half) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float s = dp[q];
+            s += __shfl_xor_sync(0xffffffffu, s, 4);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            if (p.glu_dp && ch == 0 && grow[q] < job.row_end)
+                p.glu_dp[grow[q] * dp_tiles + job.n0 / kGluBackwardTileColumns + half] = s;
+            dp[q] = 0.f;
+        }
+    };
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-        if (job.n0 + c * 64 >= p.n) continue;  // uniform over the warpgroup
+        if (job.n0 + c * 64 >= p.n) {  // uniform over the warpgroup
+            if ((c & 1) && job.n0 + (c >> 1) * kGluBackwardTileColumns < p.n) flush(c >> 1);
+            continue;
+        }
         const int gn = job.n0 + c * 64 + ch * 8;
         uint4 gv[4], uv[4];
 #pragma unroll
@@ -193,16 +210,7 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
             *reinterpret_cast<uint4*>(out + p.n) = duv;
         }
         named_barrier(2 + cw, 128);
-    }
-    // The 8 threads of a row are 8 consecutive lanes (ch = lane & 7).
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        float s = dp[q];
-        s += __shfl_xor_sync(0xffffffffu, s, 4);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        if (p.glu_dp && ch == 0 && grow[q] < job.row_end && job.n0 < p.n)
-            p.glu_dp[grow[q] * p.tiles_n + job.n0 / 256] = s;
+        if (c & 1) flush(c >> 1);
     }
 }
 

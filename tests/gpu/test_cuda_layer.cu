@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"  // set_grouped_gemm_kernel
 #include "cuda/moe_layer.h"
 #include "gpu/cuda_layer_test_util.h"
@@ -202,18 +203,20 @@ TEST(CudaLayer, RepeatedStepsAreBitwiseEqual) {
     EXPECT_EQ(flat(g1.fc1), flat(g2.fc1));
 }
 
-// The gated activation's backward fused into fc2's dgrad epilogue (grouped_gemm_nn_glu_backward; the own TMA kernel
-// is forced, so the layer takes the fused path on sm_90: GroupedGemm.GluBackwardEpilogueMatchesUnfused asserts that
-// grouped_gemm_nn_glu_backward launches for that kernel) against the unfused layer: output and fc1 / fc2 weight
-// gradients bitwise equal (the same d gate / d up), the input and router gradients equal up to the order d(prob)
-// is summed in, and both against the CPU oracle.
+// The gated activation's backward fused into fc2's dgrad epilogue (grouped_gemm_nn_glu_backward) against the
+// unfused layer, on both kernels that have it: the own TMA kernel (forced, fusion forced on) and CUTLASS's ping-pong
+// (forced, fusion at its default); GroupedGemm.GluBackwardEpilogueMatchesUnfused asserts that both launch it. Output
+// and fc1 / fc2 weight gradients bitwise equal (the same d gate / d up), the input and router gradients equal up to
+// the order d(prob) is summed in, and both against the CPU oracle.
 TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
     SKIP_WITHOUT_GPU();
     int major = 0;
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-    if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    if (major != 9) GTEST_SKIP() << "the fused epilogues are sm_90 kernels";
+    for (const bool cutlass : {false, true})
     for (const char* act : {"silu", "gelu"}) {
-        SCOPED_TRACE(act);
+        if (cutlass && !cuda::cutlass_grouped_gemm_built()) continue;
+        SCOPED_TRACE(::testing::Message() << act << (cutlass ? " cutlass ping-pong" : " own TMA kernel"));
         MoeConfig c = small_config();
         c.activation_func = act;
         c.moe_router_load_balancing_type = {"aux_loss"}, c.moe_aux_loss_coeff = {0.01};
@@ -221,7 +224,8 @@ TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
         const LayerInput<float> in = bf16_input(c, 31);
         Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, 31, 2, 1.0);
         round_bf16(go);
-        cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kTma);
+        cuda::set_grouped_gemm_kernel(cutlass ? cuda::GroupedGemmKernel::kCutlass : cuda::GroupedGemmKernel::kTma);
+        cuda::set_cutlass_config(cutlass ? cuda::CutlassConfig::kPingpong : cuda::CutlassConfig::kAuto);
         auto run = [&](int fuse, MoeWeights<float>& g) {
             cuda::set_glu_backward_fusion(fuse);
             auto gpu = cuda::make_cuda_layer_runner(c);
@@ -230,10 +234,11 @@ TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
             return std::make_pair(out, dx);
         };
         MoeWeights<float> g_fused = zeros_like(w), g_plain = zeros_like(w), g_ref = zeros_like(w);
-        const auto [out_f, dx_f] = run(1, g_fused);
+        const auto [out_f, dx_f] = run(cutlass ? -1 : 1, g_fused);
         const auto [out_p, dx_p] = run(0, g_plain);
         cuda::set_glu_backward_fusion(-1);
         cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kAuto);
+        cuda::set_cutlass_config(cuda::CutlassConfig::kAuto);
         EXPECT_EQ(out_f.data, out_p.data);
         EXPECT_EQ(flat(g_fused.fc1), flat(g_plain.fc1)) << "fc1 grads";
         EXPECT_EQ(flat(g_fused.fc2), flat(g_plain.fc2)) << "fc2 grads";

@@ -540,10 +540,13 @@ TEST(GroupedGemm, WgradHotColdInterleave) {
 // fc2's dgrad with the gated activation's backward in its epilogue (grouped_gemm_nn_glu_backward) against the
 // unfused pair grouped_gemm_nn + activation_backward on the same kernel: d gate / d up bitwise equal, rows past
 // offsets[G] untouched, d prob (summed in another order) within fp32 rounding. Random counts with empty groups,
-// one group taking every row, an output width off the 256-column tile (320) and one on it (512); SwiGLU and GeGLU;
-// single CTAs and 2-CTA clusters; probs and no probs. A backend without the epilogue launches nothing.
+// one group taking every row, output widths off the 128- and 256-column tiles (320, 192) and on them (512, 256);
+// SwiGLU and GeGLU; the own kernel (single CTAs and 2-CTA clusters) and CUTLASS's ping-pong (its epilogue visitor,
+// glu_backward_visitor.cuh); probs and no probs. A kernel without the epilogue, or not allowed it by
+// set_glu_backward_fusion (-1: CUTLASS ping-pong only), launches nothing.
 void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, int k, Activation act, bool with_probs,
-                        uint64_t seed) {
+                        uint64_t seed, int fusion_mode = 1) {
+    set_glu_backward_fusion(fusion_mode);
     const int G = int(counts.size());
     const auto off = offsets_of(counts);
     const int rows = off[G], max_rows = rows + slack_rows;
@@ -562,8 +565,9 @@ void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, i
     const GroupedGemmShape shape{G, max_rows, n, k};
     const float* p = with_probs ? d_probs.ptr : nullptr;
     const int32_t* num_rows = d_off.ptr + G;
-    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kCutlassCoop}) {
-        if (b == Backend::kCutlassCoop && !cutlass_grouped_gemm_built()) continue;
+    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kCutlassPingpong, Backend::kCutlassCoop}) {
+        const bool cutlass = b == Backend::kCutlassPingpong || b == Backend::kCutlassCoop;
+        if (cutlass && !cutlass_grouped_gemm_built()) continue;
         SCOPED_TRACE(::testing::Message() << name(b) << " G=" << G << " rows=" << rows << " n=" << n << " k=" << k
                                           << " act=" << int(act) << " probs=" << with_probs << " seed=" << seed);
         select(b);
@@ -575,7 +579,8 @@ void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, i
         const bool launched = grouped_gemm_nn_glu_backward(
             shape, d_dY.ptr, d_W.ptr, d_off.ptr, GluBackwardEpilogue{d_fc1.ptr, p, fused.ptr, partials.ptr, act},
             nullptr);
-        if (b == Backend::kCutlassCoop) {  // no such epilogue there: nothing launched, nothing written
+        // Forced cooperative keeps its unfused kernel; by default (-1) the own kernel does not fuse either.
+        if (b == Backend::kCutlassCoop || (!cutlass && fusion_mode < 1)) {
             EXPECT_FALSE(launched);
             MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
             auto untouched = fused.download();
@@ -603,11 +608,11 @@ TEST(GroupedGemm, GluBackwardEpilogueMatchesUnfused) {
     int major = 0;
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
     if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
-    set_glu_backward_fusion(1);  // off by default (measured slower)
     check_glu_backward(random_counts(7, 900, 111, 0.3), 9, 320, 192, Activation::silu, true, 112);
     check_glu_backward(random_counts(5, 700, 113, 0.0), 0, 512, 128, Activation::gelu, false, 114);
     check_glu_backward({0, 0, 650, 0}, 5, 320, 64, Activation::silu, true, 115);  // one group takes every row
     check_glu_backward({0, 0, 0}, 4, 256, 64, Activation::silu, true, 116);       // no rows at all
+    check_glu_backward(random_counts(6, 1500, 117, 0.2), 3, 192, 256, Activation::silu, true, 118, -1);  // default
     set_glu_backward_fusion(-1);
 }
 

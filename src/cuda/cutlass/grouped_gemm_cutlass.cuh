@@ -21,6 +21,7 @@
 #include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_cutlass.h"
+#include "cuda/cutlass/glu_backward_visitor.cuh"
 #include "cuda/cutlass/tma_store_evict_first.cuh"
 
 namespace moekit::cuda::cutlass_detail {
@@ -107,7 +108,9 @@ struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<
 
 enum class Stores { kPlain, kEvictFirst };
 
-template <Op kOp, class Config, Stores kStores = Stores::kPlain>
+// Fusion: void = D = the product (LinearCombination), else the epilogue visitor to run instead
+// (GluBackwardVisitor: fc2's dgrad with the gated activation's backward).
+template <Op kOp, class Config, Stores kStores = Stores::kPlain, class Fusion = void>
 struct GemmFor {
     using Traits = OpTraits<kOp, swapped<Config>()>;
     using ElementAB = cutlass::bfloat16_t;
@@ -119,7 +122,8 @@ struct GemmFor {
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, typename Traits::LayoutD*, kAlignC,
         ElementD, typename Traits::LayoutD*, kAlignD, typename Config::Epilogue,
-        cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+        std::conditional_t<std::is_void_v<Fusion>, cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>,
+                           Fusion>>::CollectiveOp;
     using CollectiveEpilogue = std::conditional_t<kStores == Stores::kEvictFirst,
                                                   typename WithStoreOp<BuiltEpilogue, TmaStoreEvictFirst>::type,
                                                   BuiltEpilogue>;
@@ -172,7 +176,7 @@ enum class Share { kAll, kCooperative, kPingpong };
 template <Op kOp, class G, bool kSwap>
 __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int groups, int n, int k,
                                 const __nv_bfloat16* A, const __nv_bfloat16* B, void* C, int second_from,
-                                const void* second, Share share, WgradSplit split) {
+                                const void* second, Share share, WgradSplit split, int ldd) {
     using AB = typename G::ElementAB;
     const auto* A_ = reinterpret_cast<const AB*>(A);
     const auto* B_ = reinterpret_cast<const AB*>(B);
@@ -200,9 +204,11 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
             a.shapes[g] = typename G::Shape(int(rows), n, k);
             a.ptr_a[g] = A_ + r0 * k;
             a.ptr_b[g] = group_block(B_, second, second_from, g, int64_t(n) * k);
-            a.ptr_d[g] = D_ + r0 * n;
+            a.ptr_d[g] = D_ + r0 * ldd;
             a.stride_a[g] = leading<typename G::StrideA>(k);
             a.stride_b[g] = leading<typename G::StrideB>(kOp == Op::kNT ? k : n);
+            a.stride_d[g] = leading<typename G::StrideD>(ldd);
+            continue;
         }
         a.stride_d[g] = leading<typename G::StrideD>(n);
     }
@@ -246,10 +252,14 @@ GroupArgs<G> carve_group_args(void* base, int64_t groups, size_t* bytes) {
     return a;
 }
 
-template <Op kOp, class Config, Stores kStores = Stores::kPlain>
+// With a Fusion (nt / nn, unswapped): its arguments `fused`, and D's rows `ldd` elements apart (else n).
+template <Op kOp, class Config, Stores kStores = Stores::kPlain, class Fusion = void>
 void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll) {
-    using G = GemmFor<kOp, Config, kStores>;
+                 const int32_t* d_offsets, WgradWrite write, cudaStream_t stream, Share share = Share::kAll,
+                 const typename GemmFor<kOp, Config, kStores, Fusion>::CollectiveEpilogue::FusionCallbacks::Arguments*
+                     fused = nullptr,
+                 int64_t ldd = 0) {
+    using G = GemmFor<kOp, Config, kStores, Fusion>;
     typename G::Gemm gemm;
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
@@ -266,8 +276,12 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         r.epilogue.dC = a.stride_c;
         r.epilogue.ptr_D = a.ptr_d;
         r.epilogue.dD = a.stride_d;
-        r.epilogue.thread.alpha = 1.f;
-        r.epilogue.thread.beta = kOp == Op::kTN && write == WgradWrite::accumulate ? 1.f : 0.f;
+        if constexpr (std::is_void_v<Fusion>) {
+            r.epilogue.thread.alpha = 1.f;
+            r.epilogue.thread.beta = kOp == Op::kTN && write == WgradWrite::accumulate ? 1.f : 0.f;
+        } else {
+            r.epilogue.thread = fused ? *fused : decltype(r.epilogue.thread){};
+        }
         r.hw_info = hw;
         r.scheduler.raster_order = raster_along_n(kOp == Op::kTN, s.k, s.n, groups > 0 ? s.max_rows / groups : 0)
                                        ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
@@ -282,7 +296,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     const typename G::Gemm::Arguments args = make_args(a);
     fill_group_args<kOp, G, swapped<Config>()><<<1, 256, 0, stream>>>(a, d_offsets, int(groups), int(s.n), int(s.k),
                                                                       A, B, C, int(s.second_from), s.second, share,
-                                                                      wgrad_split());
+                                                                      wgrad_split(), int(ldd > 0 ? ldd : s.n));
     MOEKIT_CUDA_LAUNCH_CHECK();
     // Empty groups' blocks: zeroed for overwrite (CUTLASS would leave K = 0 accumulators unset), else untouched.
     if (kOp == Op::kTN && write == WgradWrite::overwrite && share != Share::kPingpong) {  // a split pair: its first
