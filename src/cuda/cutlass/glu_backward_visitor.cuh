@@ -6,10 +6,11 @@
 // and d up are the same bits. In the ping-pong schedule one warpgroup's epilogue, gate / up loads included, runs
 // under the other's main loop, which the own kernel's shared tiles could not do (docs/perf.md).
 //
-// It relies on the SM90 wgmma accumulator layout: a thread's elements come in pairs of adjacent columns of one row
-// (so gate / up are read and d up written four bytes at a time), its rows sit a multiple of 8 apart, and the four
-// lanes of a quad hold the same rows (so a row's partial is a shuffle over the quad). The GPU test
-// GroupedGemm.GluBackwardEpilogueMatchesUnfused checks every output against the unfused pair.
+// It relies on the SM90 wgmma accumulator layout of a 128-row tile on one warpgroup: a thread's elements come in
+// pairs of adjacent columns of one row (so gate / up are read and d up written four bytes at a time), its four rows
+// sit 0, 8, 64 and 72 below its first one, and the four lanes of a quad hold the same rows (so a row's partial is a
+// shuffle over the quad). The GPU test GroupedGemm.GluBackwardEpilogueMatchesUnfused checks every output against
+// the unfused pair.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -64,7 +65,10 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
     // coordinates are below it).
     template <class CTensor, class Residue, int kTileM>
     struct Callbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-        static constexpr int kSlots = kTileM / 8;  // rows a multiple of 8 apart: slot = relative row / 8
+        static_assert(kTileM == 128, "the row slots below are those of a 128-row tile on one warpgroup");
+        static constexpr int kSlots = 4;  // the thread's rows: 0, 8, 64, 72 below its first
+        CUTLASS_DEVICE static int slot(int r) { return ((r >> 6) << 1) | ((r >> 3) & 1); }
+        CUTLASS_DEVICE static int slot_row(int s) { return (s >> 1) * 64 + (s & 1) * 8; }
         static constexpr int kEpiM = decltype(cute::size<3>(std::declval<CTensor>()))::value;
         static constexpr int kElems =
             decltype(cute::size(cute::take<0, 3>(std::declval<CTensor>().layout())))::value;  // a subtile's
@@ -77,14 +81,14 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
         int64_t col0;   // its first column in [0, n)
         int n_tile;     // which partial of the row this tile writes
         int rows_left;  // rows of the group from the thread's first one on
+        bool in_cols;   // the thread's columns start inside the group's N (a cluster's spare tile may not)
         float prob[kSlots];
         float dp[kSlots];
-        bool used[kSlots];
         uint32_t gate[2][kElems / 2], up[2][kElems / 2];  // bf16 pairs of the current and the next subtile
 
         CUTLASS_DEVICE Callbacks(CTensor c, Residue r, Params const& params, int64_t row0, int64_t col0, int n_tile)
             : tCcD(c), residue(r), p(params), row0(row0), col0(col0), n_tile(n_tile),
-              rows_left(int(cute::get<0>(r))) {}
+              rows_left(int(cute::get<0>(r))), in_cols(int(cute::get<1>(r)) > 0) {}
 
         CUTLASS_DEVICE static float lo(uint32_t v) { return __uint_as_float(v << 16); }
         CUTLASS_DEVICE static float hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
@@ -110,8 +114,7 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
             CUTLASS_PRAGMA_UNROLL
             for (int s = 0; s < kSlots; ++s) {
                 dp[s] = 0.f;
-                used[s] = false;
-                prob[s] = p.probs && s * 8 < rows_left ? __ldg(p.probs + row0 + s * 8) : 1.f;
+                prob[s] = p.probs && slot_row(s) < rows_left ? __ldg(p.probs + row0 + slot_row(s)) : 1.f;
             }
             load(0, 0, 0);
         }
@@ -135,8 +138,7 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
             for (int i = 0; i < kFragment; i += 2) {
                 const int e = epi_v * kFragment + i;
                 const auto x = c(e);
-                const int r = int(cute::get<0>(x)), s = r >> 3;
-                used[s] = true;
+                const int r = int(cute::get<0>(x)), s = slot(r);
                 __nv_bfloat16 dg[2] = {}, du[2] = {};
                 if (cute::elem_less(x, residue)) {
                     const float g[2] = {lo(gate[b][e / 2]), hi(gate[b][e / 2])};
@@ -164,12 +166,11 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
             const bool writer = (threadIdx.x & 3) == 0;
             CUTLASS_PRAGMA_UNROLL
             for (int s = 0; s < kSlots; ++s) {
-                if (!used[s]) continue;  // known at compile time: the same for every lane
                 float v = dp[s];
                 v += __shfl_xor_sync(0xffffffffu, v, 1);
                 v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if (writer && p.dp_partials && s * 8 < rows_left)
-                    p.dp_partials[(row0 + s * 8) * p.tiles + n_tile] = v;
+                if (writer && in_cols && p.dp_partials && slot_row(s) < rows_left)
+                    p.dp_partials[(row0 + slot_row(s)) * p.tiles + n_tile] = v;
             }
         }
     };
