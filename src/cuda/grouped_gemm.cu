@@ -318,31 +318,30 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     }
 }
 
-// Where the gated activation's backward rides in the dgrad's epilogue (set_glu_backward_fusion, else
-// MOEKIT_FUSE_GLU_BACKWARD): by default only on CUTLASS's ping-pong kernel, where one warpgroup's epilogue runs
-// under the other's main loop. The own kernel's two consumer warpgroups share each tile, so there the epilogue
-// (reading gate / up, writing twice the bytes) cannot overlap the next tile's main loop: measured slower than the
-// separate pass (H200, moekit bench, 2026-11-26: fc2 backward + activation stages mixtral 8.09 vs 6.26 + 0.89 ms,
-// dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91 vs 1.42 + 0.54); it runs there only when forced (1).
+// Whether the gated activation's backward rides in the dgrad's epilogue (set_glu_backward_fusion, else
+// MOEKIT_FUSE_GLU_BACKWARD=0|1). Off by default: measured slower on both kernels that have it (H200). The own
+// kernel's two consumer warpgroups share each tile, so its epilogue (reading gate / up, writing twice the bytes)
+// cannot overlap the next tile's main loop (moekit bench, 2026-11-26: fc2 backward + activation stages mixtral 8.09
+// vs 6.26 + 0.89 ms, dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91 vs 1.42 + 0.54). CUTLASS's ping-pong should hide
+// it under the other warpgroup's main loop, but its visitor (cutlass/glu_backward_visitor.cuh) made fc2's backward
+// stage 3.29-3.39 ms against 1.46-1.51 + 0.29-0.30 unfused on qwen3-30b (2026-11-27, docs/perf.md).
 std::atomic<int> g_glu_fusion{-1};
-enum class GluFusion { kNever, kEverywhere, kHidden };
-GluFusion glu_fusion() {
+bool glu_fusion_on() {
     const int set = g_glu_fusion.load();
-    if (set >= 0) return set > 0 ? GluFusion::kEverywhere : GluFusion::kNever;
-    static const GluFusion from_env = [] {
+    if (set >= 0) return set > 0;
+    static const bool from_env = [] {
         const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
-        if (!env) return GluFusion::kHidden;
-        if (std::strcmp(env, "0") == 0) return GluFusion::kNever;
+        if (!env || std::strcmp(env, "0") == 0) return false;
         MOEKIT_REQUIRE(std::strcmp(env, "1") == 0, "MOEKIT_FUSE_GLU_BACKWARD=", env,
-                       ": expected 0 (never) or 1 (on every kernel with the epilogue); unset: CUTLASS ping-pong only");
-        return GluFusion::kEverywhere;
+                       ": expected 0 (the separate activation pass, the default) or 1 (fused where the kernel has it)");
+        return true;
     }();
     return from_env;
 }
 
 // With `glu` (nn only): the fused dgrad + gated-activation backward, launched where the kernel chosen for this shape
 // has that epilogue (CUTLASS unswapped: on its ping-pong configuration; the own TMA kernel with its staged epilogue,
-// when forced) and glu_fusion() allows it; returns whether it was launched (nothing is done otherwise).
+// as well) and glu_fusion_on(); returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
 bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
@@ -354,7 +353,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
                  s.to_string());
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
-    if (glu && glu_fusion() == GluFusion::kNever) return false;
+    if (glu && !glu_fusion_on()) return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -412,8 +411,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
                 return cutlass_grouped_gemm_nn_glu_backward(s, A, B, d_offsets, *glu, stream, config);
             return false;
         }
-        if (kernel != GroupedGemmKernel::kTma || !tma_staged_epilogue() || glu_fusion() != GluFusion::kEverywhere)
-            return false;
+        if (kernel != GroupedGemmKernel::kTma || !tma_staged_epilogue()) return false;
         p.glu_in = glu->fc1_out;
         p.glu_probs = glu->probs;
         p.glu_grad = glu->grad_fc1;
@@ -507,7 +505,7 @@ void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel);
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
-bool glu_backward_fusion_enabled() { return glu_fusion() != GluFusion::kNever; }
+bool glu_backward_fusion_enabled() { return glu_fusion_on(); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {

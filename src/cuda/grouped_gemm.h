@@ -72,10 +72,10 @@ void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 // ([max_rows, 2n]) of fc1_out[r] = [gate | up] with d a = dA * probs[r] (probs null = 1), bitwise what
 // activation_backward makes of the stored dA, and dp_partials[r * glu_backward_tiles(n) + t] = the sum over the t-th
 // kGluBackwardTileColumns columns of act(gate) * up * dA (null: skipped; activation_backward_probs_from_partials
-// sums them). Where the chosen kernel is CUTLASS (unswapped) it runs on the ping-pong configuration, one warpgroup's
-// epilogue under the other's main loop; on the own TMA kernel (staged epilogue) only when forced
-// (set_glu_backward_fusion(1): its shared tiles leave the epilogue unhidden, measured slower). Returns false having
-// launched nothing where it does not run: then the caller runs grouped_gemm_nn + activation_backward.
+// sums them). Where the chosen kernel is CUTLASS (unswapped) it runs on the ping-pong configuration (an epilogue
+// visitor), on the own TMA kernel in its staged epilogue. Off by default (measured slower on both, grouped_gemm.cu).
+// Returns false having launched nothing where it does not run: then the caller runs grouped_gemm_nn +
+// activation_backward.
 struct GluBackwardEpilogue {
     const __nv_bfloat16* fc1_out;
     const float* probs;
@@ -85,8 +85,7 @@ struct GluBackwardEpilogue {
 };
 constexpr int64_t kGluBackwardTileColumns = 128;
 int64_t glu_backward_tiles(int64_t n);  // ceil(n / kGluBackwardTileColumns)
-// 1 = fuse on every kernel that has the epilogue, 0 = never; -1 (default) = MOEKIT_FUSE_GLU_BACKWARD=0|1 if set,
-// else fuse where the kernel hides the epilogue (CUTLASS ping-pong).
+// 1 = fuse where the chosen kernel has the epilogue, 0 = never; -1 (default) = MOEKIT_FUSE_GLU_BACKWARD=1, else never.
 void set_glu_backward_fusion(int on);
 bool glu_backward_fusion_enabled();  // what set_glu_backward_fusion / the environment say now
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,

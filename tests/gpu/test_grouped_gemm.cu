@@ -543,7 +543,7 @@ TEST(GroupedGemm, WgradHotColdInterleave) {
 // one group taking every row, output widths off the 128- and 256-column tiles (320, 192) and on them (512, 256);
 // SwiGLU and GeGLU; the own kernel (single CTAs and 2-CTA clusters) and CUTLASS's ping-pong (its epilogue visitor,
 // glu_backward_visitor.cuh); probs and no probs. A kernel without the epilogue, or not allowed it by
-// set_glu_backward_fusion (-1: CUTLASS ping-pong only), launches nothing.
+// set_glu_backward_fusion (off by default), launches nothing.
 void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, int k, Activation act, bool with_probs,
                         uint64_t seed, int fusion_mode = 1) {
     set_glu_backward_fusion(fusion_mode);
@@ -579,8 +579,8 @@ void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, i
         const bool launched = grouped_gemm_nn_glu_backward(
             shape, d_dY.ptr, d_W.ptr, d_off.ptr, GluBackwardEpilogue{d_fc1.ptr, p, fused.ptr, partials.ptr, act},
             nullptr);
-        // Forced cooperative keeps its unfused kernel; by default (-1) the own kernel does not fuse either.
-        if (b == Backend::kCutlassCoop || (!cutlass && fusion_mode < 1)) {
+        // Forced cooperative keeps its unfused kernel; by default (-1) nothing fuses.
+        if (b == Backend::kCutlassCoop || fusion_mode < 1) {
             EXPECT_FALSE(launched);
             MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
             auto untouched = fused.download();
