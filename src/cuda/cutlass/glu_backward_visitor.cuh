@@ -3,8 +3,8 @@
 // unfused path stores), then each element becomes d gate (returned: CUTLASS stores it as D through its TMA
 // pipeline, D = grad_fc1's left half) and d up (stored here, into the right half), with the routed row's d(prob)
 // partial for this 128-column tile summed on the side. Same formulas as src/cuda/activation.cu's backward, so d gate
-// and d up are the same bits. In the ping-pong schedule one warpgroup's epilogue, gate / up loads included, runs
-// under the other's main loop, which the own kernel's shared tiles could not do (docs/perf.md).
+// and d up are the same bits. The ping-pong schedule was to hide this epilogue under the other warpgroup's main
+// loop; measured, the fused dgrad is twice as slow as the unfused pair, so it is off by default (docs/perf.md).
 //
 // It relies on the SM90 wgmma accumulator layout of a 128-row tile on one warpgroup: a thread's elements come in
 // pairs of adjacent columns of one row (so gate / up are read and d up written four bytes at a time), its four rows
@@ -70,8 +70,8 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
         CUTLASS_DEVICE static int slot(int r) { return ((r >> 6) << 1) | ((r >> 3) & 1); }
         CUTLASS_DEVICE static int slot_row(int s) { return (s >> 1) * 64 + (s & 1) * 8; }
         static constexpr int kEpiM = decltype(cute::size<3>(std::declval<CTensor>()))::value;
-        static constexpr int kElems =
-            decltype(cute::size(cute::take<0, 3>(std::declval<CTensor>().layout())))::value;  // a subtile's
+        // A subtile's elements a thread.
+        static constexpr int kElems = decltype(cute::size(cute::take<0, 3>(std::declval<CTensor>().layout())))::value;
         static_assert(kElems % 2 == 0, "the wgmma layout gives a thread pairs of adjacent columns");
 
         CTensor tCcD;
@@ -176,7 +176,8 @@ struct GluBackwardVisitor : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
     };
 
     template <bool kReferenceSrc, class... Args>
-    CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    CUTLASS_DEVICE auto get_consumer_store_callbacks(
+        cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
         const auto [M, N, K, L] = args.problem_shape_mnkl;
         const auto [m, n, k, l] = args.tile_coord_mnkl;
         constexpr int kTileM = decltype(cute::size<0>(args.tile_shape_mnk))::value;

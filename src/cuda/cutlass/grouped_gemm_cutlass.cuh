@@ -122,8 +122,9 @@ struct GemmFor {
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, typename Traits::LayoutD*, kAlignC,
         ElementD, typename Traits::LayoutD*, kAlignD, typename Config::Epilogue,
-        std::conditional_t<std::is_void_v<Fusion>, cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>,
-                           Fusion>>::CollectiveOp;
+        std::conditional_t<std::is_void_v<Fusion>,
+                           cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>, Fusion>>::
+        CollectiveOp;
     using CollectiveEpilogue = std::conditional_t<kStores == Stores::kEvictFirst,
                                                   typename WithStoreOp<BuiltEpilogue, TmaStoreEvictFirst>::type,
                                                   BuiltEpilogue>;
