@@ -283,7 +283,8 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         a = tensor_map(p.A, 2, da, boxa);
         const bool nt = kOp == Op::kNT;
         int64_t db[3] = {nt ? k : n, nt ? n : k, G1}, db2[3] = {db[0], db[1], G2};
-        uint32_t boxb[3] = {64, nt ? 256u : 64u, 1};
+        // nt with the gated activation's forward: two boxes of 128 rows a stage, gate and up (Params::glu_out).
+        uint32_t boxb[3] = {64, nt ? (p.glu_out ? 128u : 256u) : 64u, 1};
         b = G1 > 0 ? tensor_map(p.B, 3, db, boxb) : a;
         second = G2 > 0 ? tensor_map(p.second, 3, db2, boxb) : a;
         c = a;  // unused: bf16 results are stored without TMA
@@ -339,13 +340,32 @@ bool glu_fusion_on() {
     return from_env;
 }
 
+// Whether fc1's forward takes the gated activation in its epilogue (set_glu_forward_fusion, else
+// MOEKIT_FUSE_GLU_FORWARD=0|1). Only the own TMA kernel has the epilogue, so where CUTLASS would be chosen the fusion
+// trades its faster main loop for the activation pass.
+std::atomic<int> g_glu_forward_fusion{-1};
+constexpr bool kGluForwardFusionDefault = false;
+bool glu_forward_fusion_on() {
+    const int set = g_glu_forward_fusion.load();
+    if (set >= 0) return set > 0;
+    static const bool from_env = [] {
+        const char* env = std::getenv("MOEKIT_FUSE_GLU_FORWARD");
+        if (!env) return kGluForwardFusionDefault;
+        if (std::strcmp(env, "0") == 0) return false;
+        MOEKIT_REQUIRE(std::strcmp(env, "1") == 0, "MOEKIT_FUSE_GLU_FORWARD=", env,
+                       ": expected 0 (the separate activation pass) or 1 (in fc1's epilogue, own TMA kernel)");
+        return true;
+    }();
+    return from_env;
+}
+
 // With `glu` (nn only): the fused dgrad + gated-activation backward, launched where the kernel chosen for this shape
 // has that epilogue (CUTLASS unswapped: on its ping-pong configuration; the own TMA kernel with its staged epilogue,
 // as well) and glu_fusion_on(); returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
 bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
-            const GluBackwardEpilogue* glu = nullptr) {
+            const GluBackwardEpilogue* glu = nullptr, const GluForwardEpilogue* glu_fwd = nullptr) {
     using namespace gemm_detail;
     MOEKIT_CHECK(s.num_groups >= 0 && s.max_rows >= 0 && s.n >= 0 && s.k >= 0, name, ": negative size in ",
                  s.to_string());
@@ -354,6 +374,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
     if (glu && !glu_fusion_on()) return false;
+    if (glu_fwd && !glu_forward_fusion_on()) return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -393,7 +414,8 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     p.accumulate = write == WgradWrite::accumulate ? 1 : 0;
     p.keep_empty = write != WgradWrite::overwrite ? 1 : 0;
 
-    GroupedGemmKernel kernel = resolve_kernel();
+    const GroupedGemmKernel resolved = resolve_kernel();
+    GroupedGemmKernel kernel = resolved;
     CutlassConfig config = CutlassConfig::kAuto;
     if (kernel == GroupedGemmKernel::kAuto && t_own_kernel_only > 0) kernel = GroupedGemmKernel::kTma;
     if (kernel == GroupedGemmKernel::kAuto) {
@@ -417,6 +439,18 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         p.glu_grad = glu->grad_fc1;
         p.glu_dp = glu->dp_partials;
         p.glu_act = int(glu->act);
+    }
+    if (glu_fwd) {
+        // The own TMA kernel, whether chosen per shape or forced; any other kernel forced has no such epilogue.
+        if (s.n % 16 != 0 || !(resolved == GroupedGemmKernel::kAuto || resolved == GroupedGemmKernel::kTma))
+            return false;
+        MOEKIT_CHECK(glu_fwd->act_out, name, ": null activation output");
+        MOEKIT_CHECK((reinterpret_cast<uintptr_t>(C) | reinterpret_cast<uintptr_t>(glu_fwd->act_out)) % 16 == 0, name,
+                     ": the fc1 output and the activation output must be 16-byte aligned");
+        kernel = GroupedGemmKernel::kTma;
+        p.glu_out = glu_fwd->act_out;
+        p.glu_probs = glu_fwd->probs;
+        p.glu_act = int(glu_fwd->act);
     }
     if (kernel == GroupedGemmKernel::kCutlass) {
         MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
@@ -505,6 +539,8 @@ void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel);
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
+void set_glu_forward_fusion(int on) { g_glu_forward_fusion = on; }
+bool glu_forward_fusion_enabled() { return glu_forward_fusion_on(); }
 bool glu_backward_fusion_enabled() { return glu_fusion_on(); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
@@ -538,6 +574,13 @@ bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bflo
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream) {
     return launch<gemm_detail::Op::kNN>("grouped_gemm_nn_glu_backward", shape, A, B, nullptr, d_offsets,
                                         WgradWrite::overwrite, stream, &epilogue);
+}
+
+bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                                 __nv_bfloat16* C, const int32_t* d_offsets, const GluForwardEpilogue& epilogue,
+                                 cudaStream_t stream) {
+    return launch<gemm_detail::Op::kNT>("grouped_gemm_nt_glu_forward", shape, A, B, C, d_offsets,
+                                        WgradWrite::overwrite, stream, nullptr, &epilogue);
 }
 
 }  // namespace moekit::cuda

@@ -75,6 +75,11 @@ struct Params {
     __nv_bfloat16* glu_grad;
     float* glu_dp;           // null: d prob not wanted
     int glu_act;             // Activation
+    // TMA kernel, nt with the gated activation's forward in the epilogue (grouped_gemm_nt_glu_forward; glu_out
+    // non-null): n = 2F, B[g] = [gate rows | up rows]; a tile's 256 columns are gate columns f0 .. f0+127 and the up
+    // columns F+f0 .. (two B boxes of 128 rows), C = [gate | up] as the plain nt writes it, and glu_out[r, f] =
+    // act(gate) * up * glu_probs[r] of the bf16-rounded gate and up ([max_rows, F]).
+    __nv_bfloat16* glu_out;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }

@@ -134,6 +134,69 @@ __device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, int r, int lane, 
     }
 }
 
+// A warpgroup's staged 64-column chunk (stage_bf16_chunk or stage_glu_chunk) to global memory: each thread takes
+// 4 x 16 bytes, 8 threads a row, so rows leave as whole 128-byte segments. The chunk's column 8 ch goes to
+// dst[gr * ld + dst_col0 + 8 ch] where chunk_col0 + 8 ch < limit (its column in the caller's numbering).
+__device__ __forceinline__ void store_staged_chunk(uint32_t buf, const TileJob& job, int cw, int ctid,
+                                                   __nv_bfloat16* dst, int64_t ld, int dst_col0, int chunk_col0,
+                                                   int limit) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int item = q * 128 + (ctid & 127), rr = item >> 3, ch = item & 7;
+        const int64_t gr = job.row0 + cw * 64 + rr;
+        const uint4 v = ld_shared_v4(buf + rr * kEpiRow + ch * 16);
+        if (gr < job.row_end && chunk_col0 + ch * 8 < limit)
+            *reinterpret_cast<uint4*>(dst + gr * ld + dst_col0 + ch * 8) = v;
+    }
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// The gated activation of columns 64c .. 64c+63 of the tile's gate half (accumulator columns 64c ..) and up half
+// (128 + 64c ..), each rounded to bf16 first as the stored fc1 output is, times the rows' probabilities: what
+// activation_forward computes from the stored [gate | up] (the same float formula, so the same bits).
+__device__ __forceinline__ void stage_glu_chunk(uint32_t buf, int r, int lane, const float (&d)[128], int c,
+                                                Activation act, float prob_r, float prob_r8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int i = c * 8 + j, u = i + 16;
+        const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
+        auto a = [&](int e, int eu, float prob) {
+            return glu_forward(act, round_bf16(d[e]), round_bf16(d[eu])) * prob;
+        };
+        st_shared_bf16x2(buf + r * kEpiRow + off, a(4 * i, 4 * u, prob_r), a(4 * i + 1, 4 * u + 1, prob_r));
+        st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, a(4 * i + 2, 4 * u + 2, prob_r8),
+                         a(4 * i + 3, 4 * u + 3, prob_r8));
+    }
+}
+
+// nt epilogue with the gated activation's forward (Params::glu_out): the tile's accumulators are gate columns
+// f0 .. f0+127 (0 .. 127) and the up columns F+f0 .. (128 .. 255). Four chunks store [gate | up] where the plain nt
+// would, two more the activation, all through the warpgroup's staging buffer.
+__device__ __forceinline__ void glu_forward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
+                                                     uint32_t buf, int r, int lane, const float (&d)[128]) {
+    const int F = p.n >> 1, f0 = job.n0 >> 1;
+    const int64_t gr = job.row0 + cw * 64 + r;
+    const float prob_r = p.glu_probs && gr < job.row_end ? __ldg(p.glu_probs + gr) : 1.0f;
+    const float prob_r8 = p.glu_probs && gr + 8 < job.row_end ? __ldg(p.glu_probs + gr + 8) : 1.0f;
+    __nv_bfloat16* fc1 = static_cast<__nv_bfloat16*>(p.C);
+#pragma unroll
+    for (int c = 0; c < 6; ++c) {  // gate 0-63, gate 64-127, up 0-63, up 64-127, act 0-63, act 64-127
+        const int f = f0 + (c & 1) * 64;
+        if (f >= F) continue;  // uniform over the warpgroup
+        if (c < 4)
+            stage_bf16_chunk(buf, r, lane, d, c);
+        else
+            stage_glu_chunk(buf, r, lane, d, c - 4, Activation(p.glu_act), prob_r, prob_r8);
+        named_barrier(2 + cw, 128);
+        if (c < 4)
+            store_staged_chunk(buf, job, cw, ctid, fc1, p.n, (c < 2 ? 0 : F) + f, f, F);
+        else
+            store_staged_chunk(buf, job, cw, ctid, p.glu_out, F, f, f, F);
+        named_barrier(2 + cw, 128);
+    }
+}
+
 // nn epilogue with the gated activation's backward (Params::glu_grad): the warpgroup's 64 x 256 accumulators are
 // rounded to bf16 through its staging buffer 64 columns at a time (as the staged epilogue: the values the unfused
 // path would store), then each thread takes 8 columns of 4 rows, with those rows' gate and up and probs, and
@@ -363,7 +426,12 @@ __global__ void __launch_bounds__(384, 1)
                     const CUtensorMap* mb = in_second(p, job.group) ? &map_2 : &map_b;
                     const int z = local_group(p, job.group);
                     if constexpr (kOp == Op::kNT) {
-                        if (b_boxes > 0) tma_3d(sB(s), mb, k0, job.n0, z, full(s));
+                        if (b_boxes > 0 && p.glu_out) {  // gate rows f0 .., up rows F + f0 .. (boxes of 128)
+                            tma_3d(sB(s), mb, k0, job.n0 >> 1, z, full(s));
+                            tma_3d(sB(s) + kStageB / 2, mb, k0, (p.n >> 1) + (job.n0 >> 1), z, full(s));
+                        } else if (b_boxes > 0) {
+                            tma_3d(sB(s), mb, k0, job.n0, z, full(s));
+                        }
                     } else {
                         for (int j = 0; j < b_boxes; ++j)
                             tma_3d(sB(s) + j * kBlockBytes, mb, job.n0 + 64 * j, k0, z, full(s));
@@ -441,6 +509,12 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_wait<0>();
         if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
         const int row = cw * 64 + w * 16 + (lane >> 2);
+        if constexpr (kOp == Op::kNT) {
+            if (p.glu_out) {  // [gate | up] and the gated activation (Params::glu_out)
+                glu_forward_epilogue(p, job, cw, ctid, epi + cw * kEpiBytes, row - cw * 64, lane, d);
+                continue;
+            }
+        }
         if constexpr (kOp == Op::kNN) {
             if (p.glu_grad) {  // the gated activation's backward instead of storing dA (Params::glu_grad)
                 glu_backward_epilogue(p, job, cw, ctid, epi + cw * kEpiBytes, row - cw * 64, lane, d);
@@ -467,18 +541,11 @@ __global__ void __launch_bounds__(384, 1)
                 const int r = row - cw * 64;
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    if (job.n0 + c * 64 >= p.n) continue;  // uniform over the warpgroup
+                    const int col0 = job.n0 + c * 64;
+                    if (col0 >= p.n) continue;  // uniform over the warpgroup
                     stage_bf16_chunk(buf, r, lane, d, c);
                     named_barrier(2 + cw, 128);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int item = q * 128 + (ctid & 127), rr = item >> 3, ch = item & 7;
-                        const int64_t gr = job.row0 + cw * 64 + rr;
-                        const int gn = job.n0 + c * 64 + ch * 8;
-                        const uint4 v = ld_shared_v4(buf + rr * kEpiRow + ch * 16);
-                        if (gr < job.row_end && gn < p.n)
-                            *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.C) + gr * p.n + gn) = v;
-                    }
+                    store_staged_chunk(buf, job, cw, ctid, static_cast<__nv_bfloat16*>(p.C), p.n, col0, col0, p.n);
                     named_barrier(2 + cw, 128);
                 }
                 continue;

@@ -180,11 +180,23 @@ public:
         }
         mark(stream, 0, LayerStage::fc1, true);
         // ECHO: the S slot groups follow the L home groups in the rows; they compute with the clone weights.
-        gemm_.nt(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(), offsets,
-                 stream);
+        // Gated activations with an fp32 router: the activation may ride in fc1's epilogue
+        // (grouped_gemm_nt_glu_forward, set_glu_forward_fusion), leaving the activation stage empty.
+        bool fused_act = false;
+        if constexpr (std::is_same_v<R, float>) {
+            if (shape_.gated_linear_unit && gemm_.nt_glu_forward)
+                fused_act = gemm_.nt_glu_forward(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows,
+                                                 buf_.fc1, fc1_out_.get(), offsets,
+                                                 GluForwardEpilogue{experts_.probs, act_out_.get(), shape_.act}, stream);
+        }
+        if (!fused_act)
+            gemm_.nt(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(),
+                     offsets, stream);
         mark(stream, 0, LayerStage::fc1, false);
         mark(stream, 0, LayerStage::activation, true);
-        activation_forward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, act_out_.get(), stream);
+        if (!fused_act)
+            activation_forward<R>(act_shape(), offsets + L + S, fc1_out_.get(), experts_.probs, act_out_.get(),
+                                  stream);
         mark(stream, 0, LayerStage::activation, false);
         mark(stream, 0, LayerStage::fc2, true);
         gemm_.nt(home_and_slots(L, S, M, H, F, experts_.slot_fc2), act_out_.get(), buf_.fc2, expert_out_.get(), offsets,

@@ -253,6 +253,60 @@ TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
     }
 }
 
+// The gated activation fused into fc1's forward epilogue (grouped_gemm_nt_glu_forward, the own TMA kernel) against
+// the unfused layer on the own kernel, with the fused run's kernel forced to the own one or left to the per-shape
+// choice (which fuses on the own kernel): the same fc1 output and activation, so the output and every gradient
+// bitwise equal, and against the CPU oracle; and with both epilogue fusions on.
+TEST(CudaLayer, FusedActivationForwardMatchesUnfused) {
+    SKIP_WITHOUT_GPU();
+    int major = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    if (major != 9) GTEST_SKIP() << "the fused epilogues are sm_90 kernels";
+    for (const bool own : {true, false})
+    for (const char* act : {"silu", "gelu"}) {
+        SCOPED_TRACE(::testing::Message() << act << (own ? " own TMA kernel" : " per-shape choice"));
+        MoeConfig c = small_config();
+        c.activation_func = act;
+        c.moe_router_load_balancing_type = {"aux_loss"}, c.moe_aux_loss_coeff = {0.01};
+        const MoeWeights<float> w = bf16_weights(c, 37);
+        const LayerInput<float> in = bf16_input(c, 37);
+        Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, 37, 2, 1.0);
+        round_bf16(go);
+        auto run = [&](int fuse_forward, int fuse_backward, MoeWeights<float>& g) {
+            cuda::set_grouped_gemm_kernel(own || !fuse_forward ? cuda::GroupedGemmKernel::kTma
+                                                               : cuda::GroupedGemmKernel::kAuto);
+            cuda::set_glu_forward_fusion(fuse_forward);
+            cuda::set_glu_backward_fusion(fuse_backward);
+            auto gpu = cuda::make_cuda_layer_runner(c);
+            const Matrix<float> out = gpu->forward(w, in);
+            const Matrix<float> dx = gpu->backward(w, go, g);
+            return std::make_pair(out, dx);
+        };
+        MoeWeights<float> g_fused = zeros_like(w), g_plain = zeros_like(w), g_both = zeros_like(w);
+        MoeWeights<float> g_ref = zeros_like(w);
+        const auto [out_f, dx_f] = run(1, 0, g_fused);
+        const auto [out_p, dx_p] = run(0, 0, g_plain);
+        const auto [out_b, dx_b] = run(1, 1, g_both);
+        cuda::set_glu_forward_fusion(-1);
+        cuda::set_glu_backward_fusion(-1);
+        cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kAuto);
+        EXPECT_EQ(out_f.data, out_p.data) << "output";
+        EXPECT_EQ(dx_f.data, dx_p.data) << "grad input";
+        EXPECT_EQ(flat(g_fused.fc1), flat(g_plain.fc1)) << "fc1 grads";
+        EXPECT_EQ(flat(g_fused.fc2), flat(g_plain.fc2)) << "fc2 grads";
+        EXPECT_EQ(g_fused.router_weight.data, g_plain.router_weight.data) << "grad router weight";
+        EXPECT_EQ(out_b.data, out_p.data) << "output, both fusions";
+        EXPECT_LT(rel_err(dx_b.data, dx_p.data), 1e-5) << "grad input, both fusions";
+        cpu::MoeLayer<float> oracle(c);
+        const Matrix<float> out_ref = oracle.forward(w, in);
+        const Matrix<float> dx_ref = oracle.backward(w, go, g_ref);
+        EXPECT_LT(rel_err(out_f.data, out_ref.data), 2e-2) << "output vs oracle";
+        EXPECT_LT(rel_err(dx_f.data, dx_ref.data), 2e-2) << "grad input vs oracle";
+        EXPECT_LT(rel_err(flat(g_fused.fc1), flat(g_ref.fc1)), 2e-2) << "fc1 vs oracle";
+        EXPECT_LT(rel_err(flat(g_fused.fc2), flat(g_ref.fc2)), 2e-2) << "fc2 vs oracle";
+    }
+}
+
 TEST(CudaLayer, UnsupportedOptionsAreClearErrors) {
     SKIP_WITHOUT_GPU();
     MoeConfig c = small_config();

@@ -616,6 +616,86 @@ TEST(GroupedGemm, GluBackwardEpilogueMatchesUnfused) {
     set_glu_backward_fusion(-1);
 }
 
+// fc1's forward with the gated activation in its epilogue (grouped_gemm_nt_glu_forward) against the unfused pair on
+// the own kernel (grouped_gemm_nt + activation_forward): [gate | up] and the activation bitwise equal, rows past
+// offsets[G] untouched. F off the 128-column tile grid (a tile's gate box then reads up rows, its up box rows past
+// 2F), ECHO's second weight base, SwiGLU and GeGLU, probs and none; the own kernel alone and in 2-CTA clusters, and
+// the per-shape choice (which fuses on the own kernel). Forced CUTLASS, or the fusion off, launches nothing.
+void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, int k, Activation act, bool with_probs,
+                       uint64_t seed, int second_from = 0, int fusion_mode = 1) {
+    set_glu_forward_fusion(fusion_mode);
+    const int G = int(counts.size()), n = 2 * F;
+    const auto off = offsets_of(counts);
+    const int rows = off[G], max_rows = rows + slack_rows;
+    const int G1 = second_from > 0 ? second_from : G;
+    const auto X = random_bf16(size_t(max_rows) * k, seed, size_t(rows) * k);
+    const auto W = random_bf16(size_t(G1) * n * k, seed + 1, size_t(G1) * n * k);
+    const auto W2 = random_bf16(size_t(G - G1) * n * k + 1, seed + 2, size_t(G - G1) * n * k + 1);
+    Rng rng(seed + 3);
+    std::vector<float> probs(static_cast<size_t>(max_rows));
+    for (auto& p : probs) p = float(rng.uniform());
+    DeviceBuffer<bf16> d_X(X), d_W(W), d_W2(W2);
+    DeviceBuffer<bf16> ref_fc1(size_t(max_rows) * n), ref_act(size_t(max_rows) * F);
+    DeviceBuffer<bf16> fc1(size_t(max_rows) * n), act_out(size_t(max_rows) * F);
+    DeviceBuffer<float> d_probs(probs);
+    DeviceBuffer<int32_t> d_off(off);
+    const GroupedGemmShape shape{G, max_rows, n, k, second_from, second_from > 0 ? d_W2.ptr : nullptr};
+    const float* p = with_probs ? d_probs.ptr : nullptr;
+    const std::vector<bf16> canary_fc1(size_t(max_rows) * n, to_bf16(7.0f)), canary_act(size_t(max_rows) * F,
+                                                                                          to_bf16(-3.0f));
+    ref_fc1.upload(canary_fc1), ref_act.upload(canary_act);
+    select(Backend::kTma);
+    grouped_gemm_nt(shape, d_X.ptr, d_W.ptr, ref_fc1.ptr, d_off.ptr, nullptr);
+    activation_forward<float>(ActivationShape{max_rows, F, true, act}, d_off.ptr + G, ref_fc1.ptr, p, ref_act.ptr,
+                              nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto want_fc1 = ref_fc1.download(), want_act = ref_act.download();
+    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kAuto, Backend::kCutlassPingpong}) {
+        if (b == Backend::kCutlassPingpong && !cutlass_grouped_gemm_built()) continue;
+        SCOPED_TRACE(::testing::Message() << name(b) << " G=" << G << " rows=" << rows << " F=" << F << " k=" << k
+                                          << " act=" << int(act) << " probs=" << with_probs << " second_from="
+                                          << second_from << " seed=" << seed);
+        select(b);
+        fc1.upload(canary_fc1), act_out.upload(canary_act);
+        const bool launched = grouped_gemm_nt_glu_forward(shape, d_X.ptr, d_W.ptr, fc1.ptr, d_off.ptr,
+                                                          GluForwardEpilogue{p, act_out.ptr, act}, nullptr);
+        MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto got_fc1 = fc1.download(), got_act = act_out.download();
+        if (b == Backend::kCutlassPingpong || !glu_forward_fusion_enabled()) {
+            EXPECT_FALSE(launched);
+            EXPECT_EQ(0, std::memcmp(got_fc1.data(), canary_fc1.data(), sizeof(bf16) * got_fc1.size()));
+            EXPECT_EQ(0, std::memcmp(got_act.data(), canary_act.data(), sizeof(bf16) * got_act.size()));
+            continue;
+        }
+        ASSERT_TRUE(launched);
+        size_t fc1_differ = 0, act_differ = 0, nonzero = 0;
+        for (size_t i = 0; i < got_fc1.size(); ++i) fc1_differ += bits(got_fc1[i]) != bits(want_fc1[i]);
+        for (size_t i = 0; i < got_act.size(); ++i) {
+            act_differ += bits(got_act[i]) != bits(want_act[i]);
+            nonzero += i < size_t(rows) * F && from_bf16(got_act[i]) != 0.0f;
+        }
+        EXPECT_EQ(fc1_differ, 0u) << "[gate | up] differ from grouped_gemm_nt (or rows past offsets[G] written)";
+        EXPECT_EQ(act_differ, 0u) << "the activation differs from activation_forward (or rows past offsets[G])";
+        if (rows > 0) EXPECT_GT(nonzero, size_t(rows) * F / 2) << "the activation is mostly zero";
+    }
+    reset_backend();
+}
+
+TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
+    SKIP_WITHOUT_GPU();
+    int major = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    check_glu_forward(random_counts(7, 900, 121, 0.3), 9, 320, 192, Activation::silu, true, 122);
+    check_glu_forward(random_counts(5, 700, 123, 0.0), 0, 256, 128, Activation::gelu, false, 124);
+    check_glu_forward(random_counts(6, 800, 125, 0.2), 4, 200, 64, Activation::silu, true, 126, 4);  // ECHO slots
+    check_glu_forward({0, 0, 650, 0}, 5, 136, 64, Activation::silu, true, 127);  // one group takes every row
+    check_glu_forward({0, 0, 0}, 4, 128, 64, Activation::silu, true, 128);       // no rows at all
+    check_glu_forward(random_counts(4, 500, 129, 0.0), 3, 192, 128, Activation::silu, true, 130, 0, 0);  // off
+    check_glu_forward(random_counts(4, 500, 131, 0.0), 3, 192, 128, Activation::silu, true, 132, 0, -1);  // default
+    set_glu_forward_fusion(-1);
+}
+
 TEST(GroupedGemm, RejectsUnalignedSizes) {
     SKIP_WITHOUT_GPU();
     GroupedGemmShape shape{2, 16, 60, 64};
