@@ -134,65 +134,94 @@ __device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, int r, int lane, 
     }
 }
 
-// A warpgroup's staged 64-column chunk (stage_bf16_chunk or stage_glu_chunk) to global memory: each thread takes
-// 4 x 16 bytes, 8 threads a row, so rows leave as whole 128-byte segments. The chunk's column 8 ch goes to
-// dst[gr * ld + dst_col0 + 8 ch] where chunk_col0 + 8 ch < limit (its column in the caller's numbering).
+// A warpgroup's staged 64-column chunk (stage_bf16_chunk) to global memory: each thread takes 4 x 16 bytes, 8
+// threads a row, so rows leave as whole 128-byte segments; columns col0 + 8 ch at or past `limit` are not stored.
 __device__ __forceinline__ void store_staged_chunk(uint32_t buf, const TileJob& job, int cw, int ctid,
-                                                   __nv_bfloat16* dst, int64_t ld, int dst_col0, int chunk_col0,
-                                                   int limit) {
+                                                   __nv_bfloat16* dst, int64_t ld, int col0, int limit) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const int item = q * 128 + (ctid & 127), rr = item >> 3, ch = item & 7;
         const int64_t gr = job.row0 + cw * 64 + rr;
         const uint4 v = ld_shared_v4(buf + rr * kEpiRow + ch * 16);
-        if (gr < job.row_end && chunk_col0 + ch * 8 < limit)
-            *reinterpret_cast<uint4*>(dst + gr * ld + dst_col0 + ch * 8) = v;
+        if (gr < job.row_end && col0 + ch * 8 < limit) *reinterpret_cast<uint4*>(dst + gr * ld + col0 + ch * 8) = v;
     }
 }
 
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+// fn(std::integral_constant<Activation, A>{}) for the runtime activation A: an epilogue instantiated per activation
+// holds one formula. With the switch inside their unrolled loops the code of all four was laid out per element:
+// the fused forward's kernel grew from 32 to 112 KB (the backward's to 320 KB) and took 2.08 ms against 1.33 +
+// 0.17 unfused (qwen3-30b fc1, H200, 2026-11-27).
+template <typename Fn>
+__device__ __forceinline__ void with_activation(Activation act, Fn&& fn) {
+    switch (act) {
+        case Activation::gelu: fn(std::integral_constant<Activation, Activation::gelu>{}); break;
+        case Activation::silu: fn(std::integral_constant<Activation, Activation::silu>{}); break;
+        case Activation::relu: fn(std::integral_constant<Activation, Activation::relu>{}); break;
+        case Activation::squared_relu: fn(std::integral_constant<Activation, Activation::squared_relu>{}); break;
+    }
+}
 
-// The gated activation of columns 64c .. 64c+63 of the tile's gate half (accumulator columns 64c ..) and up half
-// (128 + 64c ..), each rounded to bf16 first as the stored fc1 output is, times the rows' probabilities: what
-// activation_forward computes from the stored [gate | up] (the same float formula, so the same bits).
-__device__ __forceinline__ void stage_glu_chunk(uint32_t buf, int r, int lane, const float (&d)[128], int c,
-                                                Activation act, float prob_r, float prob_r8) {
+// nt epilogue with the gated activation's forward (Params::glu_out) stages a warpgroup's 64 rows x (64 gate | 64 up)
+// columns at a time as bf16, rows of 256 bytes, the 16-byte chunk c of row r at c ^ (r & 7): conflict-free both for
+// the lane quads' 4-byte writes (eight rows, eight chunk positions) and for 16-byte reads along a row.
+constexpr int kGluRow = 256, kGluBytes = 64 * kGluRow;
+static_assert(2 * kGluBytes <= kEpiRegion, "two warpgroups' gate / up staging must fit the epilogue region");
+__device__ __forceinline__ uint32_t glu_slot(int r, int chunk) {
+    return uint32_t(r * kGluRow + ((chunk ^ (r & 7)) << 4));
+}
+
+// Gate columns 64 piece .. +63 (accumulator blocks 8 piece ..) into chunks 0-7 and the same up columns (blocks
+// 16 + 8 piece ..) into chunks 8-15, rounded to bf16 as the stored fc1 output is.
+__device__ __forceinline__ void stage_glu_piece(uint32_t buf, int r, int lane, const float (&d)[128], int piece) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int i = c * 8 + j, u = i + 16;
-        const uint32_t off = uint32_t(j * 8 + (lane & 3) * 2) * 2;
-        auto a = [&](int e, int eu, float prob) {
-            return glu_forward(act, round_bf16(d[e]), round_bf16(d[eu])) * prob;
-        };
-        st_shared_bf16x2(buf + r * kEpiRow + off, a(4 * i, 4 * u, prob_r), a(4 * i + 1, 4 * u + 1, prob_r));
-        st_shared_bf16x2(buf + (r + 8) * kEpiRow + off, a(4 * i + 2, 4 * u + 2, prob_r8),
-                         a(4 * i + 3, 4 * u + 3, prob_r8));
+    for (int j = 0; j < 16; ++j) {
+        const int i = 8 * piece + j + (j < 8 ? 0 : 8);
+        const uint32_t off = uint32_t(lane & 3) * 4;
+        st_shared_bf16x2(buf + glu_slot(r, j) + off, d[4 * i], d[4 * i + 1]);
+        st_shared_bf16x2(buf + glu_slot(r + 8, j) + off, d[4 * i + 2], d[4 * i + 3]);
     }
 }
 
 // nt epilogue with the gated activation's forward (Params::glu_out): the tile's accumulators are gate columns
-// f0 .. f0+127 (0 .. 127) and the up columns F+f0 .. (128 .. 255). Four chunks store [gate | up] where the plain nt
-// would, two more the activation, all through the warpgroup's staging buffer.
+// f0 .. f0+127 (0 .. 127) and the up columns F+f0 .. (128 .. 255). Per 64 columns: staged (stage_glu_piece), then
+// each thread takes 8 columns of 4 rows, stores gate and up where the plain nt would, and the activation of those
+// bf16 values times the row's probability: the float formula activation_forward applies to the stored output, so
+// the same bits.
+template <Activation kAct>
 __device__ __forceinline__ void glu_forward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
                                                      uint32_t buf, int r, int lane, const float (&d)[128]) {
-    const int F = p.n >> 1, f0 = job.n0 >> 1;
-    const int64_t gr = job.row0 + cw * 64 + r;
-    const float prob_r = p.glu_probs && gr < job.row_end ? __ldg(p.glu_probs + gr) : 1.0f;
-    const float prob_r8 = p.glu_probs && gr + 8 < job.row_end ? __ldg(p.glu_probs + gr + 8) : 1.0f;
+    const int F = p.n >> 1, ch = ctid & 7;
     __nv_bfloat16* fc1 = static_cast<__nv_bfloat16*>(p.C);
+    int64_t grow[4];
+    float prob[4];
 #pragma unroll
-    for (int c = 0; c < 6; ++c) {  // gate 0-63, gate 64-127, up 0-63, up 64-127, act 0-63, act 64-127
-        const int f = f0 + (c & 1) * 64;
-        if (f >= F) continue;  // uniform over the warpgroup
-        if (c < 4)
-            stage_bf16_chunk(buf, r, lane, d, c);
-        else
-            stage_glu_chunk(buf, r, lane, d, c - 4, Activation(p.glu_act), prob_r, prob_r8);
+    for (int q = 0; q < 4; ++q) {
+        grow[q] = job.row0 + cw * 64 + q * 16 + ((ctid & 127) >> 3);
+        prob[q] = p.glu_probs && grow[q] < job.row_end ? __ldg(p.glu_probs + grow[q]) : 1.0f;
+    }
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece) {
+        if ((job.n0 >> 1) + piece * 64 >= F) continue;  // uniform over the warpgroup
+        stage_glu_piece(buf, r, lane, d, piece);
         named_barrier(2 + cw, 128);
-        if (c < 4)
-            store_staged_chunk(buf, job, cw, ctid, fc1, p.n, (c < 2 ? 0 : F) + f, f, F);
-        else
-            store_staged_chunk(buf, job, cw, ctid, p.glu_out, F, f, f, F);
+        const int col = (job.n0 >> 1) + piece * 64 + ch * 8;  // this thread's gate column
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (grow[q] >= job.row_end || col >= F) continue;
+            const int rr = q * 16 + ((ctid & 127) >> 3);
+            const uint4 gv = ld_shared_v4(buf + glu_slot(rr, ch)), uv = ld_shared_v4(buf + glu_slot(rr, ch + 8));
+            __nv_bfloat16* out = fc1 + grow[q] * p.n + col;
+            *reinterpret_cast<uint4*>(out) = gv;
+            *reinterpret_cast<uint4*>(out + F) = uv;
+            const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
+            const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
+            uint4 av;
+            __nv_bfloat16* a = reinterpret_cast<__nv_bfloat16*>(&av);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                a[e] = __float2bfloat16(glu_forward(kAct, __bfloat162float(g[e]), __bfloat162float(u[e])) * prob[q]);
+            *reinterpret_cast<uint4*>(p.glu_out + grow[q] * F + col) = av;
+        }
         named_barrier(2 + cw, 128);
     }
 }
@@ -204,9 +233,9 @@ __device__ __forceinline__ void glu_forward_epilogue(const Params& p, const Tile
 // of a row then sum their act * dA into the row's d-prob partial of each 128 columns (kGluBackwardTileColumns).
 // The gate / up loads of a chunk are issued before its accumulators are staged, so their latency hides behind the
 // staging (issued after it, the epilogue cost mixtral's fc2 dgrad 1.8 ms more: H200, 2026-11-26).
+template <Activation kAct>
 __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
                                                       uint32_t buf, int r, int lane, const float (&d)[128]) {
-    const Activation act = Activation(p.glu_act);
     const int64_t in_cols = 2 * int64_t(p.n);
     float dp[4] = {0.f, 0.f, 0.f, 0.f}, prob[4];
     int64_t grow[4];
@@ -263,7 +292,7 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
             for (int e = 0; e < 8; ++e) {
                 const float gof = __bfloat162float(go[e]), gf = __bfloat162float(g[e]), uf = __bfloat162float(u[e]);
                 float dgf, duf, a;
-                glu_backward_and_value(act, gf, uf, gof * prob[q], &dgf, &duf, &a);
+                glu_backward_and_value(kAct, gf, uf, gof * prob[q], &dgf, &duf, &a);
                 dp[q] += a * gof;
                 dg[e] = __float2bfloat16(dgf);
                 du[e] = __float2bfloat16(duf);
@@ -511,13 +540,19 @@ __global__ void __launch_bounds__(384, 1)
         const int row = cw * 64 + w * 16 + (lane >> 2);
         if constexpr (kOp == Op::kNT) {
             if (p.glu_out) {  // [gate | up] and the gated activation (Params::glu_out)
-                glu_forward_epilogue(p, job, cw, ctid, epi + cw * kEpiBytes, row - cw * 64, lane, d);
+                with_activation(Activation(p.glu_act), [&](auto a) {
+                    glu_forward_epilogue<decltype(a)::value>(p, job, cw, ctid, epi + cw * kGluBytes, row - cw * 64,
+                                                             lane, d);
+                });
                 continue;
             }
         }
         if constexpr (kOp == Op::kNN) {
             if (p.glu_grad) {  // the gated activation's backward instead of storing dA (Params::glu_grad)
-                glu_backward_epilogue(p, job, cw, ctid, epi + cw * kEpiBytes, row - cw * 64, lane, d);
+                with_activation(Activation(p.glu_act), [&](auto a) {
+                    glu_backward_epilogue<decltype(a)::value>(p, job, cw, ctid, epi + cw * kEpiBytes, row - cw * 64,
+                                                              lane, d);
+                });
                 continue;
             }
         }
@@ -545,7 +580,7 @@ __global__ void __launch_bounds__(384, 1)
                     if (col0 >= p.n) continue;  // uniform over the warpgroup
                     stage_bf16_chunk(buf, r, lane, d, c);
                     named_barrier(2 + cw, 128);
-                    store_staged_chunk(buf, job, cw, ctid, static_cast<__nv_bfloat16*>(p.C), p.n, col0, col0, p.n);
+                    store_staged_chunk(buf, job, cw, ctid, static_cast<__nv_bfloat16*>(p.C), p.n, col0, p.n);
                     named_barrier(2 + cw, 128);
                 }
                 continue;
