@@ -20,7 +20,7 @@ namespace {
 
 constexpr const char* kUsage =
     "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
-    "                    [--device cuda] [--scope layer|mlp]\n"
+    "                    [--device cuda] [--scope layer|mlp] [--variant glu-forward|glu-backward]\n"
     "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]\n"
     "              [--moe-expert-rank-capacity-factor f] [--moe-enable-echo --moe-num-echo-experts S]]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
@@ -32,7 +32,7 @@ constexpr const char* kUsage =
     "tokens and E/N experts each): per-rank stage times, bytes sent, host syncs, the whole step vs EP=1 on all T.";
 
 int run_bench(const std::vector<std::string>& args) {
-    std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall";
+    std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall", variant;
     int64_t iters = 20, ep = 1, virtual_ranks = 0, echo_experts = 0;
     double receive_factor = 0;
     bool enable_echo = false;
@@ -45,6 +45,9 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--iters", &iters, "timed iterations per measurement (>= 1)");
     p.add("--device", &device, "cuda (the only device moekit bench times)");
     p.add("--scope", &scope, "layer: the whole layer step | mlp: the expert MLP alone");
+    p.add("--variant", &variant,
+          "glu-forward | glu-backward: also time the step's graph with that fusion on, in the same rounds as with it "
+          "off (--scope layer, EP=1)");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");
     p.add("--moe-token-dispatcher-type", &dispatcher, "allgather | alltoall (the EP benchmark; default alltoall)");
@@ -66,6 +69,10 @@ int run_bench(const std::vector<std::string>& args) {
                    ep, " needs --virtual-ranks ", ep, " (the ranks on this one GPU) or mpirun -np ", ep,
                    " (one GPU per process, NCCL)");
     MOEKIT_REQUIRE(ep == 1 || scope == "layer", "--scope=", scope, ": the EP benchmark times the whole layer");
+    MOEKIT_REQUIRE(variant.empty() || variant == "glu-forward" || variant == "glu-backward", "--variant=", variant,
+                   ": expected glu-forward or glu-backward");
+    MOEKIT_REQUIRE(variant.empty() || (scope == "layer" && ep == 1), "--variant=", variant,
+                   " goes with --scope layer at EP=1");
     MOEKIT_REQUIRE(dispatcher == "allgather" || dispatcher == "alltoall", "--moe-token-dispatcher-type=", dispatcher,
                    " must be allgather or alltoall");
     MOEKIT_REQUIRE(receive_factor == 0 || (receive_factor > 0 && receive_factor <= 64 && dispatcher == "alltoall" && ep > 1),
@@ -85,6 +92,7 @@ int run_bench(const std::vector<std::string>& args) {
     MOEKIT_REQUIRE(b::gpu_count() > 0, "moekit bench needs a CUDA build and a GPU (no GPU found)");
     b::Options o;
     o.iters = int(iters);
+    o.variant = variant;
     if (!skew.empty()) o.zipf_s = b::parse_skew(skew);
     const b::Preset& chosen = b::find_preset(preset);
     nlohmann::json r;

@@ -54,6 +54,33 @@ nlohmann::json roofline(const Preset& p, double compute_floor_ms, cudaStream_t s
             {"bound", memory_ms > compute_floor_ms ? "memory" : "compute"}};
 }
 
+// The A/B switches of Options::variant: set(1) on, set(0) off, set(-1) back to the environment's default.
+struct LayerVariant {
+    const char* name;
+    void (*set)(int);
+};
+constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusion},
+                                           {"glu-backward", &set_glu_backward_fusion}};
+
+const LayerVariant* find_variant(const std::string& name) {
+    for (const LayerVariant& v : kLayerVariants)
+        if (name == v.name) return &v;
+    return nullptr;
+}
+
+cudaGraphExec_t capture_step(CudaMoeLayer& layer, cudaStream_t s) {
+    // Global capture mode: any host synchronisation inside forward/backward would fail the capture.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    layer.forward(s, true);
+    layer.backward(s);
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+    return exec;
+}
+
 }  // namespace
 
 MoeConfig preset_config(const Preset& p) {
@@ -75,7 +102,12 @@ MoeConfig preset_config(const Preset& p) {
 
 nlohmann::json bench_layer(const Preset& p, const Options& o) {
     const MoeConfig config = preset_config(p);
+    const LayerVariant* variant = find_variant(o.variant);
+    MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant, ": expected glu-forward or glu-backward");
+    // The fused activation backward's buffers are allocated at construction where the fusion may run.
+    if (variant) variant->set(1);
     auto layer = CudaMoeLayer::create(config, p.tokens, 1);
+    if (variant) variant->set(-1);
     const LayerBuffers& b = layer->buffers();
     const int64_t T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, rows = layer->shape().max_rows;
     // Inputs O(1), weights at init scale 0.02 (uniform with that std), never zeros.
@@ -136,16 +168,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         // Stage times of graph replays too (the events are nodes of the graph), in the same rounds as the eager
         // steps': tells which stage a graph-vs-eager difference lives in.
         std::vector<std::vector<double>> gfwd(size_t(LayerStage::count)), gbwd(size_t(LayerStage::count));
-        cudaGraphExec_t timed = nullptr;
-        if (graph) {
-            cudaGraph_t g = nullptr;
-            MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            layer->forward(s, true);
-            layer->backward(s);
-            MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&timed, g, 0));
-            MOEKIT_CUDA_CHECK(cudaGraphDestroy(g));
-        }
+        cudaGraphExec_t timed = graph ? capture_step(*layer, s) : nullptr;
         auto collect = [&](std::vector<std::vector<double>>& fv, std::vector<std::vector<double>>& bv) {
             auto f = layer->forward_times_ms();
             auto g = layer->backward_times_ms();
@@ -184,21 +207,13 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         r["bwd_ms"] = bsum;
         r["fwd_bwd_ms"] = r["eager_fwd_bwd_ms"];
         if (graph) {
-            // Global capture mode: any host synchronisation inside forward/backward would fail the capture.
-            cudaGraph_t g = nullptr;
-            cudaGraphExec_t ge = nullptr;
-            MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            layer->forward(s, true);
-            layer->backward(s);
-            MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+            cudaGraphExec_t ge = capture_step(*layer, s);
             nvtxRangePushA("graph");
             r["graph_fwd_bwd_ms"] = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(ge, s)); }, s, o.warmup, o.iters);
             nvtxRangePop();
             r["captured_in_one_graph"] = true;
             r["fwd_bwd_ms"] = r["graph_fwd_bwd_ms"];
-            cudaGraphExecDestroy(ge);
-            cudaGraphDestroy(g);
+            MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(ge));
             // Eager again after the replays: tells clock/thermal drift apart from a graph-vs-eager difference.
             r["eager_after_graph_ms"] = time_ms(
                 [&] {
@@ -230,21 +245,23 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     // step and one floor (3 x dense fc1 + fc2) per round, so that all four see the same clocks. (Measured phase
     // after phase, the first phase ran at boost clocks before the 700 W power cap pulled the SM clock down to
     // 1.1-1.5 GHz: H100, 2026-11-23, nvidia-smi clocks_event_reasons 0x4 during the mixtral bench.)
+    // With a variant, its graph (the switch on) is a fifth measurement of each round and the default graph is captured
+    // with the switch off.
     {
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
         layer->set_expert_gemm(expert_gemm(ExpertGemmKind::grouped));
-        MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        layer->forward(s, true);
-        layer->backward(s);
-        MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        if (variant) variant->set(0);
+        cudaGraphExec_t exec = capture_step(*layer, s), variant_exec = nullptr;
+        if (variant) {
+            variant->set(1);
+            variant_exec = capture_step(*layer, s);
+            variant->set(-1);
+        }
         auto step = [&](ExpertGemmKind kind) {
             layer->set_expert_gemm(expert_gemm(kind));
             layer->forward(s, true);
             layer->backward(s);
         };
-        std::vector<double> eager, replay, sync, dense;
+        std::vector<double> eager, replay, sync, dense, variant_replay;
         // Warm-up rounds: o.warmup, and at least 2 s of them, so that the rounds timed see the power cap's steady
         // clocks, as the peers of scripts/device_anchors.sh do (bench/anchors/peer_timing.py).
         const auto warm_start = std::chrono::steady_clock::now();
@@ -256,7 +273,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         // measurement's place in the round moved it by up to 4 % (mixtral's eager step, always first after the
         // floor, read 3.6 % under its replay, which timed phase by phase equals it: H200, 2026-11-26), and with the
         // rounds merely rotated the floor always ran right after the sync baseline's host waits.
-        const std::function<void()> runs[4] = {
+        std::vector<std::function<void()>> runs = {
             [&] { step(ExpertGemmKind::grouped); },
             [&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, s)); },
             [&] { step(ExpertGemmKind::sync_baseline); },
@@ -266,27 +283,34 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                     dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s);
                 }
             }};
+        if (variant_exec) runs.push_back([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(variant_exec, s)); });
+        const int n = int(runs.size());
         for (int it = 0; warming() || it < warm + o.iters; ++it) {
-            const std::vector<int> order = balanced_order(4, it);
-            double t[4] = {};
-            for (int j = 0; j < 4; ++j) {
+            const std::vector<int> order = balanced_order(n, it);
+            double t[5] = {};
+            for (int j = 0; j < n; ++j) {
                 const int which = order[j];
-                t[which] = time_ms(runs[which], s, 0, 1);
+                t[which] = time_ms(runs[size_t(which)], s, 0, 1);
             }
-            const double e = t[0], g = t[1], y = t[2], d = t[3];
             if (warming()) {
                 ++warm;
                 continue;
             }
-            eager.push_back(e), replay.push_back(g), sync.push_back(y), dense.push_back(d);
+            eager.push_back(t[0]), replay.push_back(t[1]), sync.push_back(t[2]), dense.push_back(t[3]);
+            if (variant_exec) variant_replay.push_back(t[4]);
         }
         layer->set_expert_gemm(expert_gemm(ExpertGemmKind::grouped));
         MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+        if (variant_exec) MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(variant_exec));
         out["interleaved"] = {{"eager_ms", median(eager)},
                               {"graph_ms", median(replay)},
                               {"sync_ms", median(sync)},
                               {"floor_ms", median(dense)}};
+        if (variant)
+            out["variant"] = {{"name", variant->name},
+                              {"on_graph_ms", median(variant_replay)},
+                              {"off_graph_ms", median(replay)},
+                              {"on_vs_off", median(variant_replay) / median(replay)}};
     }
     const auto& il = out["interleaved"];
     // The interleaved totals are the headline ones (what the table, the ratios and bench/anchors read); the
@@ -383,6 +407,13 @@ std::string format_layer_table(const nlohmann::json& r) {
                       f["compute_floor_ms"].get<double>(), f["memory_floor_ms"].get<double>(),
                       f["bytes"].get<double>() / 1e9, f["copy_gb_per_s"].get<double>(),
                       f["grouped_vs_roofline"].get<double>(), f["sync_vs_roofline"].get<double>());
+        out += line;
+    }
+    if (r.contains("variant")) {
+        const auto& v = r["variant"];
+        std::snprintf(line, sizeof line, "  variant %s: on %.3f ms, off %.3f ms one graph (same rounds): on / off %.3f\n",
+                      v["name"].get<std::string>().c_str(), v["on_graph_ms"].get<double>(),
+                      v["off_graph_ms"].get<double>(), v["on_vs_off"].get<double>());
         out += line;
     }
     if (r.contains("memory")) {
