@@ -341,22 +341,31 @@ bool glu_fusion_on() {
 }
 
 // Whether fc1's forward takes the gated activation in its epilogue (set_glu_forward_fusion, else
-// MOEKIT_FUSE_GLU_FORWARD=0|1). Only the own TMA kernel has the epilogue, so where CUTLASS would be chosen the fusion
-// trades its faster main loop for the activation pass.
+// MOEKIT_FUSE_GLU_FORWARD=0|1, else per shape). Only the own TMA kernel has that epilogue, which does not overlap the
+// next tile's main loop, so the fusion trades CUTLASS's faster main loop and an epilogue half as long for the
+// activation pass. Per shape (glu_forward_fusion_pays): on where the reduction is short (H <= 2048) and groups are
+// mid-sized (256..1535 rows), where the own kernel's main loop is within 1-2 % of CUTLASS's. moekit bench --variant
+// glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27): qwen3-30b (H 2048) 0.983 / 0.992;
+// dsv3-ep8 (H 7168) 1.009, mixtral (H 4096, 2000-row groups) 1.032, dsv3-e256 (128-row groups) 1.068.
+enum class GluForwardFusion { kNever, kAlways, kPerShape };
 std::atomic<int> g_glu_forward_fusion{-1};
-constexpr bool kGluForwardFusionDefault = false;
-bool glu_forward_fusion_on() {
+GluForwardFusion glu_forward_fusion_mode() {
     const int set = g_glu_forward_fusion.load();
-    if (set >= 0) return set > 0;
-    static const bool from_env = [] {
+    if (set >= 0) return set > 0 ? GluForwardFusion::kAlways : GluForwardFusion::kNever;
+    static const GluForwardFusion from_env = [] {
         const char* env = std::getenv("MOEKIT_FUSE_GLU_FORWARD");
-        if (!env) return kGluForwardFusionDefault;
-        if (std::strcmp(env, "0") == 0) return false;
+        if (!env) return GluForwardFusion::kPerShape;
+        if (std::strcmp(env, "0") == 0) return GluForwardFusion::kNever;
         MOEKIT_REQUIRE(std::strcmp(env, "1") == 0, "MOEKIT_FUSE_GLU_FORWARD=", env,
-                       ": expected 0 (the separate activation pass) or 1 (in fc1's epilogue, own TMA kernel)");
-        return true;
+                       ": expected 0 (the separate activation pass) or 1 (in fc1's epilogue on every shape; unset: "
+                       "where it measured faster)");
+        return GluForwardFusion::kAlways;
     }();
     return from_env;
+}
+bool glu_forward_fusion_pays(const GroupedGemmShape& s) {
+    const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
+    return s.k <= 2048 && rows_per_group >= kSmallGroupRows && rows_per_group < kLargeGroupRows;
 }
 
 // With `glu` (nn only): the fused dgrad + gated-activation backward, launched where the kernel chosen for this shape
@@ -374,7 +383,9 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
     if (glu && !glu_fusion_on()) return false;
-    if (glu_fwd && !glu_forward_fusion_on()) return false;
+    if (glu_fwd && (glu_forward_fusion_mode() == GluForwardFusion::kNever ||
+                    (glu_forward_fusion_mode() == GluForwardFusion::kPerShape && !glu_forward_fusion_pays(s))))
+        return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -540,7 +551,10 @@ void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
 void set_glu_forward_fusion(int on) { g_glu_forward_fusion = on; }
-bool glu_forward_fusion_enabled() { return glu_forward_fusion_on(); }
+bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) {
+    const GluForwardFusion mode = glu_forward_fusion_mode();
+    return mode == GluForwardFusion::kAlways || (mode == GluForwardFusion::kPerShape && glu_forward_fusion_pays(shape));
+}
 bool glu_backward_fusion_enabled() { return glu_fusion_on(); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {

@@ -95,16 +95,17 @@ bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bflo
 // A · B[g]ᵀ ([max_rows, n], n = 2F) exactly as grouped_gemm_nt writes it, and act_out[r] = act(gate) * up *
 // probs[r] ([max_rows, F]; probs null = 1), bitwise what activation_forward<float> makes of the stored C. Runs on the
 // own TMA kernel (its tiles take gate columns f .. f+127 and up columns F+f .. together); needs F % 8 == 0. Returns
-// false having launched nothing where it does not run (not sm_90, another kernel forced, fusion off): then the caller
-// runs grouped_gemm_nt + activation_forward.
+// false having launched nothing where it does not run (not sm_90, another kernel forced, fusion off for this shape):
+// then the caller runs grouped_gemm_nt + activation_forward.
 struct GluForwardEpilogue {
     const float* probs;
     __nv_bfloat16* act_out;
     Activation act;
 };
-// 1 = fuse, 0 = never; -1 (default) = MOEKIT_FUSE_GLU_FORWARD=0|1, else grouped_gemm.cu's default.
+// 1 = fuse on every shape, 0 = never; -1 (default) = MOEKIT_FUSE_GLU_FORWARD=0|1, else on the shapes where it
+// measured faster (grouped_gemm.cu: short reductions, mid-sized groups).
 void set_glu_forward_fusion(int on);
-bool glu_forward_fusion_enabled();  // what set_glu_forward_fusion / the environment say now
+bool glu_forward_fusion_enabled(const GroupedGemmShape& shape);  // whether a launch of this shape would fuse now
 bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                  __nv_bfloat16* C, const int32_t* d_offsets, const GluForwardEpilogue& epilogue,
                                  cudaStream_t stream);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -661,7 +662,7 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
                                                           GluForwardEpilogue{p, act_out.ptr, act}, nullptr);
         MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
         const auto got_fc1 = fc1.download(), got_act = act_out.download();
-        if (b == Backend::kCutlassPingpong || !glu_forward_fusion_enabled()) {
+        if (b == Backend::kCutlassPingpong || !glu_forward_fusion_enabled(shape)) {
             EXPECT_FALSE(launched);
             EXPECT_EQ(0, std::memcmp(got_fc1.data(), canary_fc1.data(), sizeof(bf16) * got_fc1.size()));
             EXPECT_EQ(0, std::memcmp(got_act.data(), canary_act.data(), sizeof(bf16) * got_act.size()));
@@ -692,7 +693,16 @@ TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
     check_glu_forward({0, 0, 650, 0}, 5, 136, 64, Activation::silu, true, 127);  // one group takes every row
     check_glu_forward({0, 0, 0}, 4, 128, 64, Activation::silu, true, 128);       // no rows at all
     check_glu_forward(random_counts(4, 500, 129, 0.0), 3, 192, 128, Activation::silu, true, 130, 0, 0);  // off
-    check_glu_forward(random_counts(4, 500, 131, 0.0), 3, 192, 128, Activation::silu, true, 132, 0, -1);  // default
+    // By default per shape: small groups keep CUTLASS and the activation pass, mid-sized groups with a short
+    // reduction fuse.
+    set_glu_forward_fusion(-1);
+    if (!std::getenv("MOEKIT_FUSE_GLU_FORWARD")) {
+        EXPECT_FALSE(glu_forward_fusion_enabled(GroupedGemmShape{4, 500, 384, 128}));
+        EXPECT_TRUE(glu_forward_fusion_enabled(GroupedGemmShape{2, 1200, 256, 128}));
+        EXPECT_FALSE(glu_forward_fusion_enabled(GroupedGemmShape{2, 1200, 256, 4096}));
+    }
+    check_glu_forward(random_counts(4, 500, 131, 0.0), 3, 192, 128, Activation::silu, true, 132, 0, -1);
+    check_glu_forward(random_counts(2, 1200, 133, 0.0), 0, 128, 128, Activation::silu, true, 134, 0, -1);
     set_glu_forward_fusion(-1);
 }
 
