@@ -245,15 +245,16 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     // step and one floor (3 x dense fc1 + fc2) per round, so that all four see the same clocks. (Measured phase
     // after phase, the first phase ran at boost clocks before the 700 W power cap pulled the SM clock down to
     // 1.1-1.5 GHz: H100, 2026-11-23, nvidia-smi clocks_event_reasons 0x4 during the mixtral bench.)
-    // With a variant, its graph (the switch on) is a fifth measurement of each round and the default graph is captured
-    // with the switch off.
+    // With a variant, two more graphs, the switch on and off (the default graph may be either, per shape), are the
+    // fifth and sixth measurements of each round.
     {
         layer->set_expert_gemm(expert_gemm(ExpertGemmKind::grouped));
-        if (variant) variant->set(0);
-        cudaGraphExec_t exec = capture_step(*layer, s), variant_exec = nullptr;
+        cudaGraphExec_t exec = capture_step(*layer, s), variant_exec[2] = {nullptr, nullptr};
         if (variant) {
-            variant->set(1);
-            variant_exec = capture_step(*layer, s);
+            for (int on = 0; on < 2; ++on) {
+                variant->set(1 - on);
+                variant_exec[on] = capture_step(*layer, s);
+            }
             variant->set(-1);
         }
         auto step = [&](ExpertGemmKind kind) {
@@ -261,7 +262,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
             layer->forward(s, true);
             layer->backward(s);
         };
-        std::vector<double> eager, replay, sync, dense, variant_replay;
+        std::vector<double> eager, replay, sync, dense, variant_on, variant_off;
         // Warm-up rounds: o.warmup, and at least 2 s of them, so that the rounds timed see the power cap's steady
         // clocks, as the peers of scripts/device_anchors.sh do (bench/anchors/peer_timing.py).
         const auto warm_start = std::chrono::steady_clock::now();
@@ -283,11 +284,12 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                     dense_gemm(Op::kNT, R, H, F, b.act_out, b.fc2, b.expert_out, s);
                 }
             }};
-        if (variant_exec) runs.push_back([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(variant_exec, s)); });
+        for (cudaGraphExec_t e : variant_exec)
+            if (e) runs.push_back([&s, e] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(e, s)); });
         const int n = int(runs.size());
         for (int it = 0; warming() || it < warm + o.iters; ++it) {
             const std::vector<int> order = balanced_order(n, it);
-            double t[5] = {};
+            double t[6] = {};
             for (int j = 0; j < n; ++j) {
                 const int which = order[j];
                 t[which] = time_ms(runs[size_t(which)], s, 0, 1);
@@ -297,20 +299,21 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                 continue;
             }
             eager.push_back(t[0]), replay.push_back(t[1]), sync.push_back(t[2]), dense.push_back(t[3]);
-            if (variant_exec) variant_replay.push_back(t[4]);
+            if (variant) variant_on.push_back(t[4]), variant_off.push_back(t[5]);
         }
         layer->set_expert_gemm(expert_gemm(ExpertGemmKind::grouped));
         MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        if (variant_exec) MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(variant_exec));
+        for (cudaGraphExec_t e : variant_exec)
+            if (e) MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(e));
         out["interleaved"] = {{"eager_ms", median(eager)},
                               {"graph_ms", median(replay)},
                               {"sync_ms", median(sync)},
                               {"floor_ms", median(dense)}};
         if (variant)
             out["variant"] = {{"name", variant->name},
-                              {"on_graph_ms", median(variant_replay)},
-                              {"off_graph_ms", median(replay)},
-                              {"on_vs_off", median(variant_replay) / median(replay)}};
+                              {"on_graph_ms", median(variant_on)},
+                              {"off_graph_ms", median(variant_off)},
+                              {"on_vs_off", median(variant_on) / median(variant_off)}};
     }
     const auto& il = out["interleaved"];
     // The interleaved totals are the headline ones (what the table, the ratios and bench/anchors read); the
@@ -411,7 +414,8 @@ std::string format_layer_table(const nlohmann::json& r) {
     }
     if (r.contains("variant")) {
         const auto& v = r["variant"];
-        std::snprintf(line, sizeof line, "  variant %s: on %.3f ms, off %.3f ms one graph (same rounds): on / off %.3f\n",
+        std::snprintf(line, sizeof line,
+                      "  variant %s: on %.3f ms, off %.3f ms one graph (same rounds as the default): on / off %.3f\n",
                       v["name"].get<std::string>().c_str(), v["on_graph_ms"].get<double>(),
                       v["off_graph_ms"].get<double>(), v["on_vs_off"].get<double>());
         out += line;
