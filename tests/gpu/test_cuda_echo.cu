@@ -11,7 +11,9 @@
 #include <cstdio>
 #include <mutex>
 
+#include "cuda/cuda_check.h"
 #include "cuda/ep_rank_step.h"
+#include "cuda/grouped_gemm.h"
 #include "echo/planner.h"
 #include "gpu/cuda_layer_test_util.h"
 #include "gpu/ep_test_util.h"
@@ -146,6 +148,39 @@ TEST(CudaEcho, ForcedRandomPlansEqualDropless) {
                 EXPECT_FALSE(e.overflow);
             });
         }
+}
+
+// fc1's forward with the gated activation in its epilogue, forced on, where ECHO's clone slots take their weights from
+// the launch's second base (forced random plans: clones on every rank, several of one expert): bitwise the results of
+// the separate activation pass. The switch is process-wide, so the two runs are two rounds of the ranks.
+TEST(CudaEcho, FusedActivationForwardWithSlotsEqualsUnfused) {
+    SKIP_WITHOUT_GPU();
+    int major = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    for (int ranks : {2, 4}) {
+        std::vector<cuda::EpRankStep> plain(static_cast<size_t>(ranks));
+        for (const int fuse : {0, 1}) {
+            cuda::set_glu_forward_fusion(fuse);
+            on_ranks(ranks, [&](Communicator& world) {
+                const int r = world.rank();
+                const MoeConfig c = with_echo(echo_config(ranks), "waterfill");
+                const Inputs x = skewed_inputs(c, r, 616);
+                SCOPED_TRACE("EP=" + std::to_string(ranks) + " rank " + std::to_string(r) + " fused " +
+                             std::to_string(fuse));
+                const auto groups = make_process_groups(world, ranks);
+                cuda::EpRankStep got = cuda::run_ep_rank_step(c, *groups, x.w, x.in, x.grad_out, 29);
+                EXPECT_GT(got.echo_clones, 0);
+                if (fuse == 0) {
+                    plain[size_t(r)] = std::move(got);
+                    return;
+                }
+                const int64_t L = c.num_experts() / ranks;
+                expect_echo_equals(plain[size_t(r)], got, int64_t(r) * L, L);
+            });
+        }
+        cuda::set_glu_forward_fusion(-1);
+    }
 }
 
 // The receive budget of --moe-expert-rank-capacity-factor 1.25 under zipf 1.2: without ECHO the busiest
