@@ -320,12 +320,13 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
 }
 
 // Whether the gated activation's backward rides in the dgrad's epilogue (set_glu_backward_fusion, else
-// MOEKIT_FUSE_GLU_BACKWARD=0|1). Off by default: measured slower on both kernels that have it (H200). The own
-// kernel's two consumer warpgroups share each tile, so its epilogue (reading gate / up, writing twice the bytes)
-// cannot overlap the next tile's main loop (moekit bench, 2026-11-26: fc2 backward + activation stages mixtral 8.09
-// vs 6.26 + 0.89 ms, dsv3-ep8 3.60 vs 3.24 + 0.30, qwen3-30b 1.91 vs 1.42 + 0.54). CUTLASS's ping-pong should hide
-// it under the other warpgroup's main loop, but its visitor (cutlass/glu_backward_visitor.cuh) made fc2's backward
-// stage 3.29-3.39 ms against 1.46-1.51 + 0.29-0.30 unfused on qwen3-30b (2026-11-27, docs/perf.md).
+// MOEKIT_FUSE_GLU_BACKWARD=0|1). Off by default: no faster than CUTLASS unfused on either kernel that has it (H200).
+// The own kernel's two consumer warpgroups share each tile, so its epilogue (reading gate / up, writing twice the
+// bytes) cannot overlap the next tile's main loop: with one activation formula per instantiation (with_activation)
+// its fused step is 0.977 of its own unfused one (qwen3-30b, moekit bench --variant glu-backward, 2026-11-27; before,
+// 1.91 vs 1.42 + 0.54 ms), but its main loop is slower than CUTLASS's. CUTLASS's ping-pong should hide the epilogue
+// under the other warpgroup's main loop, but its visitor (cutlass/glu_backward_visitor.cuh) made the step 1.22 of
+// unfused (fc2's backward stage 3.29-3.39 ms against 1.46-1.51 + 0.29-0.30 on qwen3-30b, docs/perf.md).
 std::atomic<int> g_glu_fusion{-1};
 bool glu_fusion_on() {
     const int set = g_glu_fusion.load();

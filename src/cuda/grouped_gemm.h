@@ -73,7 +73,8 @@ void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 // activation_backward makes of the stored dA, and dp_partials[r * glu_backward_tiles(n) + t] = the sum over the t-th
 // kGluBackwardTileColumns columns of act(gate) * up * dA (null: skipped; activation_backward_probs_from_partials
 // sums them). Where the chosen kernel is CUTLASS (unswapped) it runs on the ping-pong configuration (an epilogue
-// visitor), on the own TMA kernel in its staged epilogue. Off by default (measured slower on both, grouped_gemm.cu).
+// visitor), on the own TMA kernel in its staged epilogue. Off by default (neither beats CUTLASS unfused,
+// grouped_gemm.cu).
 // Returns false having launched nothing where it does not run: then the caller runs grouped_gemm_nn +
 // activation_backward.
 struct GluBackwardEpilogue {

@@ -185,9 +185,9 @@ public:
         bool fused_act = false;
         if constexpr (std::is_same_v<R, float>) {
             if (shape_.gated_linear_unit && gemm_.nt_glu_forward)
-                fused_act = gemm_.nt_glu_forward(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows,
-                                                 buf_.fc1, fc1_out_.get(), offsets,
-                                                 GluForwardEpilogue{experts_.probs, act_out_.get(), shape_.act}, stream);
+                fused_act = gemm_.nt_glu_forward(
+                    home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(),
+                    offsets, GluForwardEpilogue{experts_.probs, act_out_.get(), shape_.act}, stream);
         }
         if (!fused_act)
             gemm_.nt(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(),
