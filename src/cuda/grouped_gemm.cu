@@ -256,6 +256,27 @@ int max_clusters(int smem) {
     return n;
 }
 
+template <auto kKernel, int kCluster>
+void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, const CUtensorMap& a,
+                       const CUtensorMap& b, const CUtensorMap& c, const CUtensorMap& second, cudaStream_t stream);
+
+// The fused GLU forward's epilogue on the producer warpgroup's idle warps, overlapping the next tile's main loop
+// (tma_kernel kAsyncEpi), or in the consumers after each tile (set_glu_forward_async_epilogue(0) or
+// MOEKIT_GLU_FORWARD_EPILOGUE=inline, for A/B).
+std::atomic<int> g_glu_forward_async{-1};
+bool glu_forward_async_epilogue() {
+    const int set = g_glu_forward_async.load();
+    if (set >= 0) return set > 0;
+    static const bool async = [] {
+        const char* env = std::getenv("MOEKIT_GLU_FORWARD_EPILOGUE");
+        if (!env || std::strcmp(env, "async") == 0) return true;
+        MOEKIT_REQUIRE(std::strcmp(env, "inline") == 0, "MOEKIT_GLU_FORWARD_EPILOGUE=", env,
+                       ": expected async (the default) or inline");
+        return false;
+    }();
+    return async;
+}
+
 template <gemm_detail::Op kOp, int kCluster>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
@@ -289,15 +310,28 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
         second = G2 > 0 ? tensor_map(p.second, 3, db2, boxb) : a;
         c = a;  // unused: bf16 results are stored without TMA
     }
-    constexpr int kSmem = gemm_detail::kTmaSmemBytes;
-    constexpr auto kKernel = gemm_detail::tma_kernel<kOp, kCluster>;
-    ensure_smem<kKernel>(kSmem);
     // Persistent: one CTA per SM (the kernel's shared memory allows no more) walks all tiles; with clusters, as many
     // CTA pairs as fit at once walk the pairs of n-neighbour tiles.
     const int64_t tiles_n = (p.tiles_n + kCluster - 1) / kCluster;
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
+    if constexpr (kOp == Op::kNT) {
+        if (q.glu_out && glu_forward_async_epilogue()) {
+            launch_tma_kernel<gemm_detail::tma_kernel<kOp, kCluster, true>, kCluster>(
+                gemm_detail::kTmaAsyncSmemBytes, jobs, q, a, b, c, second, stream);
+            return;
+        }
+    }
+    launch_tma_kernel<gemm_detail::tma_kernel<kOp, kCluster>, kCluster>(gemm_detail::kTmaSmemBytes, jobs, q, a, b, c,
+                                                                      second, stream);
+}
+
+// One persistent launch of a tma_kernel instantiation: a CTA per SM, or as many clusters as fit.
+template <auto kKernel, int kCluster>
+void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, const CUtensorMap& a,
+                       const CUtensorMap& b, const CUtensorMap& c, const CUtensorMap& second, cudaStream_t stream) {
+    ensure_smem<kKernel>(kSmem);
     if constexpr (kCluster == 1) {
         const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
@@ -552,6 +586,7 @@ void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
 void set_glu_forward_fusion(int on) { g_glu_forward_fusion = on; }
+void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }
 bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) {
     const GluForwardFusion mode = glu_forward_fusion_mode();
     return mode == GluForwardFusion::kAlways || (mode == GluForwardFusion::kPerShape && glu_forward_fusion_pays(shape));

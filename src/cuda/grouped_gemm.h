@@ -107,6 +107,10 @@ struct GluForwardEpilogue {
 // measured faster (grouped_gemm.cu: short reductions, mid-sized groups).
 void set_glu_forward_fusion(int on);
 bool glu_forward_fusion_enabled(const GroupedGemmShape& shape);  // whether a launch of this shape would fuse now
+// Where the fused forward's epilogue runs: 1 = on three warps of its own, overlapping the next tile's main loop (3
+// stages); 0 = in the consumer warpgroups after each tile (4 stages); -1 (default) = MOEKIT_GLU_FORWARD_EPILOGUE=
+// async|inline, else async.
+void set_glu_forward_async_epilogue(int on);
 bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                  __nv_bfloat16* C, const int32_t* d_offsets, const GluForwardEpilogue& epilogue,
                                  cudaStream_t stream);

@@ -93,6 +93,11 @@ constexpr int kEpiRegion = 4 * kEpiF32Bytes > 2 * kEpiBytes ? 4 * kEpiF32Bytes :
 // of the swizzled stages, 1 KB holding the mbarriers (keeps the epilogue region 1024-byte aligned), the epilogue
 // staging region (bf16 buffers for nt/nn, fp32 buffers for tn).
 constexpr int kTmaSmemBytes = 4 * (128 + 256) * kBK * 2 + 1024 + 1024 + kEpiRegion;
+// The fused GLU forward with its epilogue on the producer warpgroup's three idle warps (tma_kernel kAsyncEpi): 3
+// stages, and the whole 128 x 256 tile staged as bf16 (64 KB) so the consumers go on to the next tile at once.
+constexpr int kAsyncStages = 3, kAsyncRow = 512, kAsyncEpiBytes = 128 * kAsyncRow;
+constexpr int kTmaAsyncSmemBytes = kAsyncStages * (128 + 256) * kBK * 2 + 1024 + 1024 + kAsyncEpiBytes;
+static_assert(kTmaAsyncSmemBytes <= 232448, "the async-epilogue kernel's shared memory must fit an H100 / H200 SM");
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -306,6 +311,46 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
     }
 }
 
+// The async GLU forward epilogue (tma_kernel kAsyncEpi): the consumers stage the whole tile as bf16, rows of 512
+// bytes, 16-byte chunk c of row r at c ^ (r & 7) (chunks 0-15 gate, 16-31 up; conflict-free as glu_slot), arrive
+// on `staged` and go on with the next tile; three epilogue warps wait on it, store [gate | up] and the activation, and
+// arrive on `free`, which the consumers wait on before staging the next tile.
+__device__ __forceinline__ uint32_t async_slot(int r, int chunk) {
+    return uint32_t(r * kAsyncRow + ((chunk ^ (r & 7)) << 4));
+}
+__device__ __forceinline__ void stage_tile_async(uint32_t buf, int r, int lane, const float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const uint32_t off = uint32_t(lane & 3) * 4;
+        st_shared_bf16x2(buf + async_slot(r, i) + off, d[4 * i], d[4 * i + 1]);
+        st_shared_bf16x2(buf + async_slot(r + 8, i) + off, d[4 * i + 2], d[4 * i + 3]);
+    }
+}
+// One epilogue thread (et of 96) of a staged tile: 8 gate columns of a row at a time, as glu_forward_epilogue.
+template <Activation kAct>
+__device__ __forceinline__ void store_tile_async(const Params& p, const TileJob& job, uint32_t buf, int et) {
+    const int F = p.n >> 1, f0 = job.n0 >> 1;
+    __nv_bfloat16* fc1 = static_cast<__nv_bfloat16*>(p.C);
+    for (int item = et; item < 128 * 16; item += 96) {
+        const int rr = item >> 4, ch = item & 15, col = f0 + ch * 8;
+        const int64_t gr = job.row0 + rr;
+        if (gr >= job.row_end || col >= F) continue;
+        const uint4 gv = ld_shared_v4(buf + async_slot(rr, ch)), uv = ld_shared_v4(buf + async_slot(rr, ch + 16));
+        const float prob = p.glu_probs ? __ldg(p.glu_probs + gr) : 1.0f;
+        __nv_bfloat16* out = fc1 + gr * p.n + col;
+        *reinterpret_cast<uint4*>(out) = gv;
+        *reinterpret_cast<uint4*>(out + F) = uv;
+        const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
+        const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
+        uint4 av;
+        __nv_bfloat16* a = reinterpret_cast<__nv_bfloat16*>(&av);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            a[e] = __float2bfloat16(glu_forward(kAct, __bfloat162float(g[e]), __bfloat162float(u[e])) * prob);
+        *reinterpret_cast<uint4*>(p.glu_out + gr * F + col) = av;
+    }
+}
+
 // tn epilogue (Params::staged_epilogue): the warpgroup's 64 x 256 fp32 accumulators leave 32 columns at a time
 // through its two 8 KB buffers (laid out as the TMA box's 128-byte swizzle: a row's 16-byte piece q at q ^ (row & 7),
 // which also keeps the st.shared conflict-free), each chunk one bulk tensor store, or with accumulation one bulk
@@ -360,19 +405,23 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
 // released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
-template <Op kOp, int kCluster>
+// kAsyncEpi (nt with Params::glu_out only): 3 stages, and the epilogue on the producer warpgroup's warps 1-3
+// (stage_tile_async / store_tile_async), so it overlaps the consumers' next main loop.
+template <Op kOp, int kCluster, bool kAsyncEpi = false>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int BM = 128, BN = 256, kStages = 4;
+    static_assert(!kAsyncEpi || kOp == Op::kNT, "the async epilogue is the fused GLU forward's");
+    constexpr int BM = 128, BN = 256, kStages = kAsyncEpi ? kAsyncStages : 4;
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t bars = base + kStages * kStageBytes;  // full[kStages], empty[kStages]
-    const uint32_t epi = bars + 1024;                    // epilogue staging (kEpiRegion bytes, 1024-aligned)
+    const uint32_t bars = base + kStages * kStageBytes;  // full[kStages], empty[kStages], staged, free
+    const uint32_t epi = bars + 1024;  // epilogue staging (kEpiRegion or kAsyncEpiBytes bytes, 1024-aligned)
     auto full = [&](int s) { return bars + 8 * s; };
     auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+    const uint32_t staged = bars + 8 * (2 * kStages), freed = staged + 8;  // kAsyncEpi's hand-over
     auto sA = [&](int s) { return base + s * kStageBytes; };
     auto sB = [&](int s) { return base + s * kStageBytes + kStageA; };
     const int tid = threadIdx.x, wg = tid / 128;
@@ -381,6 +430,10 @@ __global__ void __launch_bounds__(384, 1)
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1);
             mbar_init(empty(s), 2 * kCluster);  // one arrival per consumer warpgroup of each CTA of the cluster
+        }
+        if constexpr (kAsyncEpi) {
+            mbar_init(staged, 256);  // every consumer thread, once a tile
+            mbar_init(freed, 96);    // every epilogue thread, once a tile
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -410,9 +463,28 @@ __global__ void __launch_bounds__(384, 1)
 
     if (wg == 0) {                 // producer warpgroup: warp 0 finds the jobs, its lane 0 issues every copy
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG  // (sanitizer builds: instrumented code may not fit in 40 registers)
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if constexpr (kAsyncEpi)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");  // warps 1-3 run the epilogue
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
 #endif
-        if (tid >= 32) return;
+        if constexpr (kAsyncEpi) {
+            if (tid >= 32) {  // the epilogue warps: every tile the consumers staged, in the consumers' order
+                TileJob job;
+                int t = 0;
+                for (int i = 0; job_at(i, job); ++i) {
+                    if (!job.active) continue;
+                    mbar_wait(staged, t & 1);
+                    with_activation(Activation(p.glu_act),
+                                    [&](auto a) { store_tile_async<decltype(a)::value>(p, job, epi, tid - 32); });
+                    mbar_arrive(freed);
+                    ++t;
+                }
+                return;
+            }
+        } else {
+            if (tid >= 32) return;
+        }
         int it = 0;
         TileJob job;
         for (int i = 0; job_at(i, job); ++i) {
@@ -481,7 +553,10 @@ __global__ void __launch_bounds__(384, 1)
     }
 
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    if constexpr (kAsyncEpi)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");  // 128 x 56 + 256 x 224 = the SM's 64 K registers
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 #endif
     const int cw = wg - 1;  // consumer warpgroup 0/1: output rows 64*cw ..
     const int ctid = tid - 128;
@@ -495,7 +570,7 @@ __global__ void __launch_bounds__(384, 1)
             mbar_arrive(empty(s));
         }
     };
-    int it = 0, tn_chunks = 0;
+    int it = 0, tn_chunks = 0, staged_tiles = 0;
     float d[128];
     TileJob job;
     for (int i = 0; job_at(i, job); ++i) {
@@ -538,6 +613,13 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_wait<0>();
         if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
         const int row = cw * 64 + w * 16 + (lane >> 2);
+        if constexpr (kAsyncEpi) {  // hand the tile to the epilogue warps once they are done with the last one
+            if (staged_tiles > 0) mbar_wait(freed, (staged_tiles - 1) & 1);
+            stage_tile_async(epi, row, lane, d);
+            mbar_arrive(staged);
+            ++staged_tiles;
+            continue;
+        }
         if constexpr (kOp == Op::kNT) {
             if (p.glu_out) {  // [gate | up] and the gated activation (Params::glu_out)
                 with_activation(Activation(p.glu_act), [&](auto a) {

@@ -618,9 +618,9 @@ TEST(GroupedGemm, GluBackwardEpilogueMatchesUnfused) {
 }
 
 // fc1's forward with the gated activation in its epilogue (grouped_gemm_nt_glu_forward) against the unfused pair on
-// the own kernel (grouped_gemm_nt + activation_forward): [gate | up] and the activation bitwise equal, rows past
-// offsets[G] untouched. F off the 128-column tile grid (a tile's gate box then reads up rows, its up box rows past
-// 2F), ECHO's second weight base, SwiGLU and GeGLU, probs and none; the own kernel alone and in 2-CTA clusters, and
+// the own kernel (grouped_gemm_nt + activation_forward), its epilogue on warps of its own or in the consumers:
+// [gate | up] and the activation bitwise equal, rows past offsets[G] untouched. F off the 128-column tile grid (a
+// tile's gate box then reads up rows, its up box rows past 2F), ECHO's second weight base, SwiGLU and GeGLU, probs and none; the own kernel alone and in 2-CTA clusters, and
 // the per-shape choice (which fuses on the own kernel). Forced CUTLASS, or the fusion off, launches nothing.
 void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, int k, Activation act, bool with_probs,
                        uint64_t seed, int second_from = 0, int fusion_mode = 1) {
@@ -651,12 +651,15 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
                               nullptr);
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     const auto want_fc1 = ref_fc1.download(), want_act = ref_act.download();
-    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kAuto, Backend::kCutlassPingpong}) {
+    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kAuto, Backend::kCutlassPingpong})
+    for (const int async : {1, 0}) {
         if (b == Backend::kCutlassPingpong && !cutlass_grouped_gemm_built()) continue;
-        SCOPED_TRACE(::testing::Message() << name(b) << " G=" << G << " rows=" << rows << " F=" << F << " k=" << k
-                                          << " act=" << int(act) << " probs=" << with_probs << " second_from="
-                                          << second_from << " seed=" << seed);
+        SCOPED_TRACE(::testing::Message() << name(b) << (async ? " async" : " inline") << " epilogue G=" << G
+                                          << " rows=" << rows << " F=" << F << " k=" << k << " act=" << int(act)
+                                          << " probs=" << with_probs << " second_from=" << second_from
+                                          << " seed=" << seed);
         select(b);
+        set_glu_forward_async_epilogue(async);
         fc1.upload(canary_fc1), act_out.upload(canary_act);
         const bool launched = grouped_gemm_nt_glu_forward(shape, d_X.ptr, d_W.ptr, fc1.ptr, d_off.ptr,
                                                           GluForwardEpilogue{p, act_out.ptr, act}, nullptr);
@@ -679,6 +682,7 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
         EXPECT_EQ(act_differ, 0u) << "the activation differs from activation_forward (or rows past offsets[G])";
         if (rows > 0) EXPECT_GT(nonzero, size_t(rows) * F / 2) << "the activation is mostly zero";
     }
+    set_glu_forward_async_epilogue(-1);
     reset_backend();
 }
 
