@@ -380,8 +380,9 @@ bool glu_fusion_on() {
 // next tile's main loop, so the fusion trades CUTLASS's faster main loop and an epilogue half as long for the
 // activation pass. Per shape (glu_forward_fusion_pays): on where the reduction is short (H <= 2048) and groups are
 // mid-sized (256..1535 rows), where the own kernel's main loop is within 1-2 % of CUTLASS's. moekit bench --variant
-// glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27): qwen3-30b (H 2048) 0.983 / 0.992;
-// dsv3-ep8 (H 7168) 1.009, mixtral (H 4096, 2000-row groups) 1.032, dsv3-e256 (128-row groups) 1.068.
+// glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27, the epilogue on warps of its own):
+// qwen3-30b (H 2048) 1.007 / 0.977 (0.983 / 0.992 / 0.983 with the epilogue in the consumers); dsv3-ep8 (H 7168)
+// 1.005, mixtral (H 4096, 2000-row groups) 1.013, dsv3-e256 (128-row groups) 1.028.
 enum class GluForwardFusion { kNever, kAlways, kPerShape };
 std::atomic<int> g_glu_forward_fusion{-1};
 GluForwardFusion glu_forward_fusion_mode() {
