@@ -187,16 +187,33 @@ __device__ __forceinline__ void stage_glu_piece(uint32_t buf, int r, int lane, c
     }
 }
 
+// 8 bf16 gate and up columns of row gr (gate column col) stored where the plain nt writes them, and their activation
+// times the row's probability: the float formula activation_forward applies to the stored output, so the same bits.
+template <Activation kAct>
+__device__ __forceinline__ void store_glu_vector(const Params& p, int64_t gr, int col, uint4 gv, uint4 uv,
+                                                 float prob) {
+    const int F = p.n >> 1;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.C) + gr * p.n + col;
+    *reinterpret_cast<uint4*>(out) = gv;
+    *reinterpret_cast<uint4*>(out + F) = uv;
+    const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
+    const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
+    uint4 av;
+    __nv_bfloat16* a = reinterpret_cast<__nv_bfloat16*>(&av);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+        a[e] = __float2bfloat16(glu_forward(kAct, __bfloat162float(g[e]), __bfloat162float(u[e])) * prob);
+    *reinterpret_cast<uint4*>(p.glu_out + gr * F + col) = av;
+}
+
 // nt epilogue with the gated activation's forward (Params::glu_out): the tile's accumulators are gate columns
 // f0 .. f0+127 (0 .. 127) and the up columns F+f0 .. (128 .. 255). Per 64 columns: staged (stage_glu_piece), then
-// each thread takes 8 columns of 4 rows, stores gate and up where the plain nt would, and the activation of those
-// bf16 values times the row's probability: the float formula activation_forward applies to the stored output, so
-// the same bits.
+// each thread takes 8 columns of 4 rows (store_glu_vector). MOEKIT_GLU_FORWARD_EPILOGUE=inline only: the default
+// runs it on warps of its own (store_tile_async).
 template <Activation kAct>
 __device__ __forceinline__ void glu_forward_epilogue(const Params& p, const TileJob& job, int cw, int ctid,
                                                      uint32_t buf, int r, int lane, const float (&d)[128]) {
     const int F = p.n >> 1, ch = ctid & 7;
-    __nv_bfloat16* fc1 = static_cast<__nv_bfloat16*>(p.C);
     int64_t grow[4];
     float prob[4];
 #pragma unroll
@@ -214,18 +231,8 @@ __device__ __forceinline__ void glu_forward_epilogue(const Params& p, const Tile
         for (int q = 0; q < 4; ++q) {
             if (grow[q] >= job.row_end || col >= F) continue;
             const int rr = q * 16 + ((ctid & 127) >> 3);
-            const uint4 gv = ld_shared_v4(buf + glu_slot(rr, ch)), uv = ld_shared_v4(buf + glu_slot(rr, ch + 8));
-            __nv_bfloat16* out = fc1 + grow[q] * p.n + col;
-            *reinterpret_cast<uint4*>(out) = gv;
-            *reinterpret_cast<uint4*>(out + F) = uv;
-            const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
-            const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
-            uint4 av;
-            __nv_bfloat16* a = reinterpret_cast<__nv_bfloat16*>(&av);
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                a[e] = __float2bfloat16(glu_forward(kAct, __bfloat162float(g[e]), __bfloat162float(u[e])) * prob[q]);
-            *reinterpret_cast<uint4*>(p.glu_out + grow[q] * F + col) = av;
+            store_glu_vector<kAct>(p, grow[q], col, ld_shared_v4(buf + glu_slot(rr, ch)),
+                                   ld_shared_v4(buf + glu_slot(rr, ch + 8)), prob[q]);
         }
         named_barrier(2 + cw, 128);
     }
@@ -330,24 +337,13 @@ __device__ __forceinline__ void stage_tile_async(uint32_t buf, int r, int lane, 
 template <Activation kAct>
 __device__ __forceinline__ void store_tile_async(const Params& p, const TileJob& job, uint32_t buf, int et) {
     const int F = p.n >> 1, f0 = job.n0 >> 1;
-    __nv_bfloat16* fc1 = static_cast<__nv_bfloat16*>(p.C);
     for (int item = et; item < 128 * 16; item += 96) {
         const int rr = item >> 4, ch = item & 15, col = f0 + ch * 8;
         const int64_t gr = job.row0 + rr;
         if (gr >= job.row_end || col >= F) continue;
-        const uint4 gv = ld_shared_v4(buf + async_slot(rr, ch)), uv = ld_shared_v4(buf + async_slot(rr, ch + 16));
         const float prob = p.glu_probs ? __ldg(p.glu_probs + gr) : 1.0f;
-        __nv_bfloat16* out = fc1 + gr * p.n + col;
-        *reinterpret_cast<uint4*>(out) = gv;
-        *reinterpret_cast<uint4*>(out + F) = uv;
-        const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv);
-        const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv);
-        uint4 av;
-        __nv_bfloat16* a = reinterpret_cast<__nv_bfloat16*>(&av);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-            a[e] = __float2bfloat16(glu_forward(kAct, __bfloat162float(g[e]), __bfloat162float(u[e])) * prob);
-        *reinterpret_cast<uint4*>(p.glu_out + gr * F + col) = av;
+        store_glu_vector<kAct>(p, gr, col, ld_shared_v4(buf + async_slot(rr, ch)),
+                               ld_shared_v4(buf + async_slot(rr, ch + 16)), prob);
     }
 }
 
