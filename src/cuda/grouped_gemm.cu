@@ -376,9 +376,9 @@ bool glu_fusion_on() {
 }
 
 // Whether fc1's forward takes the gated activation in its epilogue (set_glu_forward_fusion, else
-// MOEKIT_FUSE_GLU_FORWARD=0|1, else per shape). Only the own TMA kernel has that epilogue, which does not overlap the
-// next tile's main loop, so the fusion trades CUTLASS's faster main loop and an epilogue half as long for the
-// activation pass. Per shape (glu_forward_fusion_pays): on where the reduction is short (H <= 2048) and groups are
+// MOEKIT_FUSE_GLU_FORWARD=0|1, else per shape). Only the own TMA kernel has that epilogue (on warps of its own,
+// overlapping the next tile's main loop, with a 3-stage ring), so the fusion trades CUTLASS's faster main loop for
+// the activation pass. Per shape (glu_forward_fusion_pays): on where the reduction is short (H <= 2048) and groups are
 // mid-sized (256..1535 rows), where the own kernel's main loop is within 1-2 % of CUTLASS's. moekit bench --variant
 // glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27, the epilogue on warps of its own):
 // qwen3-30b (H 2048) 1.007 / 0.977 (0.983 / 0.992 / 0.983 with the epilogue in the consumers); dsv3-ep8 (H 7168)

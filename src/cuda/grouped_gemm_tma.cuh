@@ -321,7 +321,7 @@ __device__ __forceinline__ void glu_backward_epilogue(const Params& p, const Til
 // The async GLU forward epilogue (tma_kernel kAsyncEpi): the consumers stage the whole tile as bf16, rows of 512
 // bytes, 16-byte chunk c of row r at c ^ (r & 7) (chunks 0-15 gate, 16-31 up; conflict-free as glu_slot), arrive
 // on `staged` and go on with the next tile; three epilogue warps wait on it, store [gate | up] and the activation, and
-// arrive on `free`, which the consumers wait on before staging the next tile.
+// arrive on `freed`, which the consumers wait on before staging the next tile.
 __device__ __forceinline__ uint32_t async_slot(int r, int chunk) {
     return uint32_t(r * kAsyncRow + ((chunk ^ (r & 7)) << 4));
 }
