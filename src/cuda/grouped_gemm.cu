@@ -60,11 +60,11 @@ struct Choice {
     CutlassConfig config;
 };
 
-// A measurement switch between two configurations, environment variable `var` read once a call site: unset or
+// A measurement switch between two choices, environment variable `var` read once a call site: unset or
 // `preferred_name` gives `preferred`, `other_name` gives `other`, anything else is a usage error (exit 2) naming
 // both, as for MOEKIT_WGRAD_STORES (grouped_gemm_cutlass.cu).
-CutlassConfig config_from_env(const char* var, const char* preferred_name, CutlassConfig preferred,
-                              const char* other_name, CutlassConfig other) {
+template <typename T>
+T choice_from_env(const char* var, const char* preferred_name, T preferred, const char* other_name, T other) {
     const char* env = std::getenv(var);
     if (!env || std::strcmp(env, preferred_name) == 0) return preferred;
     MOEKIT_REQUIRE(std::strcmp(env, other_name) == 0, var, "=", env, ": expected ", preferred_name, " or ",
@@ -75,7 +75,7 @@ CutlassConfig config_from_env(const char* var, const char* preferred_name, Cutla
 // nt / nn of small groups: the transposed product, 192 token rows a tile (kSwapAB; H200, 2026-11-27: the dsv3-e256
 // layer 34.1 -> 30.6 ms, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall picks the 256x128 tile for measurements.
 CutlassConfig small_group_config() {
-    static const CutlassConfig c = config_from_env("MOEKIT_SMALL_GROUP_CONFIG", "swap", CutlassConfig::kSwapAB,
+    static const CutlassConfig c = choice_from_env("MOEKIT_SMALL_GROUP_CONFIG", "swap", CutlassConfig::kSwapAB,
                                                    "tall", CutlassConfig::kCooperativeTall);
     return c;
 }
@@ -83,7 +83,7 @@ CutlassConfig small_group_config() {
 // wgrad of small groups: CUTLASS cooperative on a 2x2 cluster (choose_for_shape); MOEKIT_SMALL_GROUP_WGRAD=coop picks
 // the 1x2 cluster for measurements.
 CutlassConfig small_group_wgrad_config() {
-    static const CutlassConfig c = config_from_env("MOEKIT_SMALL_GROUP_WGRAD", "2x2", CutlassConfig::kCooperative2x2,
+    static const CutlassConfig c = choice_from_env("MOEKIT_SMALL_GROUP_WGRAD", "2x2", CutlassConfig::kCooperative2x2,
                                                    "coop", CutlassConfig::kCooperative);
     return c;
 }
@@ -267,13 +267,7 @@ std::atomic<int> g_glu_forward_async{-1};
 bool glu_forward_async_epilogue() {
     const int set = g_glu_forward_async.load();
     if (set >= 0) return set > 0;
-    static const bool async = [] {
-        const char* env = std::getenv("MOEKIT_GLU_FORWARD_EPILOGUE");
-        if (!env || std::strcmp(env, "async") == 0) return true;
-        MOEKIT_REQUIRE(std::strcmp(env, "inline") == 0, "MOEKIT_GLU_FORWARD_EPILOGUE=", env,
-                       ": expected async (the default) or inline");
-        return false;
-    }();
+    static const bool async = choice_from_env("MOEKIT_GLU_FORWARD_EPILOGUE", "async", true, "inline", false);
     return async;
 }
 
@@ -365,13 +359,7 @@ std::atomic<int> g_glu_fusion{-1};
 bool glu_fusion_on() {
     const int set = g_glu_fusion.load();
     if (set >= 0) return set > 0;
-    static const bool from_env = [] {
-        const char* env = std::getenv("MOEKIT_FUSE_GLU_BACKWARD");
-        if (!env || std::strcmp(env, "0") == 0) return false;
-        MOEKIT_REQUIRE(std::strcmp(env, "1") == 0, "MOEKIT_FUSE_GLU_BACKWARD=", env,
-                       ": expected 0 (the separate activation pass, the default) or 1 (fused where the kernel has it)");
-        return true;
-    }();
+    static const bool from_env = choice_from_env("MOEKIT_FUSE_GLU_BACKWARD", "0", false, "1", true);
     return from_env;
 }
 
@@ -388,15 +376,11 @@ std::atomic<int> g_glu_forward_fusion{-1};
 GluForwardFusion glu_forward_fusion_mode() {
     const int set = g_glu_forward_fusion.load();
     if (set >= 0) return set > 0 ? GluForwardFusion::kAlways : GluForwardFusion::kNever;
-    static const GluForwardFusion from_env = [] {
-        const char* env = std::getenv("MOEKIT_FUSE_GLU_FORWARD");
-        if (!env) return GluForwardFusion::kPerShape;
-        if (std::strcmp(env, "0") == 0) return GluForwardFusion::kNever;
-        MOEKIT_REQUIRE(std::strcmp(env, "1") == 0, "MOEKIT_FUSE_GLU_FORWARD=", env,
-                       ": expected 0 (the separate activation pass) or 1 (in fc1's epilogue on every shape; unset: "
-                       "where it measured faster)");
-        return GluForwardFusion::kAlways;
-    }();
+    // Unset: per shape; 0 / 1: never / always.
+    static const GluForwardFusion from_env =
+        std::getenv("MOEKIT_FUSE_GLU_FORWARD")
+            ? choice_from_env("MOEKIT_FUSE_GLU_FORWARD", "0", GluForwardFusion::kNever, "1", GluForwardFusion::kAlways)
+            : GluForwardFusion::kPerShape;
     return from_env;
 }
 bool glu_forward_fusion_pays(const GroupedGemmShape& s) {
