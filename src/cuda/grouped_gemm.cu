@@ -260,15 +260,16 @@ template <auto kKernel, int kCluster>
 void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, const CUtensorMap& a,
                        const CUtensorMap& b, const CUtensorMap& c, const CUtensorMap& second, cudaStream_t stream);
 
-// The fused GLU forward's epilogue on the producer warpgroup's idle warps, overlapping the next tile's main loop
-// (tma_kernel kAsyncEpi), or in the consumers after each tile (set_glu_forward_async_epilogue(0) or
-// MOEKIT_GLU_FORWARD_EPILOGUE=inline, for A/B).
-std::atomic<int> g_glu_forward_async{-1};
-bool glu_forward_async_epilogue() {
-    const int set = g_glu_forward_async.load();
+// Where a fused GLU pass's epilogue runs: on the producer warpgroup's idle warps, overlapping the next tile's main
+// loop (tma_kernel kAsyncEpi), or in the consumers after each tile (set_glu_forward_async_epilogue(0) /
+// set_glu_backward_async_epilogue(0), or MOEKIT_GLU_FORWARD_EPILOGUE / MOEKIT_GLU_BACKWARD_EPILOGUE=inline, for A/B).
+std::atomic<int> g_glu_async[2] = {-1, -1};  // [backward]
+bool glu_async_epilogue(bool backward) {
+    const int set = g_glu_async[backward].load();
     if (set >= 0) return set > 0;
-    static const bool async = choice_from_env("MOEKIT_GLU_FORWARD_EPILOGUE", "async", true, "inline", false);
-    return async;
+    static const bool forward_env = choice_from_env("MOEKIT_GLU_FORWARD_EPILOGUE", "async", true, "inline", false);
+    static const bool backward_env = choice_from_env("MOEKIT_GLU_BACKWARD_EPILOGUE", "async", true, "inline", false);
+    return backward ? backward_env : forward_env;
 }
 
 template <gemm_detail::Op kOp, int kCluster>
@@ -310,8 +311,8 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
-    if constexpr (kOp == Op::kNT) {
-        if (q.glu_out && glu_forward_async_epilogue()) {
+    if constexpr (kOp != Op::kTN) {
+        if ((q.glu_out && glu_async_epilogue(false)) || (q.glu_grad && glu_async_epilogue(true))) {
             launch_tma_kernel<gemm_detail::tma_kernel<kOp, kCluster, true>, kCluster>(
                 gemm_detail::kTmaAsyncSmemBytes, jobs, q, a, b, c, second, stream);
             return;
@@ -347,50 +348,44 @@ void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, co
     }
 }
 
-// Whether the gated activation's backward rides in the dgrad's epilogue (set_glu_backward_fusion, else
-// MOEKIT_FUSE_GLU_BACKWARD=0|1). Off by default: no faster than CUTLASS unfused on either kernel that has it (H200).
-// The own kernel's two consumer warpgroups share each tile, so its epilogue (reading gate / up, writing twice the
-// bytes) cannot overlap the next tile's main loop: with one activation formula per instantiation (with_activation)
-// its fused step is 0.977 of its own unfused one (qwen3-30b, moekit bench --variant glu-backward, 2026-11-27; before,
-// 1.91 vs 1.42 + 0.54 ms), but its main loop is slower than CUTLASS's. CUTLASS's ping-pong should hide the epilogue
-// under the other warpgroup's main loop, but its visitor (cutlass/glu_backward_visitor.cuh) made the step 1.22 of
-// unfused (fc2's backward stage 3.29-3.39 ms against 1.46-1.51 + 0.29-0.30 on qwen3-30b, docs/perf.md).
-std::atomic<int> g_glu_fusion{-1};
-bool glu_fusion_on() {
-    const int set = g_glu_fusion.load();
-    if (set >= 0) return set > 0;
-    static const bool from_env = choice_from_env("MOEKIT_FUSE_GLU_BACKWARD", "0", false, "1", true);
-    return from_env;
-}
-
-// Whether fc1's forward takes the gated activation in its epilogue (set_glu_forward_fusion, else
-// MOEKIT_FUSE_GLU_FORWARD=0|1, else per shape). Only the own TMA kernel has that epilogue (on warps of its own,
-// overlapping the next tile's main loop, with a 3-stage ring), so the fusion trades CUTLASS's faster main loop for
-// the activation pass. Per shape (glu_forward_fusion_pays): on where the reduction is short (H <= 2048) and groups are
-// mid-sized (256..1535 rows), where the own kernel's main loop is within 1-2 % of CUTLASS's. moekit bench --variant
-// glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27, the epilogue on warps of its own):
-// qwen3-30b (H 2048) 1.007 / 0.977 (0.983 / 0.992 / 0.983 with the epilogue in the consumers); dsv3-ep8 (H 7168)
-// 1.005, mixtral (H 4096, 2000-row groups) 1.013, dsv3-e256 (128-row groups) 1.028.
-enum class GluForwardFusion { kNever, kAlways, kPerShape };
-std::atomic<int> g_glu_forward_fusion{-1};
-GluForwardFusion glu_forward_fusion_mode() {
-    const int set = g_glu_forward_fusion.load();
-    if (set >= 0) return set > 0 ? GluForwardFusion::kAlways : GluForwardFusion::kNever;
+// Whether a gated activation pass rides in its GEMM's epilogue: fc1's forward (set_glu_forward_fusion, else
+// MOEKIT_FUSE_GLU_FORWARD=0|1, else per shape) and fc2's dgrad (set_glu_backward_fusion, MOEKIT_FUSE_GLU_BACKWARD).
+// Both run on the own TMA kernel, the epilogue on warps of its own overlapping the next tile's main loop (3-stage
+// ring), so a fusion trades CUTLASS's faster main loop for the activation pass it saves. The backward's epilogue
+// loads gate / up (L2-prefetched while the tile's main loop runs); CUTLASS's ping-pong has it as an epilogue visitor
+// (cutlass/glu_backward_visitor.cuh, only where CUTLASS is forced: it made the step 1.22 of unfused).
+// Forward, per shape (glu_fusion_pays): on where the reduction is short (H <= 2048) and groups are mid-sized
+// (256..1535 rows), where the own kernel's main loop is within 1-2 % of CUTLASS's. moekit bench --variant
+// glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27): qwen3-30b (H 2048) 1.007 / 0.977
+// (0.983 / 0.992 / 0.983 with the epilogue in the consumers); dsv3-ep8 (H 7168) 1.005, mixtral (H 4096, 2000-row
+// groups) 1.013, dsv3-e256 (128-row groups) 1.028.
+enum class GluFusion { kNever, kAlways, kPerShape };
+std::atomic<int> g_glu_fusion[2] = {-1, -1};  // [backward]
+GluFusion glu_fusion_from_env(const char* var) {
     // Unset: per shape; 0 / 1: never / always.
-    static const GluForwardFusion from_env =
-        std::getenv("MOEKIT_FUSE_GLU_FORWARD")
-            ? choice_from_env("MOEKIT_FUSE_GLU_FORWARD", "0", GluForwardFusion::kNever, "1", GluForwardFusion::kAlways)
-            : GluForwardFusion::kPerShape;
-    return from_env;
+    return std::getenv(var) ? choice_from_env(var, "0", GluFusion::kNever, "1", GluFusion::kAlways)
+                            : GluFusion::kPerShape;
 }
-bool glu_forward_fusion_pays(const GroupedGemmShape& s) {
+GluFusion glu_fusion_mode(bool backward) {
+    const int set = g_glu_fusion[backward].load();
+    if (set >= 0) return set > 0 ? GluFusion::kAlways : GluFusion::kNever;
+    static const GluFusion forward_env = glu_fusion_from_env("MOEKIT_FUSE_GLU_FORWARD");
+    static const GluFusion backward_env = glu_fusion_from_env("MOEKIT_FUSE_GLU_BACKWARD");
+    return backward ? backward_env : forward_env;
+}
+bool glu_fusion_pays(bool backward, const GroupedGemmShape& s) {
+    if (backward) return false;
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
     return s.k <= 2048 && rows_per_group >= kSmallGroupRows && rows_per_group < kLargeGroupRows;
 }
+bool glu_fusion_wanted(bool backward, const GroupedGemmShape& s) {
+    const GluFusion mode = glu_fusion_mode(backward);
+    return mode == GluFusion::kAlways || (mode == GluFusion::kPerShape && glu_fusion_pays(backward, s));
+}
 
-// With `glu` (nn only): the fused dgrad + gated-activation backward, launched where the kernel chosen for this shape
-// has that epilogue (CUTLASS unswapped: on its ping-pong configuration; the own TMA kernel with its staged epilogue,
-// as well) and glu_fusion_on(); returns whether it was launched (nothing is done otherwise).
+// With `glu` (nn only) / `glu_fwd` (nt only): the fused dgrad + gated-activation backward / fc1 forward + activation,
+// launched where glu_fusion_wanted and the kernel allowed has that epilogue (the own TMA kernel; for the backward also
+// CUTLASS's ping-pong where CUTLASS is forced); returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
 bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
@@ -402,10 +397,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
                  s.to_string());
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
-    if (glu && !glu_fusion_on()) return false;
-    if (glu_fwd && (glu_forward_fusion_mode() == GluForwardFusion::kNever ||
-                    (glu_forward_fusion_mode() == GluForwardFusion::kPerShape && !glu_forward_fusion_pays(s))))
-        return false;
+    if ((glu && !glu_fusion_wanted(true, s)) || (glu_fwd && !glu_fusion_wanted(false, s))) return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -459,12 +451,15 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         MOEKIT_CHECK(glu->fc1_out && glu->grad_fc1, name, ": null activation input or gradient");
         MOEKIT_CHECK((reinterpret_cast<uintptr_t>(glu->fc1_out) | reinterpret_cast<uintptr_t>(glu->grad_fc1)) % 16 == 0,
                      name, ": the activation input and gradient must be 16-byte aligned");
-        if (kernel == GroupedGemmKernel::kCutlass) {
+        // CUTLASS's visitor where CUTLASS is forced; else the own TMA kernel, whether chosen per shape or forced.
+        if (resolved == GroupedGemmKernel::kCutlass) {
             if constexpr (kOp == Op::kNN)
                 return cutlass_grouped_gemm_nn_glu_backward(s, A, B, d_offsets, *glu, stream, config);
             return false;
         }
-        if (kernel != GroupedGemmKernel::kTma || !tma_staged_epilogue()) return false;
+        if (!(resolved == GroupedGemmKernel::kAuto || resolved == GroupedGemmKernel::kTma) || !tma_staged_epilogue())
+            return false;
+        kernel = GroupedGemmKernel::kTma;
         p.glu_in = glu->fc1_out;
         p.glu_probs = glu->probs;
         p.glu_grad = glu->grad_fc1;
@@ -569,14 +564,12 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
-void set_glu_backward_fusion(int on) { g_glu_fusion = on; }
-void set_glu_forward_fusion(int on) { g_glu_forward_fusion = on; }
-void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }
-bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) {
-    const GluForwardFusion mode = glu_forward_fusion_mode();
-    return mode == GluForwardFusion::kAlways || (mode == GluForwardFusion::kPerShape && glu_forward_fusion_pays(shape));
-}
-bool glu_backward_fusion_enabled() { return glu_fusion_on(); }
+void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
+void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
+void set_glu_forward_async_epilogue(int on) { g_glu_async[0] = on; }
+void set_glu_backward_async_epilogue(int on) { g_glu_async[1] = on; }
+bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(false, shape); }
+bool glu_backward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(true, shape); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
     switch (kernel) {

@@ -83,9 +83,10 @@ public:
         fc1_out_.resize(Me * F1), act_out_.resize(Me * F), expert_out_.resize(Me * H);
         grad_rows_.resize(Me * H), grad_act_.resize(Me * F), grad_fc1_out_.resize(Me * F1), grad_x_rows_.resize(Me * H);
         grad_row_probs_.resize(Me), grad_probs_.resize(T * E), grad_logits_.resize(T * E);
-        // Only where the fused dgrad + activation backward may run (decided here, at construction: it is off by
-        // default) is its d(prob) partial buffer allocated; without it the backward takes the unfused pair.
-        if (shape.gated_linear_unit && glu_backward_fusion_enabled()) glu_dp_.resize(Me * glu_backward_tiles(F));
+        // Only where the fused dgrad + activation backward may run (decided here, at construction, for fc2's dgrad
+        // shape) is its d(prob) partial buffer allocated; without it the backward takes the unfused pair.
+        if (shape.gated_linear_unit && glu_backward_fusion_enabled(GroupedGemmShape{L, Me, F, H}))
+            glu_dp_.resize(Me * glu_backward_tiles(F));
         if (shape.has_shared) {
             const int64_t Fs = shape.shared.ffn, Fs1 = shape.shared.fc1_rows();
             shared_offsets_.resize(2);
@@ -224,7 +225,7 @@ public:
         // step, whatever acc says), which dispatch_backward adds into the home experts' grads. A slot with no rows
         // (no clone, or a clone given no tokens) is not added, so its block is not written either.
         // Gated activations without ECHO slots: the activation's backward may ride in fc2's dgrad epilogue
-        // (grouped_gemm_nn_glu_backward; opt-in, measured slower), leaving only the d(prob) partials to sum.
+        // (grouped_gemm_nn_glu_backward, where it pays), leaving only the d(prob) partials to sum.
         bool fused_act = false;
         if constexpr (std::is_same_v<R, float>) {
             if (S == 0 && glu_dp_.size() > 0 && gemm_.nn_glu_backward)
