@@ -349,13 +349,13 @@ __device__ __forceinline__ void store_tile_async(const Params& p, const TileJob&
 
 // The async GLU backward epilogue (tma_kernel<kNN, ., true>, Params::glu_grad): the consumers stage the tile's dA
 // as store_tile_async's input is staged (bf16, the value the unfused path stores); epilogue warp ew takes rows ew,
-// ew + 3, .. two at a time (four 16-byte gate / up loads in flight a lane), a lane 8 columns of each row (lanes 0-15
+// ew + 3, .. four at a time (eight 16-byte gate / up loads in flight a lane), a lane 8 columns of each row (lanes 0-15
 // the tile's first 128 columns, 16-31 its second), and writes d gate and d up with glu_backward_epilogue's formulas
 // (the same bits); a row's d-prob partial per 128 columns is the sum over its 16 lanes.
 template <Activation kAct>
 __device__ __forceinline__ void glu_backward_tile_async(const Params& p, const TileJob& job, uint32_t buf, int ew,
                                                         int lane) {
-    constexpr int kRowsAtOnce = 2;
+    constexpr int kRowsAtOnce = 4;
     const int64_t in_cols = 2 * int64_t(p.n);
     const int64_t dp_tiles = (p.n + kGluBackwardTileColumns - 1) / kGluBackwardTileColumns;
     const int col = job.n0 + lane * 8, half = lane >> 4;
@@ -413,7 +413,7 @@ __device__ __forceinline__ void glu_backward_tile_async(const Params& p, const T
 }
 
 // The gate / up rows of a dgrad tile into L2 (bulk prefetches, one per row and half), issued by the epilogue warps
-// before they wait for the tile: its main loop still runs, so glu_backward_tile_async's loads then hit L2.
+// a tile ahead (as they start on the one before): glu_backward_tile_async's loads then hit L2.
 __device__ __forceinline__ void prefetch_glu_rows(const Params& p, const TileJob& job, int et) {
     const int cols = p.n - job.n0 < 256 ? p.n - job.n0 : 256;
     if (cols <= 0) return;
@@ -489,9 +489,9 @@ __global__ void __launch_bounds__(384, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(!kAsyncEpi || kOp != Op::kTN, "the async epilogue is the fused GLU passes'");
     constexpr int BM = 128, BN = 256, kStages = kAsyncEpi ? kAsyncStages : 4;
-    // kAsyncEpi's register split (128 x epilogue + 256 x main <= the SM's 64 K): the backward's epilogue holds two
-    // rows' gate, up and dA vectors and their results, which spilled in the forward's 56 (and one row's in 72).
-    constexpr int kAsyncEpiRegs = kOp == Op::kNN ? 80 : 56, kAsyncMainRegs = kOp == Op::kNN ? 208 : 224;
+    // kAsyncEpi's register split (128 x epilogue + 256 x main <= the SM's 64 K): the backward's epilogue keeps four
+    // rows' gate / up loads in flight a lane (one row's spilled in the forward's 56); its consumers fit in 168.
+    constexpr int kAsyncEpiRegs = kOp == Op::kNN ? 144 : 56, kAsyncMainRegs = kOp == Op::kNN ? 184 : 224;
     static_assert(128 * kAsyncEpiRegs + 256 * kAsyncMainRegs <= 65536, "the register split must fit the SM");
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
@@ -549,11 +549,16 @@ __global__ void __launch_bounds__(384, 1)
 #endif
         if constexpr (kAsyncEpi) {
             if (tid >= 32) {  // the epilogue warps: every tile the consumers staged, in the consumers' order
-                TileJob job;
-                int t = 0;
+                TileJob job, ahead;
+                int t = 0, i_ahead = 0;
+                auto prefetch_next = [&] {  // the backward's gate / up rows of the next active tile not yet fetched
+                    while (job_at(i_ahead++, ahead))
+                        if (ahead.active) return prefetch_glu_rows(p, ahead, tid - 32);
+                };
+                if constexpr (kOp == Op::kNN) prefetch_next();
                 for (int i = 0; job_at(i, job); ++i) {
                     if (!job.active) continue;
-                    if constexpr (kOp == Op::kNN) prefetch_glu_rows(p, job, tid - 32);
+                    if constexpr (kOp == Op::kNN) prefetch_next();
                     mbar_wait(staged, t & 1);
                     with_activation(Activation(p.glu_act), [&](auto a) {
                         if constexpr (kOp == Op::kNT)
