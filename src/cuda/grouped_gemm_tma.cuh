@@ -489,10 +489,11 @@ __global__ void __launch_bounds__(384, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(!kAsyncEpi || kOp != Op::kTN, "the async epilogue is the fused GLU passes'");
     constexpr int BM = 128, BN = 256, kStages = kAsyncEpi ? kAsyncStages : 4;
-    // kAsyncEpi's register split (128 x epilogue + 256 x main <= the SM's 64 K): the backward's epilogue keeps four
-    // rows' gate / up loads in flight a lane (one row's spilled in the forward's 56); its consumers fit in 168.
-    constexpr int kAsyncEpiRegs = kOp == Op::kNN ? 144 : 56, kAsyncMainRegs = kOp == Op::kNN ? 184 : 224;
-    static_assert(128 * kAsyncEpiRegs + 256 * kAsyncMainRegs <= 65536, "the register split must fit the SM");
+    // kAsyncEpi's register split: the backward's epilogue keeps four rows' gate / up loads in flight a lane (one
+    // row's spilled in the forward's 56); its consumers fit in 168. The split must fit the registers the launch holds
+    // (384 x 168): setmaxnreg.inc waits until the other warps have freed enough, so more would hang.
+    constexpr int kAsyncEpiRegs = kOp == Op::kNN ? 152 : 56, kAsyncMainRegs = kOp == Op::kNN ? 176 : 224;
+    static_assert(128 * kAsyncEpiRegs + 256 * kAsyncMainRegs <= 384 * 168, "the register split must fit the launch's");
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
