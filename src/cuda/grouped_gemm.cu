@@ -260,16 +260,15 @@ template <auto kKernel, int kCluster>
 void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, const CUtensorMap& a,
                        const CUtensorMap& b, const CUtensorMap& c, const CUtensorMap& second, cudaStream_t stream);
 
-// Where a fused GLU pass's epilogue runs: on the producer warpgroup's idle warps, overlapping the next tile's main
-// loop (tma_kernel kAsyncEpi), or in the consumers after each tile (set_glu_forward_async_epilogue(0) /
-// set_glu_backward_async_epilogue(0), or MOEKIT_GLU_FORWARD_EPILOGUE / MOEKIT_GLU_BACKWARD_EPILOGUE=inline, for A/B).
-std::atomic<int> g_glu_async[2] = {-1, -1};  // [backward]
-bool glu_async_epilogue(bool backward) {
-    const int set = g_glu_async[backward].load();
+// The fused GLU forward's epilogue on the producer warpgroup's idle warps, overlapping the next tile's main loop
+// (tma_kernel kAsyncEpi), or in the consumers after each tile (set_glu_forward_async_epilogue(0) or
+// MOEKIT_GLU_FORWARD_EPILOGUE=inline, for A/B).
+std::atomic<int> g_glu_forward_async{-1};
+bool glu_forward_async_epilogue() {
+    const int set = g_glu_forward_async.load();
     if (set >= 0) return set > 0;
-    static const bool forward_env = choice_from_env("MOEKIT_GLU_FORWARD_EPILOGUE", "async", true, "inline", false);
-    static const bool backward_env = choice_from_env("MOEKIT_GLU_BACKWARD_EPILOGUE", "async", true, "inline", false);
-    return backward ? backward_env : forward_env;
+    static const bool async = choice_from_env("MOEKIT_GLU_FORWARD_EPILOGUE", "async", true, "inline", false);
+    return async;
 }
 
 template <gemm_detail::Op kOp, int kCluster>
@@ -311,8 +310,8 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
-    if constexpr (kOp != Op::kTN) {
-        if ((q.glu_out && glu_async_epilogue(false)) || (q.glu_grad && glu_async_epilogue(true))) {
+    if constexpr (kOp == Op::kNT) {
+        if (q.glu_out && glu_forward_async_epilogue()) {
             launch_tma_kernel<gemm_detail::tma_kernel<kOp, kCluster, true>, kCluster>(
                 gemm_detail::kTmaAsyncSmemBytes, jobs, q, a, b, c, second, stream);
             return;
@@ -350,15 +349,17 @@ void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, co
 
 // Whether a gated activation pass rides in its GEMM's epilogue: fc1's forward (set_glu_forward_fusion, else
 // MOEKIT_FUSE_GLU_FORWARD=0|1, else per shape) and fc2's dgrad (set_glu_backward_fusion, MOEKIT_FUSE_GLU_BACKWARD).
-// Both run on the own TMA kernel, the epilogue on warps of its own overlapping the next tile's main loop (3-stage
-// ring), so a fusion trades CUTLASS's faster main loop for the activation pass it saves. The backward's epilogue
-// loads gate / up (L2-prefetched while the tile's main loop runs); CUTLASS's ping-pong has it as an epilogue visitor
-// (cutlass/glu_backward_visitor.cuh, only where CUTLASS is forced: it made the step 1.22 of unfused).
-// Forward, per shape (glu_fusion_pays): on where the reduction is short (H <= 2048) and groups are mid-sized
-// (256..1535 rows), where the own kernel's main loop is within 1-2 % of CUTLASS's. moekit bench --variant
-// glu-forward, the step's graph on / off in the same rounds (H200, 2026-11-27): qwen3-30b (H 2048) 1.007 / 0.977
-// (0.983 / 0.992 / 0.983 with the epilogue in the consumers); dsv3-ep8 (H 7168) 1.005, mixtral (H 4096, 2000-row
-// groups) 1.013, dsv3-e256 (128-row groups) 1.028.
+// Both run on the own TMA kernel (fc2's dgrad also on CUTLASS's ping-pong, as an epilogue visitor, where CUTLASS is
+// forced: that made the step 1.22 of unfused), so a fusion trades CUTLASS's faster main loop for the pass it saves.
+// Forward, per shape (glu_fusion_pays): the epilogue on warps of its own, overlapping the next tile's main loop, on
+// where the reduction is short (H <= 2048) and groups are mid-sized (256..1535 rows), where the own kernel's main
+// loop is within 1-2 % of CUTLASS's. moekit bench --variant glu-forward, the step's graph on / off in the same rounds
+// (H200, 2026-11-27): qwen3-30b (H 2048) 1.007 / 0.977; dsv3-ep8 (H 7168) 1.005, mixtral (H 4096, 2000-row groups)
+// 1.013, dsv3-e256 (128-row groups) 1.028.
+// Backward, nowhere by default: in the consumers' epilogue the step read 0.995 on qwen3-30b and 1.013 on dsv3-ep8
+// (--variant glu-backward, same call). On warps of its own (measured, taken out: docs/perf.md) the epilogue has twice
+// the forward's elements a tile plus the gate / up loads; three warps took 1.2 ms for a dgrad whose main loop takes
+// 0.74 (qwen3-30b, ncu), and the step read 1.017 / 1.006.
 enum class GluFusion { kNever, kAlways, kPerShape };
 std::atomic<int> g_glu_fusion[2] = {-1, -1};  // [backward]
 GluFusion glu_fusion_from_env(const char* var) {
@@ -566,8 +567,7 @@ void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
-void set_glu_forward_async_epilogue(int on) { g_glu_async[0] = on; }
-void set_glu_backward_async_epilogue(int on) { g_glu_async[1] = on; }
+void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }
 bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(false, shape); }
 bool glu_backward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(true, shape); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }

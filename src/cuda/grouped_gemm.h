@@ -72,8 +72,8 @@ void grouped_gemm_tn(const GroupedGemmShape& shape, const __nv_bfloat16* A, cons
 // ([max_rows, 2n]) of fc1_out[r] = [gate | up] with d a = dA * probs[r] (probs null = 1), bitwise what
 // activation_backward makes of the stored dA, and dp_partials[r * glu_backward_tiles(n) + t] = the sum over the t-th
 // kGluBackwardTileColumns columns of act(gate) * up * dA (null: skipped; activation_backward_probs_from_partials
-// sums them). Runs on the own TMA kernel (the epilogue on warps of its own, overlapping the next tile's main loop),
-// or where CUTLASS is forced on its ping-pong configuration (an epilogue visitor).
+// sums them). Runs on the own TMA kernel (in its consumers' staged epilogue), or where CUTLASS is forced on its
+// ping-pong configuration (an epilogue visitor).
 // Returns false having launched nothing where it does not run: then the caller runs grouped_gemm_nn +
 // activation_backward.
 struct GluBackwardEpilogue {
@@ -89,8 +89,6 @@ int64_t glu_backward_tiles(int64_t n);  // ceil(n / kGluBackwardTileColumns)
 // measured faster (grouped_gemm.cu).
 void set_glu_backward_fusion(int on);
 bool glu_backward_fusion_enabled(const GroupedGemmShape& shape);  // whether a launch of this shape would fuse now
-// Where the fused backward's epilogue runs, as set_glu_forward_async_epilogue below (MOEKIT_GLU_BACKWARD_EPILOGUE).
-void set_glu_backward_async_epilogue(int on);
 bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                   const int32_t* d_offsets, const GluBackwardEpilogue& epilogue, cudaStream_t stream);
 

@@ -347,84 +347,6 @@ __device__ __forceinline__ void store_tile_async(const Params& p, const TileJob&
     }
 }
 
-// The async GLU backward epilogue (tma_kernel<kNN, ., true>, Params::glu_grad): the consumers stage the tile's dA
-// as store_tile_async's input is staged (bf16, the value the unfused path stores); epilogue warp ew takes rows ew,
-// ew + 3, .. four at a time (eight 16-byte gate / up loads in flight a lane), a lane 8 columns of each row (lanes 0-15
-// the tile's first 128 columns, 16-31 its second), and writes d gate and d up with glu_backward_epilogue's formulas
-// (the same bits); a row's d-prob partial per 128 columns is the sum over its 16 lanes.
-template <Activation kAct>
-__device__ __forceinline__ void glu_backward_tile_async(const Params& p, const TileJob& job, uint32_t buf, int ew,
-                                                        int lane) {
-    constexpr int kRowsAtOnce = 4;
-    const int64_t in_cols = 2 * int64_t(p.n);
-    const int64_t dp_tiles = (p.n + kGluBackwardTileColumns - 1) / kGluBackwardTileColumns;
-    const int col = job.n0 + lane * 8, half = lane >> 4;
-    const bool col_ok = col < p.n;
-    const bool dp_writer =
-        p.glu_dp && (lane & 15) == 0 && job.n0 + half * int(kGluBackwardTileColumns) < p.n;
-    const int rows = int(job.row_end - job.row0 < 128 ? job.row_end - job.row0 : 128);
-    for (int r0 = ew; r0 < rows; r0 += 3 * kRowsAtOnce) {
-        uint4 gv[kRowsAtOnce], uv[kRowsAtOnce];
-#pragma unroll
-        for (int q = 0; q < kRowsAtOnce; ++q) {
-            const int rr = r0 + 3 * q;
-            if (rr < rows && col_ok) {
-                const __nv_bfloat16* in = p.glu_in + (job.row0 + rr) * in_cols + col;
-                gv[q] = __ldg(reinterpret_cast<const uint4*>(in));
-                uv[q] = __ldg(reinterpret_cast<const uint4*>(in + p.n));
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < kRowsAtOnce; ++q) {
-            const int rr = r0 + 3 * q;
-            if (rr >= rows) break;  // uniform over the warp
-            const int64_t gr = job.row0 + rr;
-            const float prob = p.glu_probs ? __ldg(p.glu_probs + gr) : 1.0f;
-            float dp = 0.f;
-            if (col_ok) {
-                const uint4 v = ld_shared_v4(buf + async_slot(rr, lane));
-                const __nv_bfloat16* go = reinterpret_cast<const __nv_bfloat16*>(&v);
-                const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&gv[q]);
-                const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uv[q]);
-                uint4 dgv, duv;
-                __nv_bfloat16* dg = reinterpret_cast<__nv_bfloat16*>(&dgv);
-                __nv_bfloat16* du = reinterpret_cast<__nv_bfloat16*>(&duv);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const float gof = __bfloat162float(go[e]);
-                    float dgf, duf, a;
-                    glu_backward_and_value(kAct, __bfloat162float(g[e]), __bfloat162float(u[e]), gof * prob, &dgf,
-                                           &duf, &a);
-                    dp += a * gof;
-                    dg[e] = __float2bfloat16(dgf);
-                    du[e] = __float2bfloat16(duf);
-                }
-                __nv_bfloat16* out = p.glu_grad + gr * in_cols + col;
-                *reinterpret_cast<uint4*>(out) = dgv;
-                *reinterpret_cast<uint4*>(out + p.n) = duv;
-            }
-            dp += __shfl_xor_sync(0xffffffffu, dp, 8);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 4);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 2);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 1);
-            if (dp_writer) p.glu_dp[gr * dp_tiles + job.n0 / kGluBackwardTileColumns + half] = dp;
-        }
-    }
-}
-
-// The gate / up rows of a dgrad tile into L2 (bulk prefetches, one per row and half), issued by the epilogue warps
-// a tile ahead (as they start on the one before): glu_backward_tile_async's loads then hit L2.
-__device__ __forceinline__ void prefetch_glu_rows(const Params& p, const TileJob& job, int et) {
-    const int cols = p.n - job.n0 < 256 ? p.n - job.n0 : 256;
-    if (cols <= 0) return;
-    const int rows = int(job.row_end - job.row0 < 128 ? job.row_end - job.row0 : 128);
-    const int64_t in_cols = 2 * int64_t(p.n);
-    for (int i = et; i < 2 * rows; i += 96) {
-        const __nv_bfloat16* src = p.glu_in + (job.row0 + (i >> 1)) * in_cols + job.n0 + (i & 1) * p.n;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(uint32_t(cols) * 2u) : "memory");
-    }
-}
-
 // tn epilogue (Params::staged_epilogue): the warpgroup's 64 x 256 fp32 accumulators leave 32 columns at a time
 // through its two 8 KB buffers (laid out as the TMA box's 128-byte swizzle: a row's 16-byte piece q at q ^ (row & 7),
 // which also keeps the st.shared conflict-free), each chunk one bulk tensor store, or with accumulation one bulk
@@ -479,21 +401,15 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // m-slab), so their A tile is the same: each CTA loads one half of it and multicasts it to both, which cuts the
 // L2 -> SM traffic per k-step from 48 KB to 40 KB. A stage is then free only when the consumers of BOTH CTAs
 // released it (empty barriers count 2 warpgroups x 2 CTAs; consumers arrive on both CTAs' barriers).
-// kAsyncEpi (the fused GLU passes: nt with Params::glu_out, nn with Params::glu_grad): 3 stages, and the epilogue on
-// the producer warpgroup's warps 1-3 (stage_tile_async, then store_tile_async / glu_backward_tile_async), so it
-// overlaps the consumers' next main loop.
+// kAsyncEpi (nt with Params::glu_out only): 3 stages, and the epilogue on the producer warpgroup's warps 1-3
+// (stage_tile_async / store_tile_async), so it overlaps the consumers' next main loop.
 template <Op kOp, int kCluster, bool kAsyncEpi = false>
 __global__ void __launch_bounds__(384, 1)
     tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static_assert(!kAsyncEpi || kOp != Op::kTN, "the async epilogue is the fused GLU passes'");
+    static_assert(!kAsyncEpi || kOp == Op::kNT, "the async epilogue is the fused GLU forward's");
     constexpr int BM = 128, BN = 256, kStages = kAsyncEpi ? kAsyncStages : 4;
-    // kAsyncEpi's register split: the backward's epilogue keeps four rows' gate / up loads in flight a lane (one
-    // row's spilled in the forward's 56); its consumers fit in 168. The split must fit the registers the launch holds
-    // (384 x 168): setmaxnreg.inc waits until the other warps have freed enough, so more would hang.
-    constexpr int kAsyncEpiRegs = kOp == Op::kNN ? 152 : 56, kAsyncMainRegs = kOp == Op::kNN ? 176 : 224;
-    static_assert(128 * kAsyncEpiRegs + 256 * kAsyncMainRegs <= 384 * 168, "the register split must fit the launch's");
     constexpr uint32_t kStageA = BM * kBK * 2, kStageB = BN * kBK * 2, kStageBytes = kStageA + kStageB;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -544,29 +460,19 @@ __global__ void __launch_bounds__(384, 1)
     if (wg == 0) {                 // producer warpgroup: warp 0 finds the jobs, its lane 0 issues every copy
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG  // (sanitizer builds: instrumented code may not fit in 40 registers)
         if constexpr (kAsyncEpi)
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAsyncEpiRegs));  // warps 1-3: the epilogue
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");  // warps 1-3 run the epilogue
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
 #endif
         if constexpr (kAsyncEpi) {
             if (tid >= 32) {  // the epilogue warps: every tile the consumers staged, in the consumers' order
-                TileJob job, ahead;
-                int t = 0, i_ahead = 0;
-                auto prefetch_next = [&] {  // the backward's gate / up rows of the next active tile not yet fetched
-                    while (job_at(i_ahead++, ahead))
-                        if (ahead.active) return prefetch_glu_rows(p, ahead, tid - 32);
-                };
-                if constexpr (kOp == Op::kNN) prefetch_next();
+                TileJob job;
+                int t = 0;
                 for (int i = 0; job_at(i, job); ++i) {
                     if (!job.active) continue;
-                    if constexpr (kOp == Op::kNN) prefetch_next();
                     mbar_wait(staged, t & 1);
-                    with_activation(Activation(p.glu_act), [&](auto a) {
-                        if constexpr (kOp == Op::kNT)
-                            store_tile_async<decltype(a)::value>(p, job, epi, tid - 32);
-                        else
-                            glu_backward_tile_async<decltype(a)::value>(p, job, epi, (tid >> 5) - 1, tid & 31);
-                    });
+                    with_activation(Activation(p.glu_act),
+                                    [&](auto a) { store_tile_async<decltype(a)::value>(p, job, epi, tid - 32); });
                     mbar_arrive(freed);
                     ++t;
                 }
@@ -644,7 +550,7 @@ __global__ void __launch_bounds__(384, 1)
 
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG
     if constexpr (kAsyncEpi)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kAsyncMainRegs));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");  // 128 x 56 + 256 x 224 = the launch's 384 x 168
     else
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 #endif

@@ -542,10 +542,9 @@ TEST(GroupedGemm, WgradHotColdInterleave) {
 // unfused pair grouped_gemm_nn + activation_backward on the same kernel: d gate / d up bitwise equal, rows past
 // offsets[G] untouched, d prob (summed in another order) within fp32 rounding. Random counts with empty groups,
 // one group taking every row, output widths off the 128- and 256-column tiles (320, 192) and on them (512, 256);
-// SwiGLU and GeGLU; the own kernel (single CTAs and 2-CTA clusters; the epilogue on warps of its own and in the
-// consumers) and CUTLASS's ping-pong (its epilogue visitor, glu_backward_visitor.cuh); probs and no probs. A kernel
-// without the epilogue, or a shape the fusion is not wanted on (set_glu_backward_fusion, else per shape), launches
-// nothing.
+// SwiGLU and GeGLU; the own kernel (single CTAs and 2-CTA clusters) and CUTLASS's ping-pong (its epilogue visitor,
+// glu_backward_visitor.cuh); probs and no probs. A kernel without the epilogue, or a shape the fusion is not wanted
+// on (set_glu_backward_fusion, else per shape), launches nothing.
 void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, int k, Activation act, bool with_probs,
                         uint64_t seed, int fusion_mode = 1) {
     set_glu_backward_fusion(fusion_mode);
@@ -568,15 +567,12 @@ void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, i
     const float* p = with_probs ? d_probs.ptr : nullptr;
     const int32_t* num_rows = d_off.ptr + G;
     const bool wanted = glu_backward_fusion_enabled(shape);
-    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kCutlassPingpong, Backend::kCutlassCoop})
-    for (const int async : {1, 0}) {
+    for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kCutlassPingpong, Backend::kCutlassCoop}) {
         const bool cutlass = b == Backend::kCutlassPingpong || b == Backend::kCutlassCoop;
-        if (cutlass && (!cutlass_grouped_gemm_built() || !async)) continue;
-        SCOPED_TRACE(::testing::Message() << name(b) << (async ? " async" : " inline") << " epilogue G=" << G
-                                          << " rows=" << rows << " n=" << n << " k=" << k << " act=" << int(act)
-                                          << " probs=" << with_probs << " seed=" << seed);
+        if (cutlass && !cutlass_grouped_gemm_built()) continue;
+        SCOPED_TRACE(::testing::Message() << name(b) << " G=" << G << " rows=" << rows << " n=" << n << " k=" << k
+                                          << " act=" << int(act) << " probs=" << with_probs << " seed=" << seed);
         select(b);
-        set_glu_backward_async_epilogue(async);
         const std::vector<bf16> sentinel(size_t(max_rows) * 2 * n, to_bf16(7.0f));
         ref.upload(sentinel), fused.upload(sentinel);
         grouped_gemm_nn(shape, d_dY.ptr, d_W.ptr, d_dA.ptr, d_off.ptr, nullptr);
@@ -606,7 +602,6 @@ void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, i
         std::vector<double> want(a.begin(), a.begin() + rows), got(c.begin(), c.begin() + rows);
         if (rows > 0) EXPECT_LT(rel_err(got, want), 1e-5) << "d prob";
     }
-    set_glu_backward_async_epilogue(-1);
     reset_backend();
 }
 
@@ -619,7 +614,7 @@ TEST(GroupedGemm, GluBackwardEpilogueMatchesUnfused) {
     check_glu_backward(random_counts(5, 700, 113, 0.0), 0, 512, 128, Activation::gelu, false, 114);
     check_glu_backward({0, 0, 650, 0}, 5, 320, 64, Activation::silu, true, 115);  // one group takes every row
     check_glu_backward({0, 0, 0}, 4, 256, 64, Activation::silu, true, 116);       // no rows at all
-    // Several tiles a CTA, so the async epilogue's hand-over goes round (about 600 tiles of 128 x 256).
+    // Several tiles a CTA (about 600 tiles of 128 x 256 on the own kernel).
     check_glu_backward(random_counts(16, 1500, 119, 0.1), 7, 768, 128, Activation::silu, true, 120);
     check_glu_backward(random_counts(6, 1500, 117, 0.2), 3, 192, 256, Activation::silu, true, 118, -1);  // default
     set_glu_backward_fusion(-1);
