@@ -550,7 +550,9 @@ __global__ void __launch_bounds__(384, 1)
 
 #ifndef MOEKIT_GEMM_NO_SETMAXNREG
     if constexpr (kAsyncEpi)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");  // 128 x 56 + 256 x 224 = the launch's 384 x 168
+        // 128 x 56 + 256 x 224 = the launch's 384 x 168: inc waits for registers the other warps freed, so a split
+        // over the launch's hangs (seen: 144 / 184 for a dgrad epilogue, docs/perf.md).
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
     else
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 #endif
