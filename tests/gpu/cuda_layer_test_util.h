@@ -12,6 +12,7 @@
 #include "core/bf16.h"
 #include "core/rng.h"
 #include "cpu/layer_test_util.h"
+#include "cuda/cuda_check.h"
 #include "cuda/layer_runner.h"
 #include "moekit/config.h"
 #include "moekit/layer.h"
@@ -22,6 +23,16 @@ namespace moekit::test {
 #define SKIP_WITHOUT_GPU()                                                                              \
     if (::moekit::cuda::device_count() == 0)                                                           \
     GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or returned 0): GPU test skipped"
+
+// The fused GLU epilogues are in the sm_90 kernels: their tests skip on any other GPU.
+inline int device_major() {
+    int major = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    return major;
+}
+#define SKIP_WITHOUT_SM90()                                                                             \
+    SKIP_WITHOUT_GPU();                                                                                 \
+    if (::moekit::test::device_major() != 9) GTEST_SKIP() << "the fused epilogues are sm_90 kernels"
 
 // The base small config: S=16, B=2 (T=32), H=64, F=32, E=8, k=2, SwiGLU, softmax, aux + z loss.
 inline MoeConfig small_config() {

@@ -154,10 +154,7 @@ TEST(CudaEcho, ForcedRandomPlansEqualDropless) {
 // the launch's second base (forced random plans: clones on every rank, several of one expert): bitwise the results of
 // the separate activation pass. The switch is process-wide, so the two runs are two rounds of the ranks.
 TEST(CudaEcho, FusedActivationForwardWithSlotsEqualsUnfused) {
-    SKIP_WITHOUT_GPU();
-    int major = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-    if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    SKIP_WITHOUT_SM90();
     for (int ranks : {2, 4}) {
         std::vector<cuda::EpRankStep> plain(static_cast<size_t>(ranks));
         for (const int fuse : {0, 1}) {

@@ -203,27 +203,36 @@ TEST(CudaLayer, RepeatedStepsAreBitwiseEqual) {
     EXPECT_EQ(flat(g1.fc1), flat(g2.fc1));
 }
 
+// The fused-epilogue tests' layer: gated with the aux loss, bf16-rounded seeded weights, input and output gradient.
+struct GluLayerCase {
+    MoeConfig c;
+    MoeWeights<float> w;
+    LayerInput<float> in;
+    Matrix<float> go;
+};
+GluLayerCase glu_layer_case(const char* act, uint64_t seed) {
+    MoeConfig c = small_config();
+    c.activation_func = act;
+    c.moe_router_load_balancing_type = {"aux_loss"}, c.moe_aux_loss_coeff = {0.01};
+    MoeWeights<float> w = bf16_weights(c, seed);
+    LayerInput<float> in = bf16_input(c, seed);
+    Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, seed, 2, 1.0);
+    round_bf16(go);
+    return {c, std::move(w), std::move(in), std::move(go)};
+}
+
 // The gated activation's backward fused into fc2's dgrad epilogue (grouped_gemm_nn_glu_backward) against the
 // unfused layer, on both kernels that have it (fusion forced on): the own TMA kernel and CUTLASS's ping-pong (each
 // forced); GroupedGemm.GluBackwardEpilogueMatchesUnfused asserts that both launch it. Output
 // and fc1 / fc2 weight gradients bitwise equal (the same d gate / d up), the input and router gradients equal up to
 // the order d(prob) is summed in, and both against the CPU oracle.
 TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
-    SKIP_WITHOUT_GPU();
-    int major = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-    if (major != 9) GTEST_SKIP() << "the fused epilogues are sm_90 kernels";
+    SKIP_WITHOUT_SM90();
     for (const bool cutlass : {false, true})
     for (const char* act : {"silu", "gelu"}) {
         if (cutlass && !cuda::cutlass_grouped_gemm_built()) continue;
         SCOPED_TRACE(::testing::Message() << act << (cutlass ? " cutlass ping-pong" : " own TMA kernel"));
-        MoeConfig c = small_config();
-        c.activation_func = act;
-        c.moe_router_load_balancing_type = {"aux_loss"}, c.moe_aux_loss_coeff = {0.01};
-        const MoeWeights<float> w = bf16_weights(c, 31);
-        const LayerInput<float> in = bf16_input(c, 31);
-        Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, 31, 2, 1.0);
-        round_bf16(go);
+        const auto [c, w, in, go] = glu_layer_case(act, 31);
         cuda::set_grouped_gemm_kernel(cutlass ? cuda::GroupedGemmKernel::kCutlass : cuda::GroupedGemmKernel::kTma);
         cuda::set_cutlass_config(cutlass ? cuda::CutlassConfig::kPingpong : cuda::CutlassConfig::kAuto);
         auto run = [&](int fuse, MoeWeights<float>& g) {
@@ -258,20 +267,11 @@ TEST(CudaLayer, FusedActivationBackwardMatchesUnfused) {
 // choice (which fuses on the own kernel): the same fc1 output and activation, so the output and every gradient
 // bitwise equal, and against the CPU oracle; and with both epilogue fusions on.
 TEST(CudaLayer, FusedActivationForwardMatchesUnfused) {
-    SKIP_WITHOUT_GPU();
-    int major = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-    if (major != 9) GTEST_SKIP() << "the fused epilogues are sm_90 kernels";
+    SKIP_WITHOUT_SM90();
     for (const bool own : {true, false})
     for (const char* act : {"silu", "gelu"}) {
         SCOPED_TRACE(::testing::Message() << act << (own ? " own TMA kernel" : " per-shape choice"));
-        MoeConfig c = small_config();
-        c.activation_func = act;
-        c.moe_router_load_balancing_type = {"aux_loss"}, c.moe_aux_loss_coeff = {0.01};
-        const MoeWeights<float> w = bf16_weights(c, 37);
-        const LayerInput<float> in = bf16_input(c, 37);
-        Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, 37, 2, 1.0);
-        round_bf16(go);
+        const auto [c, w, in, go] = glu_layer_case(act, 37);
         auto run = [&](int fuse_forward, int fuse_backward, MoeWeights<float>& g) {
             cuda::set_grouped_gemm_kernel(own || !fuse_forward ? cuda::GroupedGemmKernel::kTma
                                                                : cuda::GroupedGemmKernel::kAuto);

@@ -29,6 +29,14 @@ bool have_gpu() {
 }
 #define SKIP_WITHOUT_GPU() \
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or 0): GPU test skipped"
+int device_major() {
+    int major = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    return major;
+}
+#define SKIP_WITHOUT_SM90() \
+    SKIP_WITHOUT_GPU();     \
+    if (device_major() != 9) GTEST_SKIP() << "the fused epilogues are in the sm_90 TMA kernel"
 
 template <typename T>
 struct DeviceBuffer {
@@ -606,10 +614,7 @@ void check_glu_backward(const std::vector<int>& counts, int slack_rows, int n, i
 }
 
 TEST(GroupedGemm, GluBackwardEpilogueMatchesUnfused) {
-    SKIP_WITHOUT_GPU();
-    int major = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-    if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    SKIP_WITHOUT_SM90();
     check_glu_backward(random_counts(7, 900, 111, 0.3), 9, 320, 192, Activation::silu, true, 112);
     check_glu_backward(random_counts(5, 700, 113, 0.0), 0, 512, 128, Activation::gelu, false, 114);
     check_glu_backward({0, 0, 650, 0}, 5, 320, 64, Activation::silu, true, 115);  // one group takes every row
@@ -690,10 +695,7 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
 }
 
 TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
-    SKIP_WITHOUT_GPU();
-    int major = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-    if (major != 9) GTEST_SKIP() << "the fused epilogue is in the sm_90 TMA kernel";
+    SKIP_WITHOUT_SM90();
     check_glu_forward(random_counts(7, 900, 121, 0.3), 9, 320, 192, Activation::silu, true, 122);
     check_glu_forward(random_counts(5, 700, 123, 0.0), 0, 256, 128, Activation::gelu, false, 124);
     check_glu_forward(random_counts(6, 800, 125, 0.2), 4, 200, 64, Activation::silu, true, 126, 4);  // ECHO slots
