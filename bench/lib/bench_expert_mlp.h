@@ -31,7 +31,7 @@ struct Options {
     std::string only_gemm;  // bench_gemms: this one GEMM (fc1_fwd ... fc1_wgrad) only, e.g. to profile it; empty: all
     // bench_layer: a second graph of the step captured with this switch on, replayed in the same balanced rounds as
     // the graph with it off: "glu-forward" (the gated activation in fc1's epilogue), "glu-backward" (its backward in
-    // fc2's dgrad epilogue); empty: none.
+    // fc2's dgrad epilogue), "gather-fc1" (fc1's loads gathering the token rows: no permute pass); empty: none.
     std::string variant;
 };
 // Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.

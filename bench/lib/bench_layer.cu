@@ -60,7 +60,8 @@ struct LayerVariant {
     void (*set)(int);
 };
 constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusion},
-                                           {"glu-backward", &set_glu_backward_fusion}};
+                                           {"glu-backward", &set_glu_backward_fusion},
+                                           {"gather-fc1", &set_fc1_gather}};
 
 const LayerVariant* find_variant(const std::string& name) {
     for (const LayerVariant& v : kLayerVariants)
@@ -103,7 +104,7 @@ MoeConfig preset_config(const Preset& p) {
 nlohmann::json bench_layer(const Preset& p, const Options& o) {
     const MoeConfig config = preset_config(p);
     const LayerVariant* variant = find_variant(o.variant);
-    MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant, ": expected glu-forward or glu-backward");
+    MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant, ": expected glu-forward, glu-backward or gather-fc1");
     // The fused activation backward's buffers are allocated at construction where the fusion may run.
     if (variant) variant->set(1);
     auto layer = CudaMoeLayer::create(config, p.tokens, 1);

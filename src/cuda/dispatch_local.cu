@@ -22,10 +22,16 @@ public:
     size_t saved_bytes() const override { return rows_.bytes(); }
     bf16* expert_rows_buffer() override { return rows_.get(); }
 
+    bool set_rows_deferred(bool on) override { return deferred_ = on; }
     ExpertInput<R> dispatch(const RoutingPlan<R>& plan, const uint8_t*, const R*, const bf16* hidden,
                             cudaStream_t stream) override {
+        if (!deferred_) write_rows(plan, hidden, stream);
+        ExpertInput<R> in{plan.num_experts, plan.max_rows, rows_.get(), plan.row_prob, plan.offsets};
+        in.rows_pending = deferred_;
+        return in;
+    }
+    void write_rows(const RoutingPlan<R>& plan, const bf16* hidden, cudaStream_t stream) override {
         permute_rows<R>(plan, shape_.router.hidden, hidden, rows_.get(), stream);
-        return {plan.num_experts, plan.max_rows, rows_.get(), plan.row_prob, plan.offsets};
     }
     void combine(const RoutingPlan<R>& plan, const bf16* expert_out, const bf16* shared_out, const float* shared_gate,
                  bf16* out, cudaStream_t stream) override {
@@ -46,6 +52,7 @@ public:
 private:
     DispatchShape shape_;
     DeviceBuffer<bf16> rows_;
+    bool deferred_ = false;
 };
 
 }  // namespace

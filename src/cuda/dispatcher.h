@@ -37,6 +37,9 @@ struct ExpertInput {
     const __nv_bfloat16* slot_fc2 = nullptr;  // [S, H, F]
     float* slot_grad_fc1 = nullptr;           // [S, F1, H]
     float* slot_grad_fc2 = nullptr;           // [S, H, F]
+    // rows not written yet (CudaDispatcher::set_rows_deferred): the first expert GEMM gathers them from the tokens
+    // (RowGather over the plan's row_token), or the caller has the dispatcher write them (write_rows).
+    bool rows_pending = false;
 };
 
 // The local experts' parameters (the layer's, bound per step): ECHO clones read the weights and add their
@@ -96,6 +99,12 @@ public:
     virtual void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* routing_map,
                                    const __nv_bfloat16* grad_rows, const R* grad_row_probs, float* grad_input,
                                    bool accumulate, R* grad_probs, cudaStream_t stream) = 0;
+
+    // EP = 1 (the rows are a permutation of this rank's tokens): while on, dispatch leaves the rows unwritten and
+    // says so (ExpertInput::rows_pending), for fc1's loads to gather; returns whether this dispatcher defers.
+    virtual bool set_rows_deferred(bool) { return false; }
+    // The rows dispatch left pending, written as dispatch would have (where fc1 did not gather them).
+    virtual void write_rows(const RoutingPlan<R>&, const __nv_bfloat16*, cudaStream_t) {}
 
     // ---- the budgeted dispatcher's step protocol (no-ops elsewhere) ----
     // Reads and clears the device flags (a host sync: call between steps). Throws moekit::Error naming the

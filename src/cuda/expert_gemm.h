@@ -14,12 +14,13 @@ struct ExpertGemm {
     using NnGlu = bool (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*,
                            const GluBackwardEpilogue&, cudaStream_t);
     using NtGlu = bool (*)(const GroupedGemmShape&, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
-                           const int32_t*, const GluForwardEpilogue&, cudaStream_t);
+                           const int32_t*, const GluForwardEpilogue&, cudaStream_t, const RowGather*);
     Nt nt = nullptr;  // C = A · B[g]ᵀ   (forward)
     Nt nn = nullptr;  // C = A · B[g]    (dgrad)
     Tn tn = nullptr;  // C[g] = A_gᵀ B_g (wgrad, fp32)
     NnGlu nn_glu_backward = nullptr;  // fc2 dgrad + the gated activation's backward, where the backend fuses it
-    NtGlu nt_glu_forward = nullptr;   // fc1 forward + the gated activation, where the backend fuses it
+    NtGlu nt_glu_forward = nullptr;   // fc1 forward + the gated activation (and the gathered rows), where fused
+    bool (*gathers)(const GroupedGemmShape&) = nullptr;  // whether nt_glu_forward would gather this shape's rows
     const char* name = "";
 };
 

@@ -384,13 +384,27 @@ bool glu_fusion_wanted(bool backward, const GroupedGemmShape& s) {
     return mode == GluFusion::kAlways || (mode == GluFusion::kPerShape && glu_fusion_pays(backward, s));
 }
 
+// fc1's A rows gathered from the tokens inside the fused forward's loads (RowGather): set_fc1_gather, else
+// MOEKIT_GATHER_FC1=0|1, else on. The own kernel on single CTAs with the epilogue on warps of its own only (a
+// cluster multicasts TMA boxes of A; the inline epilogue's producer has too few registers).
+std::atomic<int> g_fc1_gather{-1};
+bool fc1_gather_wanted(const GroupedGemmShape& s) {
+    const int set = g_fc1_gather.load();
+    static const bool env = choice_from_env("MOEKIT_GATHER_FC1", "1", true, "0", false);
+    const bool on = set >= 0 ? set > 0 : env;
+    const GroupedGemmKernel k = resolve_kernel();
+    return on && glu_fusion_wanted(false, s) && (k == GroupedGemmKernel::kAuto || k == GroupedGemmKernel::kTma) &&
+           tma_cluster() != 2 && glu_forward_async_epilogue();
+}
+
 // With `glu` (nn only) / `glu_fwd` (nt only): the fused dgrad + gated-activation backward / fc1 forward + activation,
 // launched where glu_fusion_wanted and the kernel allowed has that epilogue (the own TMA kernel; for the backward also
 // CUTLASS's ping-pong where CUTLASS is forced); returns whether it was launched (nothing is done otherwise).
 template <gemm_detail::Op kOp>
 bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, cudaStream_t stream,
-            const GluBackwardEpilogue* glu = nullptr, const GluForwardEpilogue* glu_fwd = nullptr) {
+            const GluBackwardEpilogue* glu = nullptr, const GluForwardEpilogue* glu_fwd = nullptr,
+            const RowGather* gather = nullptr) {
     using namespace gemm_detail;
     MOEKIT_CHECK(s.num_groups >= 0 && s.max_rows >= 0 && s.n >= 0 && s.k >= 0, name, ": negative size in ",
                  s.to_string());
@@ -399,6 +413,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     MOEKIT_CHECK(s.n < (int64_t(1) << 30) && s.k < (int64_t(1) << 30) && s.max_rows < (int64_t(1) << 30), name,
                  ": sizes beyond 2^30 in ", s.to_string());
     if ((glu && !glu_fusion_wanted(true, s)) || (glu_fwd && !glu_fusion_wanted(false, s))) return false;
+    if (gather && !fc1_gather_wanted(s)) return false;
     // Nothing to compute: with `glu` the caller's unfused path handles it (its activation pass still runs).
     if (s.num_groups == 0 || s.n == 0) return false;
     if (kOp != Op::kTN && (s.max_rows == 0 || s.k == 0)) return false;
@@ -478,6 +493,16 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         p.glu_out = glu_fwd->act_out;
         p.glu_probs = glu_fwd->probs;
         p.glu_act = int(glu_fwd->act);
+        if (gather) {
+            MOEKIT_CHECK(gather->tokens && gather->row_token && gather->rows, name, ": null gather operand");
+            MOEKIT_CHECK((reinterpret_cast<uintptr_t>(gather->tokens) | reinterpret_cast<uintptr_t>(gather->rows)) %
+                                 16 ==
+                             0,
+                         name, ": the gathered tokens and their permuted copy must be 16-byte aligned");
+            p.gather_tokens = gather->tokens;
+            p.gather_row_token = gather->row_token;
+            p.gather_copy = gather->rows;
+        }
     }
     if (kernel == GroupedGemmKernel::kCutlass) {
         MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
@@ -569,6 +594,8 @@ void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }
 bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(false, shape); }
+void set_fc1_gather(int on) { g_fc1_gather = on; }
+bool fc1_gather_enabled(const GroupedGemmShape& shape) { return fc1_gather_wanted(shape) && shape.n % 16 == 0; }
 bool glu_backward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(true, shape); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel kernel) {
@@ -606,9 +633,9 @@ bool grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const __nv_bflo
 
 bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                  __nv_bfloat16* C, const int32_t* d_offsets, const GluForwardEpilogue& epilogue,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const RowGather* gather) {
     return launch<gemm_detail::Op::kNT>("grouped_gemm_nt_glu_forward", shape, A, B, C, d_offsets,
-                                        WgradWrite::overwrite, stream, nullptr, &epilogue);
+                                        WgradWrite::overwrite, stream, nullptr, &epilogue, gather);
 }
 
 }  // namespace moekit::cuda

@@ -111,9 +111,23 @@ bool glu_forward_fusion_enabled(const GroupedGemmShape& shape);  // whether a la
 // stages); 0 = in the consumer warpgroups after each tile (4 stages); -1 (default) = MOEKIT_GLU_FORWARD_EPILOGUE=
 // async|inline, else async.
 void set_glu_forward_async_epilogue(int on);
+// With a RowGather, A's rows are gathered from the unpermuted tokens inside the kernel's loads instead of read from
+// A (one pass over the rows fewer: the permute): row r is tokens[row_token[r]] ([T, shape.k] bf16, 16-byte aligned)
+// for r < offsets[G], and those rows are written to `rows` ([max_rows, k]; rows past offsets[G] untouched), the
+// permuted copy fc1's wgrad reads. A must still be a valid [max_rows, k] allocation (it may be `rows`). Only where
+// fc1_gather_enabled(shape) (the own kernel on single CTAs, its epilogue on warps of its own): elsewhere returns
+// false having launched nothing.
+struct RowGather {
+    const __nv_bfloat16* tokens;
+    const int32_t* row_token;
+    __nv_bfloat16* rows;
+};
+// 1 = gather wherever the fused forward runs on single CTAs, 0 = never; -1 (default) = MOEKIT_GATHER_FC1=0|1, else 1.
+void set_fc1_gather(int on);
+bool fc1_gather_enabled(const GroupedGemmShape& shape);  // whether grouped_gemm_nt_glu_forward would gather now
 bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                                  __nv_bfloat16* C, const int32_t* d_offsets, const GluForwardEpilogue& epilogue,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, const RowGather* gather = nullptr);
 
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
 int grouped_gemm_sm_count();

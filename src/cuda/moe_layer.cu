@@ -170,6 +170,13 @@ public:
         mark(stream, 0, LayerStage::permute, true);
         build_routing_plan<R>(map_.get(), probs_.get(), plan(), stream);
         dispatcher_->set_expert_params(ExpertParams{buf_.fc1, buf_.fc2, buf_.grad_fc1, buf_.grad_fc2});
+        // EP = 1 with the fused fc1 forward: fc1's loads gather the token rows, so dispatch leaves them unwritten.
+        bool gather = false;
+        if constexpr (std::is_same_v<R, float>)
+            gather = shape_.gated_linear_unit && gemm_.gathers &&
+                     gemm_.gathers(GroupedGemmShape{dispatcher_->num_local_experts(), dispatcher_->expert_max_rows(),
+                                                    F1, H});
+        dispatcher_->set_rows_deferred(gather);
         experts_ = dispatcher_->dispatch(plan(), map_.get(), probs_.get(), buf_.hidden, stream);
         mark(stream, 0, LayerStage::permute, false);
         const int64_t L = experts_.num_experts, S = experts_.num_slots, M = experts_.max_rows;
@@ -185,11 +192,15 @@ public:
         // (grouped_gemm_nt_glu_forward, set_glu_forward_fusion), leaving the activation stage empty.
         bool fused_act = false;
         if constexpr (std::is_same_v<R, float>) {
+            const RowGather rows{buf_.hidden, plan().row_token, dispatcher_->expert_rows_buffer()};
             if (shape_.gated_linear_unit && gemm_.nt_glu_forward)
                 fused_act = gemm_.nt_glu_forward(
                     home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(),
-                    offsets, GluForwardEpilogue{experts_.probs, act_out_.get(), shape_.act}, stream);
+                    offsets, GluForwardEpilogue{experts_.probs, act_out_.get(), shape_.act}, stream,
+                    experts_.rows_pending ? &rows : nullptr);
         }
+        // Not gathered after all (the launch declined: nothing was written): the rows as dispatch writes them.
+        if (experts_.rows_pending && !fused_act) dispatcher_->write_rows(plan(), buf_.hidden, stream);
         if (!fused_act)
             gemm_.nt(home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(),
                      offsets, stream);

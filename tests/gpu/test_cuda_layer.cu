@@ -272,24 +272,30 @@ TEST(CudaLayer, FusedActivationForwardMatchesUnfused) {
     for (const char* act : {"silu", "gelu"}) {
         SCOPED_TRACE(::testing::Message() << act << (own ? " own TMA kernel" : " per-shape choice"));
         const auto [c, w, in, go] = glu_layer_case(act, 37);
-        auto run = [&](int fuse_forward, int fuse_backward, MoeWeights<float>& g) {
+        auto run = [&](int fuse_forward, int fuse_backward, MoeWeights<float>& g, int gather = 1) {
             cuda::set_grouped_gemm_kernel(own || !fuse_forward ? cuda::GroupedGemmKernel::kTma
                                                                : cuda::GroupedGemmKernel::kAuto);
             cuda::set_glu_forward_fusion(fuse_forward);
             cuda::set_glu_backward_fusion(fuse_backward);
+            cuda::set_fc1_gather(gather);  // fc1's loads gathering the token rows (no permute pass), or not
             auto gpu = cuda::make_cuda_layer_runner(c);
             const Matrix<float> out = gpu->forward(w, in);
             const Matrix<float> dx = gpu->backward(w, go, g);
             return std::make_pair(out, dx);
         };
         MoeWeights<float> g_fused = zeros_like(w), g_plain = zeros_like(w), g_both = zeros_like(w);
-        MoeWeights<float> g_ref = zeros_like(w);
+        MoeWeights<float> g_ref = zeros_like(w), g_permuted = zeros_like(w);
         const auto [out_f, dx_f] = run(1, 0, g_fused);
         const auto [out_p, dx_p] = run(0, 0, g_plain);
         const auto [out_b, dx_b] = run(1, 1, g_both);
+        const auto [out_n, dx_n] = run(1, 0, g_permuted, 0);  // fused, rows permuted by dispatch
         cuda::set_glu_forward_fusion(-1);
         cuda::set_glu_backward_fusion(-1);
+        cuda::set_fc1_gather(-1);
         cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kAuto);
+        EXPECT_EQ(out_n.data, out_p.data) << "output, not gathered";
+        EXPECT_EQ(dx_n.data, dx_p.data) << "grad input, not gathered";
+        EXPECT_EQ(flat(g_permuted.fc1), flat(g_plain.fc1)) << "fc1 grads, not gathered";
         EXPECT_EQ(out_f.data, out_p.data) << "output";
         EXPECT_EQ(dx_f.data, dx_p.data) << "grad input";
         EXPECT_EQ(flat(g_fused.fc1), flat(g_plain.fc1)) << "fc1 grads";

@@ -637,7 +637,20 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
     const auto off = offsets_of(counts);
     const int rows = off[G], max_rows = rows + slack_rows;
     const int G1 = second_from > 0 ? second_from : G;
-    const auto X = random_bf16(size_t(max_rows) * k, seed, size_t(rows) * k);
+    // X's rows gathered from a token matrix (row r = token row_token[r], tokens repeating as top-k routing repeats
+    // them), so the gathered launch (RowGather) has the same A; rows past offsets[G] NaN.
+    const int T = rows / 3 + 1;
+    const auto tokens = random_bf16(size_t(T) * k, seed + 4, size_t(T) * k);
+    std::vector<int32_t> row_token(size_t(max_rows) + 1, -1);  // never read past offsets[G]
+    Rng pick(seed + 5);
+    auto X = random_bf16(size_t(max_rows) * k, seed, size_t(rows) * k);
+    for (int r = 0; r < rows; ++r) {
+        row_token[r] = int32_t(pick.below(T));
+        std::memcpy(&X[size_t(r) * k], &tokens[size_t(row_token[r]) * k], sizeof(bf16) * k);
+    }
+    DeviceBuffer<bf16> d_tokens(tokens), gathered(size_t(max_rows) * k);
+    DeviceBuffer<int32_t> d_row_token(row_token);
+    const std::vector<bf16> canary_rows(size_t(max_rows) * k, to_bf16(5.0f));
     const auto W = random_bf16(size_t(G1) * n * k, seed + 1, size_t(G1) * n * k);
     const auto W2 = random_bf16(size_t(G - G1) * n * k + 1, seed + 2, size_t(G - G1) * n * k + 1);
     Rng rng(seed + 3);
@@ -660,26 +673,41 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     const auto want_fc1 = ref_fc1.download(), want_act = ref_act.download();
     for (Backend b : {Backend::kTma, Backend::kTmaPair, Backend::kAuto, Backend::kCutlassPingpong})
-    for (const int async : {1, 0}) {
+    for (const int async : {1, 0})
+    for (const int gather : {0, 1}) {
         if (b == Backend::kCutlassPingpong && !cutlass_grouped_gemm_built()) continue;
         SCOPED_TRACE(::testing::Message() << name(b) << (async ? " async" : " inline") << " epilogue G=" << G
                                           << " rows=" << rows << " F=" << F << " k=" << k << " act=" << int(act)
                                           << " probs=" << with_probs << " second_from=" << second_from
-                                          << " seed=" << seed);
+                                          << (gather ? " gathered A" : "") << " seed=" << seed);
         select(b);
         set_glu_forward_async_epilogue(async);
-        fc1.upload(canary_fc1), act_out.upload(canary_act);
-        const bool launched = grouped_gemm_nt_glu_forward(shape, d_X.ptr, d_W.ptr, fc1.ptr, d_off.ptr,
-                                                          GluForwardEpilogue{p, act_out.ptr, act}, nullptr);
+        set_fc1_gather(1);
+        fc1.upload(canary_fc1), act_out.upload(canary_act), gathered.upload(canary_rows);
+        // Gathered: A is the copy's buffer, holding only the canary, so a launch that read A would differ.
+        const RowGather rg{d_tokens.ptr, d_row_token.ptr, gathered.ptr};
+        const bool launched = grouped_gemm_nt_glu_forward(shape, gather ? gathered.ptr : d_X.ptr, d_W.ptr, fc1.ptr,
+                                                          d_off.ptr, GluForwardEpilogue{p, act_out.ptr, act}, nullptr,
+                                                          gather ? &rg : nullptr);
         MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto got_fc1 = fc1.download(), got_act = act_out.download();
-        if (b == Backend::kCutlassPingpong || !glu_forward_fusion_enabled(shape)) {
+        const auto got_fc1 = fc1.download(), got_act = act_out.download(), got_rows = gathered.download();
+        if (b == Backend::kCutlassPingpong || !glu_forward_fusion_enabled(shape) ||
+            (gather && !fc1_gather_enabled(shape))) {
             EXPECT_FALSE(launched);
+            EXPECT_FALSE(gather && async && b == Backend::kTma && glu_forward_fusion_enabled(shape))
+                << "the own kernel on single CTAs declined to gather";
             EXPECT_EQ(0, std::memcmp(got_fc1.data(), canary_fc1.data(), sizeof(bf16) * got_fc1.size()));
             EXPECT_EQ(0, std::memcmp(got_act.data(), canary_act.data(), sizeof(bf16) * got_act.size()));
+            EXPECT_EQ(0, std::memcmp(got_rows.data(), canary_rows.data(), sizeof(bf16) * got_rows.size()));
             continue;
         }
         ASSERT_TRUE(launched);
+        if (gather) {  // the permuted copy: X's rows up to offsets[G], the canary past them
+            size_t rows_differ = 0;
+            for (size_t i = 0; i < got_rows.size(); ++i)
+                rows_differ += bits(got_rows[i]) != bits(i < size_t(rows) * k ? X[i] : canary_rows[i]);
+            EXPECT_EQ(rows_differ, 0u) << "the gathered rows' copy differs from the permuted rows";
+        }
         size_t fc1_differ = 0, act_differ = 0, nonzero = 0;
         for (size_t i = 0; i < got_fc1.size(); ++i) fc1_differ += bits(got_fc1[i]) != bits(want_fc1[i]);
         for (size_t i = 0; i < got_act.size(); ++i) {
@@ -691,6 +719,7 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
         if (rows > 0) EXPECT_GT(nonzero, size_t(rows) * F / 2) << "the activation is mostly zero";
     }
     set_glu_forward_async_epilogue(-1);
+    set_fc1_gather(-1);
     reset_backend();
 }
 
@@ -702,6 +731,9 @@ TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
     check_glu_forward({0, 0, 650, 0}, 5, 136, 64, Activation::silu, true, 127);  // one group takes every row
     check_glu_forward({0, 0, 0}, 4, 128, 64, Activation::silu, true, 128);       // no rows at all
     check_glu_forward(random_counts(4, 500, 129, 0.0), 3, 192, 128, Activation::silu, true, 130, 0, 0);  // off
+    // A reduction off the 64-column stage (the gathered stage's chunks past k are zero-filled); several tiles a CTA.
+    check_glu_forward(random_counts(6, 1100, 135, 0.1), 7, 256, 136, Activation::silu, true, 136);
+    check_glu_forward(random_counts(16, 4000, 137, 0.1), 5, 384, 128, Activation::silu, true, 138);
     // By default per shape: small groups keep CUTLASS and the activation pass, mid-sized groups with a short
     // reduction fuse.
     set_glu_forward_fusion(-1);
