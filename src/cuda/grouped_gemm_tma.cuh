@@ -390,28 +390,13 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
     }
 }
 
-// Gathered A rows (Params::gather_row_token): the producer warp loads a stage's 128 x 64 A tile itself, as 16-byte
-// cp.async in the TMA's 128-byte swizzle (row r at r * 128 bytes, chunk c at c ^ (r & 7)), lane l taking chunk l & 7
-// of rows l / 8, l / 8 + 4, ... (each instruction: 4 whole 128-byte row pieces), the row's token from the tile's
-// table in shared memory. The stage's full barrier then counts 33 arrivals: lane 0's expect_tx (B) and each lane's
-// cp.async.mbarrier.arrive.noinc, which fires once that lane's copies have landed. Chunks past k are zero-filled.
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gather_a_stage(const Params& p, uint32_t stage, uint32_t tokens, int k0, int lane) {
-    const int c = lane & 7, col = k0 + 8 * c;
-    const bool in_k = col < p.k;
-#pragma unroll 4
-    for (int j = 0; j < 32; ++j) {
-        const int r = (lane >> 3) + 4 * j;
-        uint32_t tok;
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(tok) : "r"(tokens + 4 * r));
-        const __nv_bfloat16* src = p.gather_tokens + int64_t(tok) * p.k + (in_k ? col : 0);
-        cp_async16(stage + r * 128 + ((c ^ (r & 7)) << 4), src, in_k);
-    }
-}
-// The rows of a gathered stage that belong to the tile's group, out to the permuted copy (Params::gather_copy), by
-// the lanes that loaded them, once their cp.async landed (cp.async.wait_group): the wgrad reads the copy.
+// Gathered A rows (Params::gather_row_token): a stage's A tile comes as one-row TMA boxes of the token matrix (map_a
+// is then over the tokens, box {64, 1}), the producer warp's lane l issuing rows l, l + 32, l + 64, l + 96 of the
+// tile's group (rows past it are not loaded: they only feed outputs that are never stored). The 128-byte swizzle is
+// a function of the shared-memory address, so a row box lands where the tile box would have put that row. (16-byte
+// cp.async by the one producer warp, measured first, issued too slowly: 4.4 ms for qwen3-30b's fc1 against 1.5.)
+// The rows of a stage that belong to the tile's group, out to the permuted copy (Params::gather_copy), by the lanes
+// that loaded them, once the stage's full barrier says they landed: the wgrad reads the copy.
 __device__ __forceinline__ void copy_out_a_stage(const Params& p, uint32_t stage, int64_t row0, int rows, int k0,
                                                  int lane) {
     const int c = lane & 7, col = k0 + 8 * c;
@@ -458,11 +443,11 @@ __global__ void __launch_bounds__(384, 1)
     const int tid = threadIdx.x, wg = tid / 128;
     const int rank = kCluster > 1 ? int(cluster_ctarank()) : 0;
     // The fused GLU forward on single CTAs may gather its A rows from the unpermuted tokens (Params::gather_row_token):
-    // with the async epilogue only, whose producer warp has 56 registers (with 40 its state spilled).
+    // with the async epilogue only, whose producer warp has 56 registers (40 spilled).
     const bool gathering = kAsyncEpi && kCluster == 1 && p.gather_row_token != nullptr;
     if (tid == 0) {
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), gathering ? 33 : 1);  // gathered A: + each producer lane's cp.async arrival
+            mbar_init(full(s), 1);
             mbar_init(empty(s), 2 * kCluster);  // one arrival per consumer warpgroup of each CTA of the cluster
         }
         if constexpr (kAsyncEpi) {
@@ -521,22 +506,19 @@ __global__ void __launch_bounds__(384, 1)
         }
         int it = 0;
         TileJob job;
-        // Gathered A: the tile's source tokens (rows past its group read token 0: their results are never stored),
-        // and the last stage whose rows this lane still has to copy out (copy_out_a_stage), one step behind.
-        const uint32_t tokens = bars + 512;  // beside the mbarriers, in their 1 KB
-        int pend_rows = 0, pend_s = 0, pend_k0 = 0;
+        // Gathered A: this lane's rows' tokens, and the last stage whose rows it still has to copy out
+        // (copy_out_a_stage), one step behind.
+        int tok[4] = {0, 0, 0, 0};
+        int pend_rows = 0, pend_s = 0, pend_k0 = 0, pend_it = 0;
         int64_t pend_row0 = 0;
         for (int i = 0; job_at(i, job); ++i) {
             if (!job.active) continue;
             const int nk = num_ktiles<kOp>(p, job);
             const int tile_rows = int(min(int64_t(BM), job.row_end - job.row0));
-            if (gathering) {
-                for (int r = tid; r < BM; r += 32)
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tokens + 4 * r),
-                                 "r"(r < tile_rows ? p.gather_row_token[job.row0 + r] : 0)
-                                 : "memory");
-                __syncwarp();
-            }
+            if (gathering)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (tid + 32 * j < tile_rows) tok[j] = p.gather_row_token[job.row0 + tid + 32 * j];
             // Boxes entirely past n (or m, or max_rows) would only feed outputs that are never stored: skip them,
             // and expect only the bytes of the boxes issued (the same A boxes in both CTAs of a cluster).
             const int a_boxes = kOp == Op::kTN    ? min(BM / 64, (p.k - job.m0 + 63) / 64)
@@ -544,7 +526,7 @@ __global__ void __launch_bounds__(384, 1)
                                                : 1;
             const int b_boxes =
                 kOp == Op::kNT ? (job.n0 < p.n ? 1 : 0) : max(0, min(BN / 64, (p.n - job.n0 + 63) / 64));
-            const uint32_t a_bytes = gathering                          ? 0u
+            const uint32_t a_bytes = gathering                          ? uint32_t(tile_rows) * 128u
                                      : kOp == Op::kTN || kCluster > 1 ? uint32_t(a_boxes) * kBlockBytes
                                                                       : kStageA;
             const uint32_t bytes = a_bytes + uint32_t(b_boxes) * (kOp == Op::kNT ? kStageB : kBlockBytes);
@@ -555,15 +537,17 @@ __global__ void __launch_bounds__(384, 1)
                 const int k0 = kt * kBK;
                 if (gathering) {
                     if (tid == 0) mbar_expect_tx(full(s), bytes);
-                    gather_a_stage(p, sA(s), tokens, k0, tid);
-                    cp_async_arrive_noinc(full(s));
-                    cp_async_commit();
-                    if (pend_rows > 0) {  // the previous stage's copies have landed: out to the permuted copy
-                        cp_async_wait<1>();
+                    __syncwarp();  // the bytes are expected before any row box completes
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (tid + 32 * j < tile_rows)
+                            tma_2d(sA(s) + (tid + 32 * j) * 128, &map_a, k0, tok[j], full(s));
+                    if (pend_rows > 0) {  // the previous stage, once landed: out to the permuted copy
+                        mbar_wait(full(pend_s), (pend_it / kStages) & 1);
                         copy_out_a_stage(p, sA(pend_s), pend_row0, pend_rows, pend_k0, tid);
                     }
                     pend_rows = p.gather_copy && job.n0 == 0 ? tile_rows : 0;
-                    pend_s = s, pend_k0 = k0, pend_row0 = job.row0;
+                    pend_s = s, pend_k0 = k0, pend_row0 = job.row0, pend_it = it;
                     if (tid != 0) continue;
                 } else {
                     mbar_expect_tx(full(s), bytes);
@@ -605,7 +589,7 @@ __global__ void __launch_bounds__(384, 1)
             __syncwarp();  // lanes 1-31 skipped the copies: meet lane 0 before the next job search
         }
         if (gathering && pend_rows > 0) {
-            cp_async_wait<0>();
+            mbar_wait(full(pend_s), (pend_it / kStages) & 1);
             copy_out_a_stage(p, sA(pend_s), pend_row0, pend_rows, pend_k0, tid);
         }
         if constexpr (kCluster > 1) {
@@ -650,8 +634,6 @@ __global__ void __launch_bounds__(384, 1)
         for (int kt = 0; kt < nk; ++kt, ++it) {
             const int s = it % kStages;
             mbar_wait(full(s), (it / kStages) & 1);
-            // Gathered A came through cp.async (generic proxy); wgmma reads shared memory through the async proxy.
-            if (gathering) fence_proxy_async();
             if constexpr (kOp == Op::kTN) {
                 // Reduction rows at or past the group's end (the next group's, or past max_rows) must count as zero.
                 const int valid = int(job.row_end - (job.row0 + int64_t(kt) * kBK));
