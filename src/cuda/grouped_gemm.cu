@@ -295,13 +295,7 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     } else {
         int64_t da[2] = {k, rows};
         uint32_t boxa[2] = {64, kCluster > 1 ? 64u : 128u};  // cluster: each CTA loads (and multicasts) one half
-        if (p.gather_row_token) {  // gathered rows: one-row boxes of the token matrix
-            int64_t dt[2] = {k, p.gather_num_tokens};
-            uint32_t boxt[2] = {64, 1};
-            a = tensor_map(p.gather_tokens, 2, dt, boxt);
-        } else {
-            a = tensor_map(p.A, 2, da, boxa);
-        }
+        a = tensor_map(p.A, 2, da, boxa);
         const bool nt = kOp == Op::kNT;
         int64_t db[3] = {nt ? k : n, nt ? n : k, G1}, db2[3] = {db[0], db[1], G2};
         // nt with the gated activation's forward: two boxes of 128 rows a stage, gate and up (Params::glu_out).
@@ -500,9 +494,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
         p.glu_probs = glu_fwd->probs;
         p.glu_act = int(glu_fwd->act);
         if (gather) {
-            MOEKIT_CHECK(gather->tokens && gather->row_token && gather->rows && gather->num_tokens > 0 &&
-                             gather->num_tokens < (int64_t(1) << 31),
-                         name, ": null gather operand or a token count outside 1 .. 2^31");
+            MOEKIT_CHECK(gather->tokens && gather->row_token && gather->rows, name, ": null gather operand");
             MOEKIT_CHECK((reinterpret_cast<uintptr_t>(gather->tokens) | reinterpret_cast<uintptr_t>(gather->rows)) %
                                  16 ==
                              0,
@@ -510,7 +502,6 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             p.gather_tokens = gather->tokens;
             p.gather_row_token = gather->row_token;
             p.gather_copy = gather->rows;
-            p.gather_num_tokens = gather->num_tokens;
         }
     }
     if (kernel == GroupedGemmKernel::kCutlass) {

@@ -112,7 +112,7 @@ bool glu_forward_fusion_enabled(const GroupedGemmShape& shape);  // whether a la
 // async|inline, else async.
 void set_glu_forward_async_epilogue(int on);
 // With a RowGather, A's rows are gathered from the unpermuted tokens inside the kernel's loads instead of read from
-// A (one pass over the rows fewer: the permute): row r is tokens[row_token[r]] ([num_tokens, shape.k] bf16, 16-byte
+// A (one pass over the rows fewer: the permute): row r is tokens[row_token[r]] ([T, shape.k] bf16, 16-byte
 // aligned) for r < offsets[G], and those rows are written to `rows` ([max_rows, k]; rows past offsets[G] untouched),
 // the permuted copy fc1's wgrad reads. A must still be a valid [max_rows, k] allocation (it may be `rows`). Only
 // where fc1_gather_enabled(shape) (the own kernel on single CTAs, its epilogue on warps of its own): elsewhere
@@ -121,7 +121,6 @@ struct RowGather {
     const __nv_bfloat16* tokens;
     const int32_t* row_token;
     __nv_bfloat16* rows;
-    int64_t num_tokens;
 };
 // 1 = gather wherever the fused forward runs on single CTAs, 0 = never; -1 (default) = MOEKIT_GATHER_FC1=0|1, else 1.
 void set_fc1_gather(int on);

@@ -82,13 +82,12 @@ struct Params {
     __nv_bfloat16* glu_out;
     // TMA kernel, the fused GLU forward on single CTAs (grouped_gemm_nt_glu_forward with a RowGather;
     // gather_row_token non-null): A's rows are not read from A but gathered from the unpermuted tokens, row r =
-    // gather_tokens[gather_row_token[r]] ([gather_num_tokens, k]; map_a is over them), as one-row TMA boxes; the CTAs
-    // of the first column tile write the rows of their tiles to gather_copy ([max_rows, k], the permuted copy the
-    // wgrad reads; null: not written).
+    // gather_tokens[gather_row_token[r]] ([T, k]), by the consumers' cp.async (gather_a_chunks); the CTAs of the first
+    // column tile write the rows of their tiles to gather_copy ([max_rows, k], the permuted copy the wgrad reads;
+    // null: not written).
     const __nv_bfloat16* gather_tokens;
     const int32_t* gather_row_token;
     __nv_bfloat16* gather_copy;
-    int64_t gather_num_tokens;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }

@@ -390,23 +390,44 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
     }
 }
 
-// Gathered A rows (Params::gather_row_token): a stage's A tile comes as one-row TMA boxes of the token matrix (map_a
-// is then over the tokens, box {64, 1}), the producer warp's lane l issuing rows l, l + 32, l + 64, l + 96 of the
-// tile's group (rows past it are not loaded: they only feed outputs that are never stored). The 128-byte swizzle is
-// a function of the shared-memory address, so a row box lands where the tile box would have put that row. (16-byte
-// cp.async by the one producer warp, measured first, issued too slowly: 4.4 ms for qwen3-30b's fc1 against 1.5.)
-// The rows of a stage that belong to the tile's group, out to the permuted copy (Params::gather_copy), by the lanes
-// that loaded them, once the stage's full barrier says they landed: the wgrad reads the copy.
-__device__ __forceinline__ void copy_out_a_stage(const Params& p, uint32_t stage, int64_t row0, int rows, int k0,
-                                                 int lane) {
-    const int c = lane & 7, col = k0 + 8 * c;
+// Gathered A rows (Params::gather_row_token; the fused GLU forward on single CTAs): the consumer warpgroups load A
+// themselves, kStages steps ahead of the step they consume, while their wgmmas run: thread t copies, as 16-byte
+// cp.async, chunk t & 7 of rows t / 8 + 32 j (j < 4) of the stage, from its token's row, into the TMA's 128-byte
+// swizzle (chunk c of row r at c ^ (r & 7)); a warp's copy covers four whole 128-byte row pieces. The producer warp
+// loads only B. A stage's full barrier counts 257 arrivals: the producer's expect_tx and each consumer thread's
+// cp.async.mbarrier.arrive.noinc, which fires once that thread's copies landed. Rows past the tile's group read
+// token 0 (their outputs are never stored); chunks past k are zero-filled. (Measured before, slower: the producer
+// warp's 32 lanes issuing every cp.async, 4.4 ms for qwen3-30b's fc1 against 1.5; one-row TMA boxes, 10 ms.)
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+struct GatherCursor {  // the next step a consumer thread gathers: k-step kt of the i-th job
+    int i = -1, kt = 0, nk = 0, rows = 0;
+    int64_t row0 = 0;
+    int tok[4] = {0, 0, 0, 0};  // the tokens of rows ctid / 8 + 32 j of the job's tile
+};
+__device__ __forceinline__ void gather_a_chunks(const Params& p, uint32_t stage, const GatherCursor& g, int ctid) {
+    const int c = ctid & 7, col = g.kt * kBK + 8 * c;
+    const bool in_k = col < p.k;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int r = (ctid >> 3) + 32 * j;
+        cp_async16(stage + r * 128 + ((c ^ (r & 7)) << 4), p.gather_tokens + int64_t(g.tok[j]) * p.k + (in_k ? col : 0),
+                   in_k);
+    }
+}
+// This thread's chunks of a consumed stage whose rows belong to the tile's group, out to the permuted copy
+// (Params::gather_copy) that the wgrad reads: the CTAs of the first column tile write it.
+__device__ __forceinline__ void copy_out_a_chunks(const Params& p, uint32_t stage, const TileJob& job, int kt,
+                                                  int ctid) {
+    const int c = ctid & 7, col = kt * kBK + 8 * c;
     if (col >= p.k) return;
-#pragma unroll 4
-    for (int j = 0; j < 32; ++j) {
-        const int r = (lane >> 3) + 4 * j;
-        if (r >= rows) break;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int r = (ctid >> 3) + 32 * j;
+        if (job.row0 + r >= job.row_end) break;
         const uint4 v = ld_shared_v4(stage + r * 128 + ((c ^ (r & 7)) << 4));
-        *reinterpret_cast<uint4*>(p.gather_copy + (row0 + r) * p.k + col) = v;
+        *reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col) = v;
     }
 }
 
@@ -442,12 +463,11 @@ __global__ void __launch_bounds__(384, 1)
     auto sB = [&](int s) { return base + s * kStageBytes + kStageA; };
     const int tid = threadIdx.x, wg = tid / 128;
     const int rank = kCluster > 1 ? int(cluster_ctarank()) : 0;
-    // The fused GLU forward on single CTAs may gather its A rows from the unpermuted tokens (Params::gather_row_token):
-    // with the async epilogue only, whose producer warp has 56 registers (40 spilled).
+    // The fused GLU forward on single CTAs may gather its A rows from the unpermuted tokens (gather_a_chunks).
     const bool gathering = kAsyncEpi && kCluster == 1 && p.gather_row_token != nullptr;
     if (tid == 0) {
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), 1);
+            mbar_init(full(s), gathering ? 257 : 1);  // gathered A: + each consumer thread's cp.async arrival
             mbar_init(empty(s), 2 * kCluster);  // one arrival per consumer warpgroup of each CTA of the cluster
         }
         if constexpr (kAsyncEpi) {
@@ -506,19 +526,9 @@ __global__ void __launch_bounds__(384, 1)
         }
         int it = 0;
         TileJob job;
-        // Gathered A: this lane's rows' tokens, and the last stage whose rows it still has to copy out
-        // (copy_out_a_stage), one step behind.
-        int tok[4] = {0, 0, 0, 0};
-        int pend_rows = 0, pend_s = 0, pend_k0 = 0, pend_it = 0;
-        int64_t pend_row0 = 0;
         for (int i = 0; job_at(i, job); ++i) {
             if (!job.active) continue;
             const int nk = num_ktiles<kOp>(p, job);
-            const int tile_rows = int(min(int64_t(BM), job.row_end - job.row0));
-            if (gathering)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (tid + 32 * j < tile_rows) tok[j] = p.gather_row_token[job.row0 + tid + 32 * j];
             // Boxes entirely past n (or m, or max_rows) would only feed outputs that are never stored: skip them,
             // and expect only the bytes of the boxes issued (the same A boxes in both CTAs of a cluster).
             const int a_boxes = kOp == Op::kTN    ? min(BM / 64, (p.k - job.m0 + 63) / 64)
@@ -526,32 +536,16 @@ __global__ void __launch_bounds__(384, 1)
                                                : 1;
             const int b_boxes =
                 kOp == Op::kNT ? (job.n0 < p.n ? 1 : 0) : max(0, min(BN / 64, (p.n - job.n0 + 63) / 64));
-            const uint32_t a_bytes = gathering                          ? uint32_t(tile_rows) * 128u
+            const uint32_t a_bytes = gathering                          ? 0u  // the consumers gather A
                                      : kOp == Op::kTN || kCluster > 1 ? uint32_t(a_boxes) * kBlockBytes
                                                                       : kStageA;
             const uint32_t bytes = a_bytes + uint32_t(b_boxes) * (kOp == Op::kNT ? kStageB : kBlockBytes);
             for (int kt = 0; kt < nk; ++kt, ++it) {
-                if (tid != 0 && !gathering) continue;
+                if (tid != 0) continue;
                 const int s = it % kStages;
                 if (it >= kStages) mbar_wait(empty(s), ((it / kStages) + 1) & 1);
+                mbar_expect_tx(full(s), bytes);
                 const int k0 = kt * kBK;
-                if (gathering) {
-                    if (tid == 0) mbar_expect_tx(full(s), bytes);
-                    __syncwarp();  // the bytes are expected before any row box completes
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        if (tid + 32 * j < tile_rows)
-                            tma_2d(sA(s) + (tid + 32 * j) * 128, &map_a, k0, tok[j], full(s));
-                    if (pend_rows > 0) {  // the previous stage, once landed: out to the permuted copy
-                        mbar_wait(full(pend_s), (pend_it / kStages) & 1);
-                        copy_out_a_stage(p, sA(pend_s), pend_row0, pend_rows, pend_k0, tid);
-                    }
-                    pend_rows = p.gather_copy && job.n0 == 0 ? tile_rows : 0;
-                    pend_s = s, pend_k0 = k0, pend_row0 = job.row0, pend_it = it;
-                    if (tid != 0) continue;
-                } else {
-                    mbar_expect_tx(full(s), bytes);
-                }
                 if constexpr (kOp == Op::kTN) {
                     const int r0 = int(job.row0) + k0;
                     if constexpr (kCluster > 1) {
@@ -588,10 +582,6 @@ __global__ void __launch_bounds__(384, 1)
             }
             __syncwarp();  // lanes 1-31 skipped the copies: meet lane 0 before the next job search
         }
-        if (gathering && pend_rows > 0) {
-            mbar_wait(full(pend_s), (pend_it / kStages) & 1);
-            copy_out_a_stage(p, sA(pend_s), pend_row0, pend_rows, pend_k0, tid);
-        }
         if constexpr (kCluster > 1) {
             // Do not exit while the peer may still arrive on this CTA's empty barriers: wait until the last
             // kStages stages were released by the consumers of both CTAs.
@@ -624,6 +614,31 @@ __global__ void __launch_bounds__(384, 1)
         }
     };
     int it = 0, tn_chunks = 0, staged_tiles = 0;
+    // Gathered A: the next step to gather (g_it, global), kStages ahead of the consumed one; every thread gathers
+    // one step after each release (the slot just freed, once both warpgroups released it).
+    GatherCursor g;
+    int g_it = 0;
+    auto gather_next = [&] {
+        TileJob gj;
+        while (g.kt >= g.nk) {  // into the next tile with steps
+            if (!job_at(++g.i, gj)) return;
+            if (!gj.active) continue;
+            g.kt = 0, g.nk = num_ktiles<kOp>(p, gj), g.row0 = gj.row0;
+            g.rows = int(min(int64_t(BM), gj.row_end - gj.row0));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int r = (ctid >> 3) + 32 * j;
+                g.tok[j] = r < g.rows ? p.gather_row_token[g.row0 + r] : 0;
+            }
+        }
+        const int gs = g_it % kStages;
+        if (g_it >= kStages) mbar_wait(empty(gs), ((g_it / kStages) + 1) & 1);
+        gather_a_chunks(p, sA(gs), g, ctid);
+        cp_async_arrive_noinc(full(gs));
+        ++g.kt, ++g_it;
+    };
+    if (gathering)
+        for (int q = 0; q < kStages; ++q) gather_next();
     float d[128];
     TileJob job;
     for (int i = 0; job_at(i, job); ++i) {
@@ -634,6 +649,10 @@ __global__ void __launch_bounds__(384, 1)
         for (int kt = 0; kt < nk; ++kt, ++it) {
             const int s = it % kStages;
             mbar_wait(full(s), (it / kStages) & 1);
+            if (gathering) {
+                fence_proxy_async();  // A came through cp.async (generic proxy); wgmma reads through the async proxy
+                if (p.gather_copy && job.n0 == 0) copy_out_a_chunks(p, sA(s), job, kt, ctid);
+            }
             if constexpr (kOp == Op::kTN) {
                 // Reduction rows at or past the group's end (the next group's, or past max_rows) must count as zero.
                 const int valid = int(job.row_end - (job.row0 + int64_t(kt) * kBK));
@@ -662,9 +681,11 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_commit();
             wgmma_wait<1>();  // step it-1 retired by this warpgroup: hand its stage back to the producer(s)
             if (kt > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
+            if (kt > 0 && gathering) gather_next();
         }
         wgmma_wait<0>();
         if (nk > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
+        if (nk > 0 && gathering) gather_next();
         const int row = cw * 64 + w * 16 + (lane >> 2);
         if constexpr (kAsyncEpi) {  // hand the tile to the epilogue warps once they are done with the last one
             if (staged_tiles > 0) mbar_wait(freed, (staged_tiles - 1) & 1);

@@ -192,7 +192,7 @@ public:
         // (grouped_gemm_nt_glu_forward, set_glu_forward_fusion), leaving the activation stage empty.
         bool fused_act = false;
         if constexpr (std::is_same_v<R, float>) {
-            const RowGather rows{buf_.hidden, plan().row_token, dispatcher_->expert_rows_buffer(), r.num_tokens};
+            const RowGather rows{buf_.hidden, plan().row_token, dispatcher_->expert_rows_buffer()};
             if (shape_.gated_linear_unit && gemm_.nt_glu_forward)
                 fused_act = gemm_.nt_glu_forward(
                     home_and_slots(L, S, M, F1, H, experts_.slot_fc1), experts_.rows, buf_.fc1, fc1_out_.get(),

@@ -685,7 +685,7 @@ void check_glu_forward(const std::vector<int>& counts, int slack_rows, int F, in
         set_fc1_gather(1);
         fc1.upload(canary_fc1), act_out.upload(canary_act), gathered.upload(canary_rows);
         // Gathered: A is the copy's buffer, holding only the canary, so a launch that read A would differ.
-        const RowGather rg{d_tokens.ptr, d_row_token.ptr, gathered.ptr, T};
+        const RowGather rg{d_tokens.ptr, d_row_token.ptr, gathered.ptr};
         const bool launched = grouped_gemm_nt_glu_forward(shape, gather ? gathered.ptr : d_X.ptr, d_W.ptr, fc1.ptr,
                                                           d_off.ptr, GluForwardEpilogue{p, act_out.ptr, act}, nullptr,
                                                           gather ? &rg : nullptr);
