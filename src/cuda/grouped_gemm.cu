@@ -385,12 +385,13 @@ bool glu_fusion_wanted(bool backward, const GroupedGemmShape& s) {
 }
 
 // fc1's A rows gathered from the tokens inside the fused forward's loads (RowGather): set_fc1_gather, else
-// MOEKIT_GATHER_FC1=0|1, else on. The own kernel on single CTAs with the epilogue on warps of its own only (a
-// cluster multicasts TMA boxes of A; the inline epilogue's producer has too few registers).
+// MOEKIT_GATHER_FC1=0|1, else off: it measured slower than the permute pass it saves (qwen3-30b's step 1.026-1.033
+// of the permuted one, --variant gather-fc1, H200, 2026-11-27; docs/perf.md). The own kernel on single CTAs with
+// the epilogue on warps of its own only (a cluster multicasts TMA boxes of A).
 std::atomic<int> g_fc1_gather{-1};
 bool fc1_gather_wanted(const GroupedGemmShape& s) {
     const int set = g_fc1_gather.load();
-    static const bool env = choice_from_env("MOEKIT_GATHER_FC1", "1", true, "0", false);
+    static const bool env = choice_from_env("MOEKIT_GATHER_FC1", "0", false, "1", true);
     const bool on = set >= 0 ? set > 0 : env;
     const GroupedGemmKernel k = resolve_kernel();
     return on && glu_fusion_wanted(false, s) && (k == GroupedGemmKernel::kAuto || k == GroupedGemmKernel::kTma) &&

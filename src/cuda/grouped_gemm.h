@@ -122,7 +122,8 @@ struct RowGather {
     const int32_t* row_token;
     __nv_bfloat16* rows;
 };
-// 1 = gather wherever the fused forward runs on single CTAs, 0 = never; -1 (default) = MOEKIT_GATHER_FC1=0|1, else 1.
+// 1 = gather wherever the fused forward runs on single CTAs, 0 = never; -1 (default) = MOEKIT_GATHER_FC1=0|1, else
+// 0 (measured slower than the permute pass it saves: grouped_gemm.cu).
 void set_fc1_gather(int on);
 bool fc1_gather_enabled(const GroupedGemmShape& shape);  // whether grouped_gemm_nt_glu_forward would gather now
 bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,

@@ -396,8 +396,9 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // swizzle (chunk c of row r at c ^ (r & 7)); a warp's copy covers four whole 128-byte row pieces. The producer warp
 // loads only B. A stage's full barrier counts 257 arrivals: the producer's expect_tx and each consumer thread's
 // cp.async.mbarrier.arrive.noinc, which fires once that thread's copies landed. Rows past the tile's group read
-// token 0 (their outputs are never stored); chunks past k are zero-filled. (Measured before, slower: the producer
-// warp's 32 lanes issuing every cp.async, 4.4 ms for qwen3-30b's fc1 against 1.5; one-row TMA boxes, 10 ms.)
+// token 0 (their outputs are never stored); chunks past k are zero-filled. Off by default: qwen3-30b's fused fc1
+// took 1.90 ms gathered against 1.51 + 0.16 (TMA loads + the permute pass), 1.79 without writing the copy (ncu,
+// H200). Slower still: the producer warp's 32 lanes issuing every cp.async (4.4 ms), one-row TMA boxes (10 ms).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
@@ -427,7 +428,7 @@ __device__ __forceinline__ void copy_out_a_chunks(const Params& p, uint32_t stag
         const int r = (ctid >> 3) + 32 * j;
         if (job.row0 + r >= job.row_end) break;
         const uint4 v = ld_shared_v4(stage + r * 128 + ((c ^ (r & 7)) << 4));
-        *reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col) = v;
+        __stcs(reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col), v);  // evict-first: keep L2 for the tokens
     }
 }
 

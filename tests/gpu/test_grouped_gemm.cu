@@ -741,6 +741,9 @@ TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
         EXPECT_FALSE(glu_forward_fusion_enabled(GroupedGemmShape{4, 500, 384, 128}));
         EXPECT_TRUE(glu_forward_fusion_enabled(GroupedGemmShape{2, 1200, 256, 128}));
         EXPECT_FALSE(glu_forward_fusion_enabled(GroupedGemmShape{2, 1200, 256, 4096}));
+        set_fc1_gather(-1);
+        if (!std::getenv("MOEKIT_GATHER_FC1"))  // gathering is opt-in: it measured slower
+            EXPECT_FALSE(fc1_gather_enabled(GroupedGemmShape{2, 1200, 256, 128}));
     }
     check_glu_forward(random_counts(4, 500, 131, 0.0), 3, 192, 128, Activation::silu, true, 132, 0, -1);
     check_glu_forward(random_counts(2, 1200, 133, 0.0), 0, 128, 128, Activation::silu, true, 134, 0, -1);
