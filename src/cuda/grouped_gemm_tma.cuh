@@ -391,28 +391,31 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 }
 
 // Gathered A rows (Params::gather_row_token; the fused GLU forward on single CTAs): the consumer warpgroups load A
-// themselves, kStages steps ahead of the step they consume, while their wgmmas run: thread t copies, as 16-byte
-// cp.async, chunk t & 7 of rows t / 8 + 32 j (j < 4) of the stage, from its token's row, into the TMA's 128-byte
-// swizzle (chunk c of row r at c ^ (r & 7)); a warp's copy covers four whole 128-byte row pieces. The producer warp
-// loads only B. A stage's full barrier counts 257 arrivals: the producer's expect_tx and each consumer thread's
-// cp.async.mbarrier.arrive.noinc, which fires once that thread's copies landed. Rows past the tile's group read
-// token 0 (their outputs are never stored); chunks past k are zero-filled. Off by default: qwen3-30b's fused fc1
-// took 1.90 ms gathered against 1.51 + 0.16 (TMA loads + the permute pass), 1.79 without writing the copy (ncu,
-// H200). Slower still: the producer warp's 32 lanes issuing every cp.async (4.4 ms), one-row TMA boxes (10 ms).
+// themselves while their wgmmas run, each warpgroup its own 64 rows (its wgmmas read no others), kStages steps ahead:
+// once a warpgroup retired a step it refills that step's slot with its rows for the step kStages later, with no wait
+// on the other warpgroup. Thread t of a warpgroup copies, as 16-byte cp.async, chunk t & 7 of its rows t / 8 + 16 j
+// (j < 4), from the row's token, into the TMA's 128-byte swizzle (chunk c of row r at c ^ (r & 7)); a warp's copy
+// covers four whole 128-byte row pieces. The producer warp loads only B. A stage's full barrier counts 257 arrivals:
+// the producer's expect_tx and each consumer thread's cp.async.mbarrier.arrive.noinc, which fires once that thread's
+// copies landed. Rows past the tile's group read token 0 (their outputs are never stored); chunks past k are
+// zero-filled. Off by default: qwen3-30b's fused fc1 took 1.90 ms gathered against 1.51 + 0.16 (TMA loads + the
+// permute pass), 1.79 without writing the copy (ncu, H200; with both warpgroups refilling a slot once both had
+// retired it). Slower still: the producer warp's 32 lanes issuing every cp.async (4.4 ms), one-row TMA boxes (10 ms).
+__device__ __forceinline__ int gather_row(int ctid, int j) { return (ctid >> 7) * 64 + ((ctid & 127) >> 3) + 16 * j; }
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 struct GatherCursor {  // the next step a consumer thread gathers: k-step kt of the i-th job
     int i = -1, kt = 0, nk = 0, rows = 0;
     int64_t row0 = 0;
-    int tok[4] = {0, 0, 0, 0};  // the tokens of rows ctid / 8 + 32 j of the job's tile
+    int tok[4] = {0, 0, 0, 0};  // the tokens of this thread's rows (gather_row) of the job's tile
 };
 __device__ __forceinline__ void gather_a_chunks(const Params& p, uint32_t stage, const GatherCursor& g, int ctid) {
     const int c = ctid & 7, col = g.kt * kBK + 8 * c;
     const bool in_k = col < p.k;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const int r = (ctid >> 3) + 32 * j;
+        const int r = gather_row(ctid, j);
         cp_async16(stage + r * 128 + ((c ^ (r & 7)) << 4), p.gather_tokens + int64_t(g.tok[j]) * p.k + (in_k ? col : 0),
                    in_k);
     }
@@ -425,7 +428,7 @@ __device__ __forceinline__ void copy_out_a_chunks(const Params& p, uint32_t stag
     if (col >= p.k) return;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const int r = (ctid >> 3) + 32 * j;
+        const int r = gather_row(ctid, j);
         if (job.row0 + r >= job.row_end) break;
         const uint4 v = ld_shared_v4(stage + r * 128 + ((c ^ (r & 7)) << 4));
         __stcs(reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col), v);  // evict-first: keep L2 for the tokens
@@ -616,7 +619,7 @@ __global__ void __launch_bounds__(384, 1)
     };
     int it = 0, tn_chunks = 0, staged_tiles = 0;
     // Gathered A: the next step to gather (g_it, global), kStages ahead of the consumed one; every thread gathers
-    // one step after each release (the slot just freed, once both warpgroups released it).
+    // one step after each step its warpgroup retired, into the slot that step freed.
     GatherCursor g;
     int g_it = 0;
     auto gather_next = [&] {
@@ -628,12 +631,11 @@ __global__ void __launch_bounds__(384, 1)
             g.rows = int(min(int64_t(BM), gj.row_end - gj.row0));
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int r = (ctid >> 3) + 32 * j;
+                const int r = gather_row(ctid, j);
                 g.tok[j] = r < g.rows ? p.gather_row_token[g.row0 + r] : 0;
             }
         }
-        const int gs = g_it % kStages;
-        if (g_it >= kStages) mbar_wait(empty(gs), ((g_it / kStages) + 1) & 1);
+        const int gs = g_it % kStages;  // this warpgroup retired the step that last used the slot
         gather_a_chunks(p, sA(gs), g, ctid);
         cp_async_arrive_noinc(full(gs));
         ++g.kt, ++g_it;
