@@ -104,7 +104,8 @@ MoeConfig preset_config(const Preset& p) {
 nlohmann::json bench_layer(const Preset& p, const Options& o) {
     const MoeConfig config = preset_config(p);
     const LayerVariant* variant = find_variant(o.variant);
-    MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant, ": expected glu-forward, glu-backward or gather-fc1");
+    MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant,
+                   ": expected glu-forward, glu-backward or gather-fc1");
     // The fused activation backward's buffers are allocated at construction where the fusion may run.
     if (variant) variant->set(1);
     auto layer = CudaMoeLayer::create(config, p.tokens, 1);

@@ -115,8 +115,8 @@ void set_glu_forward_async_epilogue(int on);
 // A (one pass over the rows fewer: the permute): row r is tokens[row_token[r]] ([T, shape.k] bf16, 16-byte
 // aligned) for r < offsets[G], and those rows are written to `rows` ([max_rows, k]; rows past offsets[G] untouched),
 // the permuted copy fc1's wgrad reads. A must still be a valid [max_rows, k] allocation (it may be `rows`). Only
-// where fc1_gather_enabled(shape) (the own kernel on single CTAs, its epilogue on warps of its own): elsewhere
-// returns false having launched nothing.
+// where fc1_gather_enabled(shape) (the own kernel on single CTAs, its epilogue on warps of its own) and tokens and
+// rows are 16-byte aligned: elsewhere returns false having launched nothing.
 struct RowGather {
     const __nv_bfloat16* tokens;
     const int32_t* row_token;

@@ -431,7 +431,8 @@ __device__ __forceinline__ void copy_out_a_chunks(const Params& p, uint32_t stag
         const int r = gather_row(ctid, j);
         if (job.row0 + r >= job.row_end) break;
         const uint4 v = ld_shared_v4(stage + r * 128 + ((c ^ (r & 7)) << 4));
-        __stcs(reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col), v);  // evict-first: keep L2 for the tokens
+        // Evict-first: the copy is read only by the wgrad, much later; L2 is better kept for the token rows.
+        __stcs(reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col), v);
     }
 }
 
