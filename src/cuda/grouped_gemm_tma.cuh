@@ -398,9 +398,9 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 // covers four whole 128-byte row pieces. The producer warp loads only B. A stage's full barrier counts 257 arrivals:
 // the producer's expect_tx and each consumer thread's cp.async.mbarrier.arrive.noinc, which fires once that thread's
 // copies landed. Rows past the tile's group read token 0 (their outputs are never stored); chunks past k are
-// zero-filled. Off by default: qwen3-30b's fused fc1 took 1.90 ms gathered against 1.51 + 0.16 (TMA loads + the
-// permute pass), 1.79 without writing the copy (ncu, H200; with both warpgroups refilling a slot once both had
-// retired it). Slower still: the producer warp's 32 lanes issuing every cp.async (4.4 ms), one-row TMA boxes (10 ms).
+// zero-filled. Off by default: qwen3-30b's fused fc1 took 1.84 ms gathered against 1.52 + 0.16 (TMA loads + the
+// permute pass; ncu, H200); each token row is re-read for each of its experts, from DRAM more often than the permuted
+// rows are. Slower still: the producer warp's 32 lanes issuing every cp.async (4.4 ms), one-row TMA boxes (10 ms).
 __device__ __forceinline__ int gather_row(int ctid, int j) { return (ctid >> 7) * 64 + ((ctid & 127) >> 3) + 16 * j; }
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
