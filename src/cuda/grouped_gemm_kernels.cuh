@@ -101,6 +101,9 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Byte offset of 16-byte chunk c of row r in a stage of 128-byte rows with the wgmma / TMA 128B swizzle.
+__device__ __forceinline__ uint32_t swizzled_chunk(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
+
 // Tile [R rows][64 k] of a K-major matrix (row stride ld elements); rows >= row_end or k >= k_end are zero-filled.
 // Layout: row r at r*128 bytes, 16-byte chunk c stored at chunk c ^ (r & 7) (the wgmma 128B swizzle).
 template <int R, int kThreads>
@@ -114,7 +117,7 @@ __device__ __forceinline__ void load_kmajor(uint32_t dst, const __nv_bfloat16* b
         int gk = k0 + ch * 8;
         bool valid = grow < row_end && gk < k_end;
         const __nv_bfloat16* src = valid ? base + grow * ld + gk : base;
-        cp_async16(dst + r * 128 + ((ch ^ (r & 7)) << 4), src, valid);
+        cp_async16(dst + swizzled_chunk(r, ch), src, valid);
     }
 }
 

@@ -416,8 +416,7 @@ __device__ __forceinline__ void gather_a_chunks(const Params& p, uint32_t stage,
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int r = gather_row(ctid, j);
-        cp_async16(stage + r * 128 + ((c ^ (r & 7)) << 4), p.gather_tokens + int64_t(g.tok[j]) * p.k + (in_k ? col : 0),
-                   in_k);
+        cp_async16(stage + swizzled_chunk(r, c), p.gather_tokens + int64_t(g.tok[j]) * p.k + (in_k ? col : 0), in_k);
     }
 }
 // This thread's chunks of a consumed stage whose rows belong to the tile's group, out to the permuted copy
@@ -430,7 +429,7 @@ __device__ __forceinline__ void copy_out_a_chunks(const Params& p, uint32_t stag
     for (int j = 0; j < 4; ++j) {
         const int r = gather_row(ctid, j);
         if (job.row0 + r >= job.row_end) break;
-        const uint4 v = ld_shared_v4(stage + r * 128 + ((c ^ (r & 7)) << 4));
+        const uint4 v = ld_shared_v4(stage + swizzled_chunk(r, c));
         // Evict-first: the copy is read only by the wgrad, much later; L2 is better kept for the token rows.
         __stcs(reinterpret_cast<uint4*>(p.gather_copy + (job.row0 + r) * p.k + col), v);
     }
