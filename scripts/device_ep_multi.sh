@@ -13,37 +13,53 @@ N=${N:-2}
 OUT=${OUT:-/tmp/moekit-out}
 mkdir -p "$OUT/bench"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
-B=build-dev
+B=${B:-build-dev}
+# Binaries built on the workstation against the device image's NCCL headers (2.28.9) and carried in prebuilt/
+# (bin.txz) skip the build; the NCCL library then comes from the image's nvidia-nccl-cu13 package.
+[ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt
+[ -x prebuilt/moekit ] && B=prebuilt
+nccl_lib=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'nccl', 'lib'))" 2>/dev/null)
+[ -d "$nccl_lib" ] || nccl_lib=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -1)
+# prebuilt/lib (last on the path): the workstation's libmpi_cxx, only where the image lacks its own.
+export LD_LIBRARY_PATH=${nccl_lib:+$nccl_lib:}${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$PWD/prebuilt/lib
+LIMIT=${LIMIT:-570}
+# left S: true while more than S seconds of the call's LIMIT remain (a step that would not finish is skipped).
+left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "== skipped: $2 (time)" | tee -a "$OUT/summary.txt"; return 1; }; }
 MPI="mpirun --allow-run-as-root -np $N -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x MOEKIT_DEVICE_WAIT_S"
 log() { echo "== $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
 echo "commit ${MOEKIT_COMMIT:-unknown}, N=$N" | tee -a "$OUT/summary.txt"
 nvidia-smi -L | tee -a "$OUT/summary.txt"
-log "build"
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
-grep -E "NCCL|MPI" "$OUT/build.log" | tee -a "$OUT/summary.txt"
-timeout 300 cmake --build $B >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
-export MOEKIT_DEVICE_WAIT_S=20
-log "GPU EP tests under mpirun -np $N (NCCL)"
-timeout 300 $MPI $B/test_cuda_ep --gtest_filter="*_ep${N}_*:CudaEpBudgeted.*:NcclDeviceComm.*" >"$OUT/test_mpi.log" 2>&1
-echo "exit $?" | tee -a "$OUT/summary.txt"
-grep -E "^\[  (PASSED|FAILED) |Failure|first at" "$OUT/test_mpi.log" | head -20 | cut -c1-240 | tee -a "$OUT/summary.txt"
-if [ "$N" -ge 2 ]; then
-  log "GPU ECHO tests under mpirun -np $N (NCCL)"
-  timeout 200 $MPI $B/test_cuda_echo >"$OUT/test_echo_mpi.log" 2>&1
-  echo "exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "^\[  (PASSED|FAILED) |Failure|rank load" "$OUT/test_echo_mpi.log" | head -12 | cut -c1-240 | tee -a "$OUT/summary.txt"
-  for echo in "" "--moe-enable-echo --moe-num-echo-experts $((2 * N))"; do
-    timeout 120 $MPI $B/moekit bench --preset dsv3-ep8 --expert-model-parallel-size $N --moe-token-dispatcher-type alltoall \
-      --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2 $echo --iters 10 >"$OUT/bench/echo_$N${echo:+_on}.txt" 2>&1
-    grep -E "whole|ECHO|overflow|budgeted|error" "$OUT/bench/echo_$N${echo:+_on}.txt" | cut -c1-240 \
-      | sed "s/^/dsv3-ep8 zipf 1.2 ${echo:+ECHO}: /" | tee -a "$OUT/summary.txt"
-  done
+if [ $B = prebuilt ]; then
+  log "prebuilt binaries; NCCL from ${nccl_lib:-nowhere}"
+  ldd $B/moekit | grep -E "nccl|mpi|not found" | tee -a "$OUT/summary.txt"
+else
+  log "build"
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
+  grep -E "NCCL|MPI" "$OUT/build.log" | tee -a "$OUT/summary.txt"
+  timeout 300 cmake --build $B >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
 fi
+export MOEKIT_DEVICE_WAIT_S=20
+# bounded CAP cmd...: the command under timeout, capped by what is left of LIMIT.
+bounded() {
+  local cap=$1 b=$((LIMIT - SECONDS - 15)); shift
+  [ $b -gt "$cap" ] && b=$cap
+  [ $b -gt 5 ] || { echo "skipped (time): $*" | tee -a "$OUT/summary.txt"; return 124; }
+  timeout $b "$@"
+}
+log "GPU EP tests under mpirun -np $N (NCCL)"
+bounded 240 $MPI $B/test_cuda_ep --gtest_filter="*_ep${N}_*:CudaEpBudgeted.*:CudaEcho.*:NcclDeviceComm.*" >"$OUT/test_mpi.log" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+grep -cE "^\[       OK \]" "$OUT/test_mpi.log" | sed 's/^/tests OK lines (all ranks): /' | tee -a "$OUT/summary.txt"
+grep -E "^\[  (PASSED|FAILED) |Failure|first at|SKIPPED \]" "$OUT/test_mpi.log" | head -24 | cut -c1-240 | tee -a "$OUT/summary.txt"
+log "GPU ECHO tests under mpirun -np $N (NCCL)"
+bounded 150 $MPI $B/test_cuda_echo >"$OUT/test_echo_mpi.log" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+grep -E "^\[  (PASSED|FAILED) |Failure|rank load" "$OUT/test_echo_mpi.log" | head -12 | cut -c1-240 | tee -a "$OUT/summary.txt"
 log "moekit layer --device cuda under mpirun -np $N vs --device cpu"
 for disp in allgather alltoall; do
   for d in cpu cuda; do
     launch="$MPI"; [ $d = cpu ] && launch=""
-    $launch $B/moekit layer --device $d $( [ $d = cpu ] && echo --virtual-ranks $N ) --expert-model-parallel-size $N \
+    bounded 60 $launch $B/moekit layer --device $d $( [ $d = cpu ] && echo --virtual-ranks $N ) --expert-model-parallel-size $N \
       --moe-token-dispatcher-type $disp --init random --hidden-size 256 --num-experts 16 --moe-ffn-hidden-size 128 \
       --moe-router-topk 4 --seq-length 64 --micro-batch-size $((4 * N)) --swiglu --out /tmp/mgpu_${d}_${disp}.safetensors \
       >"$OUT/layer_${d}_${disp}.log" 2>&1
@@ -54,20 +70,47 @@ for disp in allgather alltoall; do
   python3 scripts/compare_safetensors.py /tmp/mgpu_cpu_$disp.safetensors /tmp/mgpu_cuda_$disp.safetensors \
     "moekit layer EP=$N $disp, cuda (NCCL) vs cpu" | tee -a "$OUT/summary.txt"
 done
-log "moekit bench under mpirun -np $N (weak scaling; alltoall vs budgeted f=1.25)"
+# One EP benchmark: bench NAME PRESET FLAGS...; its table rows go to the summary, its JSON to bench/NAME.json.
+bench() {
+  local name=$1 preset=$2; shift 2
+  bounded 120 $MPI $B/moekit bench --preset $preset --expert-model-parallel-size $N --iters 10 "$@" \
+    --json "$OUT/bench/$name.json" >"$OUT/bench/$name.txt" 2>&1
+  echo "$name exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "^  [0-9]|whole|budgeted|ECHO|overflow|error" "$OUT/bench/$name.txt" | cut -c1-240 | sed "s/^/$name: /" \
+    | tee -a "$OUT/summary.txt"
+}
+log "moekit bench under mpirun -np $N: the dispatch payload (dsv3-e256) and weak scaling (alltoall vs budgeted f=1.25)"
 for preset in dsv3-e256 dsv3-ep8 qwen3-30b; do
-  for disp in alltoall budgeted; do
-    extra="--moe-token-dispatcher-type alltoall"
-    [ $disp = budgeted ] && extra="$extra --moe-expert-rank-capacity-factor 1.25"
-    f="$OUT/bench/ep_${preset}_${N}_${disp}"
-    timeout 120 $MPI $B/moekit bench --preset $preset --expert-model-parallel-size $N $extra --iters 10 \
-      --json "$f.json" >"$f.txt" 2>&1
-    grep -E "whole|budgeted|error" "$f.txt" | cut -c1-260 | sed "s/^/$preset $disp: /" | tee -a "$OUT/summary.txt"
-  done
+  bench ${preset}_alltoall $preset --moe-token-dispatcher-type alltoall
+  bench ${preset}_budgeted $preset --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25
 done
-if [ "$N" = 2 ]; then
-  log "moekit train --device cuda over NCCL vs virtual ranks"
-  timeout 300 sh tests/gpu/train_cuda_mpi_np2.sh mpirun $B/moekit /tmp/train_np2 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+if [ "$N" -ge 2 ]; then
+  log "ECHO under zipf 1.2 (dsv3-ep8, budgeted f=1.25) with and without, and the unskewed (balanced) routing"
+  bench echo_off dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2
+  bench echo_on dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2 \
+    --moe-enable-echo --moe-num-echo-experts $((2 * N))
 fi
+if [ "$N" = 2 ]; then
+  log "moekit train --device cuda over NCCL vs virtual ranks (20 steps)"
+  bounded 200 sh tests/gpu/train_cuda_mpi_np2.sh mpirun $B/moekit /tmp/train_np2 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+fi
+log "moekit train: EP=$N over NCCL vs EP=1 on one GPU, the same global batch, 300 steps"
+flags="train --device cuda --model-size demo --moe-token-dispatcher-type alltoall --steps 300 --log-every 50 \
+  --eval-every 100 --seed 11 --global-batch-size $((4 * N)) --overwrite"
+bounded 150 $MPI $B/moekit $flags --expert-model-parallel-size $N --out-dir /tmp/train_ep$N >"$OUT/train_ep$N.log" 2>&1
+echo "train EP=$N exit $?" | tee -a "$OUT/summary.txt"
+bounded 150 $B/moekit $flags --out-dir /tmp/train_ep1 >"$OUT/train_ep1.log" 2>&1
+echo "train EP=1 exit $?" | tee -a "$OUT/summary.txt"
+cp /tmp/train_ep$N/report.json "$OUT/bench/train_ep$N.json" 2>/dev/null
+cp /tmp/train_ep1/report.json "$OUT/bench/train_ep1.json" 2>/dev/null
+python3 - "$OUT/bench" $N <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys
+d, n = sys.argv[1], sys.argv[2]
+a = [s["loss"] for s in json.load(open(f"{d}/train_ep{n}.json"))["steps"]]
+b = [s["loss"] for s in json.load(open(f"{d}/train_ep1.json"))["steps"]]
+worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+print(f"train EP={n} (nccl) vs EP=1: {len(a)} / {len(b)} steps, loss {a[0]:.5f} -> {a[-1]:.5f} vs {b[0]:.5f} -> "
+      f"{b[-1]:.5f}, largest relative difference {worst:.2e}")
+PY
 (cd "$OUT" && tar czf bench.tgz bench && rm -rf bench)
 log "done"
