@@ -25,7 +25,8 @@ export LD_LIBRARY_PATH=${nccl_lib:+$nccl_lib:}${LD_LIBRARY_PATH:+$LD_LIBRARY_PAT
 LIMIT=${LIMIT:-570}
 # left S: true while more than S seconds of the call's LIMIT remain (a step that would not finish is skipped).
 left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "== skipped: $2 (time)" | tee -a "$OUT/summary.txt"; return 1; }; }
-MPI="mpirun --allow-run-as-root -np $N -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x MOEKIT_DEVICE_WAIT_S"
+MPI="mpirun --allow-run-as-root -np $N -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x MOEKIT_DEVICE_WAIT_S -x GTEST_COLOR"
+export GTEST_COLOR=no
 log() { echo "== $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
 echo "commit ${MOEKIT_COMMIT:-unknown}, N=$N" | tee -a "$OUT/summary.txt"
 nvidia-smi -L | tee -a "$OUT/summary.txt"
@@ -66,10 +67,17 @@ for disp in allgather alltoall; do
     echo "layer $d $disp exit $?" | tee -a "$OUT/summary.txt"
   done
 done
+# The same flags on N virtual ranks of one GPU (local-gpu transport): NCCL must give the same bits.
+bounded 60 $B/moekit layer --device cuda --virtual-ranks $N --expert-model-parallel-size $N --moe-token-dispatcher-type \
+  alltoall --init random --hidden-size 256 --num-experts 16 --moe-ffn-hidden-size 128 --moe-router-topk 4 --seq-length 64 \
+  --micro-batch-size $((4 * N)) --swiglu --out /tmp/mgpu_virtual_alltoall.safetensors >"$OUT/layer_virtual.log" 2>&1
+echo "layer cuda virtual ranks exit $?" | tee -a "$OUT/summary.txt"
 for disp in allgather alltoall; do
   python3 scripts/compare_safetensors.py /tmp/mgpu_cpu_$disp.safetensors /tmp/mgpu_cuda_$disp.safetensors \
     "moekit layer EP=$N $disp, cuda (NCCL) vs cpu" | tee -a "$OUT/summary.txt"
 done
+python3 scripts/compare_safetensors.py /tmp/mgpu_virtual_alltoall.safetensors /tmp/mgpu_cuda_alltoall.safetensors \
+  "moekit layer EP=$N alltoall, cuda NCCL vs cuda virtual ranks" | tee -a "$OUT/summary.txt"
 # One EP benchmark: bench NAME PRESET FLAGS...; its table rows go to the summary, its JSON to bench/NAME.json.
 bench() {
   local name=$1 preset=$2; shift 2
@@ -87,8 +95,10 @@ done
 if [ "$N" -ge 2 ]; then
   log "ECHO under zipf 1.2 (dsv3-ep8, budgeted f=1.25) with and without, and the unskewed (balanced) routing"
   bench echo_off dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2
-  bench echo_on dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2 \
-    --moe-enable-echo --moe-num-echo-experts $((2 * N))
+  for slots in ${ECHO_SLOTS:-2 8}; do
+    bench echo_on_$slots dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 \
+      --skew zipf:1.2 --moe-enable-echo --moe-num-echo-experts $((slots * N))
+  done
 fi
 if [ "$N" = 2 ]; then
   log "moekit train --device cuda over NCCL vs virtual ranks (20 steps)"
