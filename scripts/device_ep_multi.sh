@@ -47,6 +47,9 @@ bounded() {
   [ $b -gt 5 ] || { echo "skipped (time): $*" | tee -a "$OUT/summary.txt"; return 124; }
   timeout $b "$@"
 }
+# PARTS (default all): tests layer dispatch scaling echo train sanitize, the sections below.
+part() { [ "${PARTS:-all}" = all ] || [[ " $PARTS " == *" $1 "* ]]; }
+if part tests; then
 log "GPU EP tests under mpirun -np $N (NCCL)"
 bounded 240 $MPI $B/test_cuda_ep --gtest_filter="*_ep${N}_*:CudaEpBudgeted.*:CudaEcho.*:NcclDeviceComm.*" >"$OUT/test_mpi.log" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
@@ -56,6 +59,8 @@ log "GPU ECHO tests under mpirun -np $N (NCCL)"
 bounded 150 $MPI $B/test_cuda_echo >"$OUT/test_echo_mpi.log" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 grep -E "^\[  (PASSED|FAILED) |Failure|rank load" "$OUT/test_echo_mpi.log" | head -12 | cut -c1-240 | tee -a "$OUT/summary.txt"
+fi
+if part layer; then
 log "moekit layer --device cuda under mpirun -np $N vs --device cpu"
 for disp in allgather alltoall; do
   for d in cpu cuda; do
@@ -78,6 +83,14 @@ for disp in allgather alltoall; do
 done
 python3 scripts/compare_safetensors.py /tmp/mgpu_virtual_alltoall.safetensors /tmp/mgpu_cuda_alltoall.safetensors \
   "moekit layer EP=$N alltoall, cuda NCCL vs cuda virtual ranks" | tee -a "$OUT/summary.txt"
+fi
+if part dispatch; then
+  log "dispatch + combine of the dsv3 shape (4096 tokens a rank, H 7168, top-8 of 256) vs the transport's all-to-all"
+  bounded 150 $MPI $B/bench_dispatch --blocks ${DISPATCH_BLOCKS:-16,20,24,32,48} --json "$OUT/bench/dispatch.json" \
+    >"$OUT/bench/dispatch.txt" 2>&1
+  echo "bench_dispatch exit $?" | tee -a "$OUT/summary.txt"
+  grep -vE "^\s*$" "$OUT/bench/dispatch.txt" | cut -c1-200 | head -60 | tee -a "$OUT/summary.txt"
+fi
 # One EP benchmark: bench NAME PRESET FLAGS...; its table rows go to the summary, its JSON to bench/NAME.json.
 bench() {
   local name=$1 preset=$2; shift 2
@@ -87,12 +100,14 @@ bench() {
   grep -E "^  [0-9]|whole|budgeted|ECHO|overflow|error" "$OUT/bench/$name.txt" | cut -c1-240 | sed "s/^/$name: /" \
     | tee -a "$OUT/summary.txt"
 }
-log "moekit bench under mpirun -np $N: the dispatch payload (dsv3-e256) and weak scaling (alltoall vs budgeted f=1.25)"
-for preset in dsv3-e256 dsv3-ep8 qwen3-30b; do
-  bench ${preset}_alltoall $preset --moe-token-dispatcher-type alltoall
-  bench ${preset}_budgeted $preset --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25
-done
-if [ "$N" -ge 2 ]; then
+if part scaling; then
+  log "moekit bench under mpirun -np $N: the dispatch payload (dsv3-e256) and weak scaling (alltoall vs budgeted f=1.25)"
+  for preset in dsv3-e256 dsv3-ep8 qwen3-30b; do
+    bench ${preset}_alltoall $preset --moe-token-dispatcher-type alltoall
+    bench ${preset}_budgeted $preset --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25
+  done
+fi
+if part echo; then
   log "ECHO under zipf 1.2 (dsv3-ep8, budgeted f=1.25) with and without, and the unskewed (balanced) routing"
   bench echo_off dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2
   for slots in ${ECHO_SLOTS:-2 8}; do
@@ -100,10 +115,11 @@ if [ "$N" -ge 2 ]; then
       --skew zipf:1.2 --moe-enable-echo --moe-num-echo-experts $((slots * N))
   done
 fi
-if [ "$N" = 2 ]; then
+if part train && [ "$N" = 2 ]; then
   log "moekit train --device cuda over NCCL vs virtual ranks (20 steps)"
   bounded 200 sh tests/gpu/train_cuda_mpi_np2.sh mpirun $B/moekit /tmp/train_np2 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 fi
+if part train; then
 log "moekit train: EP=$N over NCCL vs EP=1 on one GPU, the same global batch, 300 steps"
 flags="train --device cuda --model-size demo --moe-token-dispatcher-type alltoall --steps 300 --log-every 50 \
   --eval-every 100 --seed 11 --global-batch-size $((4 * N)) --overwrite"
@@ -122,5 +138,20 @@ worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
 print(f"train EP={n} (nccl) vs EP=1: {len(a)} / {len(b)} steps, loss {a[0]:.5f} -> {a[-1]:.5f} vs {b[0]:.5f} -> "
       f"{b[-1]:.5f}, largest relative difference {worst:.2e}")
 PY
+fi
+if part sanitize; then
+  # One process, virtual ranks on GPU 0, host barriers (the sanitizer runs one kernel at a time, so spinning
+  # device barriers could never meet): the push / return copies, clipped pushes on overflow, ECHO's clone copies.
+  for run in "memcheck test_cuda_ep *softmax_post_swiglu_ep2_budgeted*:CudaEpBudgeted.Overflow*" \
+             "racecheck test_cuda_ep *softmax_post_swiglu_ep2_budgeted*" \
+             "memcheck test_cuda_echo CudaEcho.CapacityFactor*:CudaEcho.ForcedRandom*"; do
+    set -- $run
+    log "compute-sanitizer $1 on $2 ($3)"
+    MOEKIT_BUDGETED_HOST_BARRIERS=1 MOEKIT_EXPERT_GEMM=sync_baseline CUDA_VISIBLE_DEVICES=0 bounded 200 \
+      compute-sanitizer --error-exitcode 9 --tool $1 $B/$2 --gtest_filter="$3" >"$OUT/sanitizer_$1_$2.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "PASSED|FAILED|SUMMARY" "$OUT/sanitizer_$1_$2.log" | tail -3 | tee -a "$OUT/summary.txt"
+  done
+fi
 (cd "$OUT" && tar czf bench.tgz bench && rm -rf bench)
 log "done"

@@ -22,6 +22,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/dispatch_echo.cuh"
 #include "cuda/dispatcher.h"
+#include "cuda/peer_copy.cuh"
 
 namespace moekit::cuda {
 namespace {
@@ -133,9 +134,7 @@ __global__ void push_kernel(const uint4* __restrict__ rows, const R* __restrict_
         for (int64_t b = 0; b < B; ++b) {
             const int64_t c = q * B + b, n = t.send_n[c], src0 = t.send_src[c], dst0 = t.send_dst[c];
             for (int64_t j = int64_t(blockIdx.x) * kWarps + warp; j < n; j += int64_t(gridDim.x) * kWarps) {
-                const uint4* s = rows + (src0 + j) * vecs;
-                uint4* d = dst_rows + (dst0 + j) * vecs;
-                for (int64_t v = lane; v < vecs; v += 32) d[v] = s[v];
+                warp_copy_vectors(rows + (src0 + j) * vecs, dst_rows + (dst0 + j) * vecs, vecs, lane);
                 if (lane == 0 && probs) reinterpret_cast<R*>(peers[q] + probs_at)[dst0 + j] = probs[src0 + j];
                 if (lane == 0 && src_at >= 0) reinterpret_cast<int32_t*>(peers[q] + src_at)[dst0 + j] = int32_t(src0 + j);
             }
@@ -158,9 +157,7 @@ __global__ void return_kernel(const uint4* __restrict__ rows, const R* __restric
         }
         const int s = int(lo % ep);
         const int64_t to = src_rows[i];
-        uint4* d = reinterpret_cast<uint4*>(peers[s] + rows_at) + to * vecs;
-        const uint4* from = rows + i * vecs;
-        for (int64_t v = lane; v < vecs; v += 32) d[v] = from[v];
+        warp_copy_vectors(rows + i * vecs, reinterpret_cast<uint4*>(peers[s] + rows_at) + to * vecs, vecs, lane);
         if (lane == 0 && probs) reinterpret_cast<R*>(peers[s] + probs_at)[to] = probs[i];
     }
 }
@@ -335,7 +332,7 @@ public:
         }
         push(send_rows_.get(), plan.row_prob, r_.recv_rows, r_.recv_probs, r_.recv_src, stream);
         if (echo())  // clone weights travel in the same phase as the rows
-            echo_push_clone_weights(echo_, params_, peers_.get(), r_.slots, s_.ep_rank, kBudgetedDispatchBlocks, stream);
+            echo_push_clone_weights(echo_, params_, peers_.get(), r_.slots, s_.ep_rank, s_.dispatch_blocks, stream);
         barrier(stream);
         ExpertInput<R> in{L, budget_, sym_local<bf16>(r_.recv_rows), sym_local<R>(r_.recv_probs), offsets_.get()};
         if (echo()) {
@@ -370,7 +367,7 @@ public:
                                                 stream);
         give_back(grad_rows, grad_row_probs, stream);
         // The barrier closing give_back follows every rank's weight-gradient GEMMs: the clone grads are final.
-        if (echo()) echo_add_clone_grads(echo_, params_, peers_.get(), r_.slots, s_.ep_rank, kBudgetedDispatchBlocks, stream);
+        if (echo()) echo_add_clone_grads(echo_, params_, peers_.get(), r_.slots, s_.ep_rank, s_.dispatch_blocks, stream);
         permute_rows_backward<R>(plan, s_.router.hidden, sym_local<bf16>(r_.ret_rows), grad_input, accumulate, stream);
         scatter_row_probs_grad<R>(plan, map, sym_local<R>(r_.ret_probs), grad_probs, stream);
     }
@@ -419,14 +416,14 @@ private:
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
     void push(const bf16* rows, const R* probs, int64_t rows_at, int64_t probs_at, int64_t src_at, cudaStream_t stream) {
-        push_kernel<R><<<kBudgetedDispatchBlocks, kDispatchThreads, 0, stream>>>(
+        push_kernel<R><<<s_.dispatch_blocks, kDispatchThreads, 0, stream>>>(
             reinterpret_cast<const uint4*>(rows), probs, tables(), peers_.get(), rows_at, probs_at, src_at, s_.ep_rank,
             s_.ep_size, buckets(), s_.router.hidden / 8);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
     // Held rows (and probs) back to their sources' return buffers, then the phase's barrier.
     void give_back(const bf16* rows, const R* probs, cudaStream_t stream) {
-        return_kernel<R><<<kBudgetedDispatchBlocks, kDispatchThreads, 0, stream>>>(
+        return_kernel<R><<<s_.dispatch_blocks, kDispatchThreads, 0, stream>>>(
             reinterpret_cast<const uint4*>(rows), probs, sym_local<const int32_t>(r_.recv_src), tables(), peers_.get(),
             r_.ret_rows, r_.ret_probs, s_.ep_size, buckets(), s_.router.hidden / 8);
         MOEKIT_CUDA_LAUNCH_CHECK();

@@ -6,6 +6,7 @@
 #include "core/echo_dispatch_math.h"
 #include "core/echo_random_plan_math.h"
 #include "cuda/cuda_check.h"
+#include "cuda/peer_copy.cuh"
 
 namespace moekit::cuda {
 namespace {
@@ -78,10 +79,8 @@ __global__ void push_weights_kernel(EchoDims d, const int32_t* slot_expert, cons
         const int64_t l = e - int64_t(rank) * L, q = j / S, s = j % S;
         uint4* dst1 = reinterpret_cast<uint4*>(peers[q] + r.fc1) + s * v1;
         uint4* dst2 = reinterpret_cast<uint4*>(peers[q] + r.fc2) + s * v2;
-        const uint4* src1 = fc1 + l * v1;
-        const uint4* src2 = fc2 + l * v2;
-        for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < v1 + v2; i += int64_t(gridDim.x) * blockDim.x)
-            if (i < v1) dst1[i] = src1[i]; else dst2[i - v1] = src2[i - v1];
+        grid_copy_vectors(fc1 + l * v1, dst1, v1);
+        grid_copy_vectors(fc2 + l * v2, dst2, v2);
     }
 }
 
@@ -96,17 +95,35 @@ __global__ void add_clone_grads_kernel(EchoDims d, const int32_t* slot_expert, c
         for (int64_t j = 0; j < d.num_slots() && !cloned; ++j)
             cloned = slot_expert[j] == e && echo_clone_adds(slot_expert, slot_tokens, j);
         if (!cloned) continue;
-        for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < v1 + v2; i += int64_t(gridDim.x) * blockDim.x) {
-            const bool first = i < v1;
-            float4* g = first ? gfc1 + l * v1 + i : gfc2 + l * v2 + (i - v1);
-            float4 acc = *g;
+        // kPeerCopyUnroll vectors a thread, their peer loads issued together (remote loads are latency-bound);
+        // each element still adds its clones in ascending slot order.
+        const int64_t n = v1 + v2, stride = int64_t(gridDim.x) * blockDim.x;
+        for (int64_t base = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; base < n; base += stride * kPeerCopyUnroll) {
+            float4 acc[kPeerCopyUnroll] = {};
+#pragma unroll
+            for (int u = 0; u < kPeerCopyUnroll; ++u) {
+                const int64_t i = base + stride * u;
+                if (i < n) acc[u] = i < v1 ? gfc1[l * v1 + i] : gfc2[l * v2 + (i - v1)];
+            }
             for (int64_t j = 0; j < d.num_slots(); ++j) {
                 if (slot_expert[j] != e || !echo_clone_adds(slot_expert, slot_tokens, j)) continue;
-                const char* base = peers[j / S] + (first ? r.grad_fc1 : r.grad_fc2);
-                const float4 c = reinterpret_cast<const float4*>(base)[(j % S) * (first ? v1 : v2) + (first ? i : i - v1)];
-                acc.x += c.x, acc.y += c.y, acc.z += c.z, acc.w += c.w;
+                const float4* c1 = reinterpret_cast<const float4*>(peers[j / S] + r.grad_fc1) + (j % S) * v1;
+                const float4* c2 = reinterpret_cast<const float4*>(peers[j / S] + r.grad_fc2) + (j % S) * v2;
+                float4 c[kPeerCopyUnroll] = {};
+#pragma unroll
+                for (int u = 0; u < kPeerCopyUnroll; ++u) {
+                    const int64_t i = base + stride * u;
+                    if (i < n) c[u] = i < v1 ? c1[i] : c2[i - v1];
+                }
+#pragma unroll
+                for (int u = 0; u < kPeerCopyUnroll; ++u)
+                    acc[u].x += c[u].x, acc[u].y += c[u].y, acc[u].z += c[u].z, acc[u].w += c[u].w;
             }
-            *g = acc;
+#pragma unroll
+            for (int u = 0; u < kPeerCopyUnroll; ++u) {
+                const int64_t i = base + stride * u;
+                if (i < n) (i < v1 ? gfc1[l * v1 + i] : gfc2[l * v2 + (i - v1)]) = acc[u];
+            }
         }
     }
 }

@@ -120,6 +120,9 @@ public:
     virtual void force_random_echo_plans(uint64_t) {}
 };
 
+// Blocks (so SMs) the budgeted dispatcher's push/return kernels take by default; the rest stay with the GEMMs.
+inline constexpr int kBudgetedDispatchBlocks = 32;
+
 // Static bounds of a rank's dispatcher.
 struct DispatchShape {
     RouterShape router;          // this rank's tokens, all E experts
@@ -130,6 +133,7 @@ struct DispatchShape {
     EchoAlgorithm echo_algorithm = EchoAlgorithm::waterfill;
     int64_t echo_group_floor_rows = 0;  // plan for time (EchoDims::group_floor_rows)
     int64_t fc1_rows = 0, ffn = 0;  // an expert's weights: fc1 [F1, H], fc2 [H, F] (ECHO copies them)
+    int dispatch_blocks = kBudgetedDispatchBlocks;  // the budgeted dispatcher's copy kernels (benchmarks vary it)
     int64_t local_experts() const { return router.num_experts / ep_size; }
     // Rows one source rank can send to one EP rank: L * capacity with padding, else T * min(k, L).
     int64_t rows_per_source() const;
@@ -148,8 +152,6 @@ template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_allgather_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_alltoall_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
-// Blocks (so SMs) the budgeted dispatcher's push/return kernels take; the rest stay with the GEMMs.
-inline constexpr int kBudgetedDispatchBlocks = 32;
 template <typename R>
 std::unique_ptr<CudaDispatcher<R>> make_budgeted_cuda_dispatcher(const DispatchShape& shape, DeviceComm& ep);
 
