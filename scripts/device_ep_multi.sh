@@ -47,7 +47,7 @@ bounded() {
   [ $b -gt 5 ] || { echo "skipped (time): $*" | tee -a "$OUT/summary.txt"; return 124; }
   timeout $b "$@"
 }
-# PARTS (default all): tests layer dispatch scaling echo train sanitize, the sections below.
+# PARTS (default all): tests layer dispatch scaling echo train virtual sanitize, the sections below.
 part() { [ "${PARTS:-all}" = all ] || [[ " $PARTS " == *" $1 "* ]]; }
 if part tests; then
 log "GPU EP tests under mpirun -np $N (NCCL)"
@@ -138,6 +138,14 @@ worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
 print(f"train EP={n} (nccl) vs EP=1: {len(a)} / {len(b)} steps, loss {a[0]:.5f} -> {a[-1]:.5f} vs {b[0]:.5f} -> "
       f"{b[-1]:.5f}, largest relative difference {worst:.2e}")
 PY
+fi
+if part virtual; then
+  log "the EP and ECHO GPU tests in one process on GPU 0: virtual ranks, EP = 2, 4, 8, every dispatcher"
+  for t in test_cuda_ep test_cuda_echo; do
+    CUDA_VISIBLE_DEVICES=0 bounded 240 $B/$t >"$OUT/virtual_$t.log" 2>&1
+    echo "$t exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/virtual_$t.log" | head -10 | cut -c1-200 | tee -a "$OUT/summary.txt"
+  done
 fi
 if part sanitize; then
   # One process, virtual ranks on GPU 0, host barriers (the sanitizer runs one kernel at a time, so spinning

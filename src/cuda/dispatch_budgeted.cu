@@ -121,23 +121,30 @@ __global__ void budget_plan_kernel(const int32_t* matrix, const int32_t* plan_of
     for (int64_t l = threadIdx.x; l <= L; l += blockDim.x) t.expert_offsets[l] = t.chunk_start[l * ep];
 }
 
-// Sender side: chunk (q, b) = rows [send_src, +send_n) of this rank's permutation-1 rows go to receiver q
-// at send_dst (B buckets per receiver). Blocks start on different peers (staggered), warps take rows.
+// Sender side: chunk (q, b) = rows [send_src, +send_n) of this rank's permutation-1 order go to receiver q at
+// send_dst (B buckets per receiver); row r is token row_token[r], read from the tokens (no permuted copy is
+// written first). Receivers are walked from rank + 1, this rank last, so remote pushes start at once and no
+// two ranks write to the same peer at a time; row j of the walk goes to warp j % warps, so every warp has
+// rows whatever the chunk sizes (chunks are ~T*k/E rows, often fewer than the grid's warps).
 template <typename R>
-__global__ void push_kernel(const uint4* __restrict__ rows, const R* __restrict__ probs, Tables t,
-                            char* const* peers, int64_t rows_at, int64_t probs_at, int64_t src_at, int rank, int ep,
-                            int64_t B, int64_t vecs) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int i = 0; i < ep; ++i) {
-        const int q = (rank + int(blockIdx.x) + i) % ep;
+__global__ void push_kernel(const uint4* __restrict__ tokens, const int32_t* __restrict__ row_token,
+                            const R* __restrict__ probs, Tables t, char* const* peers, int64_t rows_at,
+                            int64_t probs_at, int64_t src_at, int rank, int ep, int64_t B, int64_t vecs) {
+    const int lane = threadIdx.x % 32;
+    const int64_t warps = int64_t(gridDim.x) * kWarps, w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+    int64_t walked = 0;  // rows of the chunks before this one
+    for (int i = 1; i <= ep; ++i) {
+        const int q = (rank + i) % ep;
         uint4* dst_rows = reinterpret_cast<uint4*>(peers[q] + rows_at);
         for (int64_t b = 0; b < B; ++b) {
             const int64_t c = q * B + b, n = t.send_n[c], src0 = t.send_src[c], dst0 = t.send_dst[c];
-            for (int64_t j = int64_t(blockIdx.x) * kWarps + warp; j < n; j += int64_t(gridDim.x) * kWarps) {
-                warp_copy_vectors(rows + (src0 + j) * vecs, dst_rows + (dst0 + j) * vecs, vecs, lane);
-                if (lane == 0 && probs) reinterpret_cast<R*>(peers[q] + probs_at)[dst0 + j] = probs[src0 + j];
-                if (lane == 0 && src_at >= 0) reinterpret_cast<int32_t*>(peers[q] + src_at)[dst0 + j] = int32_t(src0 + j);
+            for (int64_t j = ((w - walked) % warps + warps) % warps; j < n; j += warps) {
+                const int64_t r = src0 + j;
+                warp_copy_vectors(tokens + int64_t(row_token[r]) * vecs, dst_rows + (dst0 + j) * vecs, vecs, lane);
+                if (lane == 0 && probs) reinterpret_cast<R*>(peers[q] + probs_at)[dst0 + j] = probs[r];
+                if (lane == 0 && src_at >= 0) reinterpret_cast<int32_t*>(peers[q] + src_at)[dst0 + j] = int32_t(r);
             }
+            walked += n;
         }
     }
 }
@@ -203,7 +210,7 @@ public:
         upload(peers_.get(), peers);
         send_src_.resize(EP * B), send_dst_.resize(EP * B), send_n_.resize(EP * B), chunk_start_.resize(B * EP + 1);
         offsets_.resize(B + 1);
-        held_.resize(1), status_.resize(6), epoch_.resize(1), send_rows_.resize(M * H), grad_rows_.resize(M * H);
+        held_.resize(1), status_.resize(6), epoch_.resize(1);
         if (S > 0) {
             EchoDeviceState& st = echo_;
             st.dims = EchoDims{EP, E, S, s.echo_group_floor_rows}, st.algorithm = s.echo_algorithm;
@@ -228,8 +235,7 @@ public:
     size_t allocated_bytes() const override {
         size_t n = size_t(r_.total) + fallback_->allocated_bytes();
         auto add = [&](const auto&... b) { ((n += b.bytes()), ...); };
-        add(peers_, send_src_, send_dst_, send_n_, chunk_start_, offsets_, held_, status_, epoch_, send_rows_,
-            grad_rows_);
+        add(peers_, send_src_, send_dst_, send_n_, chunk_start_, offsets_, held_, status_, epoch_);
         add(echo_counts_, slot_expert_, slot_tokens_, clone_tokens_, home_tokens_, load_before_, load_after_,
             plan_summary_, recv_offsets_);
         return n;
@@ -316,8 +322,7 @@ public:
         warm_up_step_ = !warmed_ && capturing == cudaStreamCaptureStatusNone;
         warmed_ = true;
         if (sync()) return fallback_->dispatch(plan, map, probs, hidden, stream);
-        const int64_t H = s_.router.hidden, E = s_.router.num_experts, L = s_.local_experts(), S = s_.echo_slots;
-        permute_rows<R>(plan, H, hidden, send_rows_.get(), stream);
+        const int64_t E = s_.router.num_experts, L = s_.local_experts(), S = s_.echo_slots;
         exchange_counts_kernel<<<1, 256, 0, stream>>>(plan.counts, peers_.get(), r_.counts, s_.ep_rank, s_.ep_size, E);
         MOEKIT_CUDA_LAUNCH_CHECK();
         barrier(stream);
@@ -330,7 +335,7 @@ public:
                                                      s_.ep_size, E, L, budget_, tables());
             MOEKIT_CUDA_LAUNCH_CHECK();
         }
-        push(send_rows_.get(), plan.row_prob, r_.recv_rows, r_.recv_probs, r_.recv_src, stream);
+        push(hidden, plan.row_token, plan.row_prob, r_.recv_rows, r_.recv_probs, r_.recv_src, stream);
         if (echo())  // clone weights travel in the same phase as the rows
             echo_push_clone_weights(echo_, params_, peers_.get(), r_.slots, s_.ep_rank, s_.dispatch_blocks, stream);
         barrier(stream);
@@ -353,8 +358,7 @@ public:
     const bf16* combine_backward(const RoutingPlan<R>& plan, const bf16* grad_out, bf16* scratch,
                                  cudaStream_t stream) override {
         if (sync()) return fallback_->combine_backward(plan, grad_out, scratch, stream);
-        cuda::combine_backward<R>(plan, s_.router.hidden, grad_out, grad_rows_.get(), stream);
-        push(grad_rows_.get(), nullptr, r_.grad_recv, -1, -1, stream);
+        push(grad_out, plan.row_token, nullptr, r_.grad_recv, -1, -1, stream);  // combine's backward gather, pushed
         barrier(stream);
         return sym_local<bf16>(r_.grad_recv);
     }
@@ -415,10 +419,12 @@ private:
         barrier_kernel<<<1, 64, 0, stream>>>(peers_.get(), r_.flags, s_.ep_rank, s_.ep_size, tables(), timeout_ns_);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
-    void push(const bf16* rows, const R* probs, int64_t rows_at, int64_t probs_at, int64_t src_at, cudaStream_t stream) {
+    // Token rows (row r of the walk = tokens[row_token[r]]) and their probs into the receivers' buffers.
+    void push(const bf16* tokens, const int32_t* row_token, const R* probs, int64_t rows_at, int64_t probs_at,
+              int64_t src_at, cudaStream_t stream) {
         push_kernel<R><<<s_.dispatch_blocks, kDispatchThreads, 0, stream>>>(
-            reinterpret_cast<const uint4*>(rows), probs, tables(), peers_.get(), rows_at, probs_at, src_at, s_.ep_rank,
-            s_.ep_size, buckets(), s_.router.hidden / 8);
+            reinterpret_cast<const uint4*>(tokens), row_token, probs, tables(), peers_.get(), rows_at, probs_at, src_at,
+            s_.ep_rank, s_.ep_size, buckets(), s_.router.hidden / 8);
         MOEKIT_CUDA_LAUNCH_CHECK();
     }
     // Held rows (and probs) back to their sources' return buffers, then the phase's barrier.
@@ -440,7 +446,6 @@ private:
     DeviceBuffer<int32_t> send_src_, send_dst_, send_n_, chunk_start_, offsets_, held_;
     DeviceBuffer<unsigned long long> status_;
     DeviceBuffer<uint64_t> epoch_;
-    DeviceBuffer<bf16> send_rows_, grad_rows_;
     // ECHO (S > 0): the plan's device arrays (identical on every rank) and this step's expert parameters.
     EchoDeviceState echo_;
     DeviceBuffer<int64_t> echo_counts_, slot_tokens_, clone_tokens_, home_tokens_, load_before_, load_after_;
