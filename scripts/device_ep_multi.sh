@@ -47,7 +47,7 @@ bounded() {
   [ $b -gt 5 ] || { echo "skipped (time): $*" | tee -a "$OUT/summary.txt"; return 124; }
   timeout $b "$@"
 }
-# PARTS (default all): tests layer dispatch scaling echo train virtual sanitize, the sections below.
+# PARTS (default all): tests layer dispatch scaling echo train virtual suite sanitize, the sections below.
 part() { [ "${PARTS:-all}" = all ] || [[ " $PARTS " == *" $1 "* ]]; }
 if part tests; then
 log "GPU EP tests under mpirun -np $N (NCCL)"
@@ -146,6 +146,12 @@ if part virtual; then
     echo "$t exit $?" | tee -a "$OUT/summary.txt"
     grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/virtual_$t.log" | head -10 | cut -c1-200 | tee -a "$OUT/summary.txt"
   done
+fi
+if part suite && [ -x $B/suite.sh ]; then
+  log "the 13 GPU test binaries on GPU 0 (prebuilt/suite.sh)"
+  CUDA_VISIBLE_DEVICES=0 bounded 300 bash $B/suite.sh >"$OUT/suite.log" 2>&1
+  echo "suite exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "^pass|FAILED|Failure" "$OUT/suite.log" | head -30 | cut -c1-200 | tee -a "$OUT/summary.txt"
 fi
 if part sanitize; then
   # One process, virtual ranks on GPU 0, host barriers (the sanitizer runs one kernel at a time, so spinning
