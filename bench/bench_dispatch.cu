@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -26,6 +25,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/dispatcher.h"
 #include "io/atomic_file.h"
+#include "lib/bench_flags.h"
 #include "lib/bench_main.h"
 #include "lib/bench_util.cuh"
 #include "moekit/comm.h"
@@ -34,9 +34,13 @@
 namespace {
 
 using namespace moekit;
+using moekit::bench::parse_int_flag;
+using moekit::bench::parse_int_list_flag;
+using moekit::bench::require_json_directory;
 using cuda::DeviceBuffer;
 using cuda::bench::bf16;
 using cuda::bench::median;
+using cuda::bench::median_ms_after_barrier;
 
 struct Options {
     int64_t tokens = 4096, hidden = 7168, experts = 256, topk = 8;
@@ -47,18 +51,6 @@ struct Options {
     std::string json_path;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
-    size_t used = 0;
-    int64_t x = 0;
-    try {
-        x = std::stoll(v, &used);
-    } catch (...) {
-        used = 0;
-    }
-    MOEKIT_REQUIRE(used == v.size() && !v.empty() && x >= min, flag, "=", v, " must be an integer >= ", min);
-    return x;
-}
-
 Options parse(int argc, char** argv) {
     Options o;
     for (int i = 1; i < argc; ++i) {
@@ -68,13 +60,13 @@ Options parse(int argc, char** argv) {
             return argv[++i];
         };
         if (a == "--tokens") {
-            o.tokens = parse_int(a, value(), 1);
+            o.tokens = parse_int_flag(a, value(), 1);
         } else if (a == "--hidden") {
-            o.hidden = parse_int(a, value(), 8);
+            o.hidden = parse_int_flag(a, value(), 8);
         } else if (a == "--experts") {
-            o.experts = parse_int(a, value(), 1);
+            o.experts = parse_int_flag(a, value(), 1);
         } else if (a == "--topk") {
-            o.topk = parse_int(a, value(), 1);
+            o.topk = parse_int_flag(a, value(), 1);
         } else if (a == "--factor") {
             const std::string v = value();
             char* end = nullptr;
@@ -82,21 +74,15 @@ Options parse(int argc, char** argv) {
             MOEKIT_REQUIRE(end && *end == '\0' && std::isfinite(o.factor) && o.factor > 0, "--factor=", v,
                            " must be a number > 0 (the receive budget, --moe-expert-rank-capacity-factor)");
         } else if (a == "--blocks") {
-            o.blocks.clear();
-            const std::string v = value();
-            for (size_t start = 0; start <= v.size();) {
-                const size_t comma = std::min(v.find(',', start), v.size());
-                o.blocks.push_back(parse_int("--blocks", v.substr(start, comma - start), 1));
-                start = comma + 1;
-            }
+            o.blocks = parse_int_list_flag(a, value(), 1);
         } else if (a == "--iters") {
-            o.iters = int(parse_int(a, value(), 1));
+            o.iters = int(parse_int_flag(a, value(), 1));
         } else if (a == "--warmup") {
-            o.warmup = int(parse_int(a, value(), 0));
+            o.warmup = int(parse_int_flag(a, value(), 0));
         } else if (a == "--seed") {
-            o.seed = uint64_t(parse_int(a, value(), 0));
+            o.seed = uint64_t(parse_int_flag(a, value(), 0));
         } else if (a == "--virtual-ranks") {
-            o.virtual_ranks = int(parse_int(a, value(), 2));
+            o.virtual_ranks = int(parse_int_flag(a, value(), 2));
         } else if (a == "--json") {
             o.json_path = value();
         } else {
@@ -107,11 +93,7 @@ Options parse(int argc, char** argv) {
     }
     MOEKIT_REQUIRE(o.hidden % 8 == 0, "--hidden=", o.hidden, " must be a multiple of 8 (rows move as 16-byte vectors)");
     MOEKIT_REQUIRE(o.topk <= o.experts, "--topk=", o.topk, " must be <= --experts=", o.experts);
-    if (!o.json_path.empty()) {
-        const std::filesystem::path parent = std::filesystem::path(o.json_path).parent_path();
-        MOEKIT_REQUIRE(parent.empty() || std::filesystem::is_directory(parent), "--json=", o.json_path, ": directory ",
-                       parent.string(), " does not exist");
-    }
+    if (!o.json_path.empty()) require_json_directory(o.json_path);
     return o;
 }
 
@@ -177,23 +159,9 @@ double transport_ms(cuda::DeviceComm& dc, Communicator& world, const std::vector
         out = std::max(out, c.sent()), in = std::max(in, r);
     }
     DeviceBuffer<char> a(out), b(in);
-    cudaEvent_t e0, e1;
-    MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
-    MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<double> t;
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-        world.barrier();
-        MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
+    return median_ms_after_barrier(world, s, o.warmup, o.iters, [&] {
         for (const PeerBytes& c : calls) dc.all_to_all_v(a.get(), c.send.data(), b.get(), c.recv.data(), s);
-        MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
-        MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= o.warmup) t.push_back(ms);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    return median(t);
+    });
 }
 
 // bf16(k * x): what combine gives a token whose k rows are its own row (the fp32 sum of k equal bf16 values is

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -27,6 +26,7 @@
 #include "echo/trace.h"
 #include "io/atomic_file.h"
 #include "lib/bench_expert_mlp.h"
+#include "lib/bench_flags.h"
 #include "lib/bench_main.h"
 #include "lib/bench_util.cuh"
 #include "moekit/error.h"
@@ -34,6 +34,9 @@
 namespace {
 
 using namespace moekit;
+using moekit::bench::parse_int_flag;
+using moekit::bench::parse_int_list_flag;
+using moekit::bench::require_json_directory;
 using cuda::bench::bf16;
 using cuda::bench::DevBuf;
 
@@ -53,18 +56,6 @@ struct Options {
     std::string json_path;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
-    size_t used = 0;
-    int64_t x = 0;
-    try {
-        x = std::stoll(v, &used);
-    } catch (...) {
-        used = 0;
-    }
-    MOEKIT_REQUIRE(used == v.size() && !v.empty() && x >= min, flag, "=", v, " must be an integer >= ", min);
-    return x;
-}
-
 Options parse(int argc, char** argv) {
     Options o;
     bool per_rank_given = false;
@@ -75,36 +66,29 @@ Options parse(int argc, char** argv) {
             return argv[++i];
         };
         if (a == "--ep") {
-            o.eps.clear();
-            const std::string v = value();
-            size_t start = 0;
-            while (start <= v.size()) {
-                const size_t comma = std::min(v.find(',', start), v.size());
-                o.eps.push_back(parse_int("--ep", v.substr(start, comma - start), 1));
-                start = comma + 1;
-            }
+            o.eps = parse_int_list_flag(a, value(), 1);
         } else if (a == "--preset") {
             o.preset = value();
             cuda::bench::find_preset(o.preset);  // UsageError naming the known presets
         } else if (a == "--tokens-per-rank") {
-            o.tokens_per_rank = parse_int(a, value(), 1);
+            o.tokens_per_rank = parse_int_flag(a, value(), 1);
         } else if (a == "--skew") {
             o.zipf_s = cuda::bench::parse_skew(value());
         } else if (a == "--moe-num-echo-experts") {
-            o.slots_total = parse_int(a, value(), 0);
+            o.slots_total = parse_int_flag(a, value(), 0);
         } else if (a == "--slots-per-rank") {
-            o.slots_per_rank = parse_int(a, value(), 0);
+            o.slots_per_rank = parse_int_flag(a, value(), 0);
             per_rank_given = true;
         } else if (a == "--algorithm") {
             o.algorithm = echo::parse_algorithm(value(), "--algorithm");
         } else if (a == "--group-floor-rows") {
-            o.group_floor_rows = parse_int(a, value(), 0);
+            o.group_floor_rows = parse_int_flag(a, value(), 0);
         } else if (a == "--iters") {
-            o.iters = int(parse_int(a, value(), 1));
+            o.iters = int(parse_int_flag(a, value(), 1));
         } else if (a == "--warmup") {
-            o.warmup = int(parse_int(a, value(), 0));
+            o.warmup = int(parse_int_flag(a, value(), 0));
         } else if (a == "--seed") {
-            o.seed = uint64_t(parse_int(a, value(), 0));
+            o.seed = uint64_t(parse_int_flag(a, value(), 0));
         } else if (a == "--json") {
             o.json_path = value();
         } else {
@@ -117,11 +101,7 @@ Options parse(int argc, char** argv) {
     }
     MOEKIT_REQUIRE(!(per_rank_given && o.slots_total >= 0),
                    "--moe-num-echo-experts and --slots-per-rank both given: give one");
-    if (!o.json_path.empty()) {  // fail now, not after the whole run
-        const std::filesystem::path parent = std::filesystem::path(o.json_path).parent_path();
-        MOEKIT_REQUIRE(parent.empty() || std::filesystem::is_directory(parent), "--json=", o.json_path, ": directory ",
-                       parent.string(), " does not exist");
-    }
+    if (!o.json_path.empty()) require_json_directory(o.json_path);
     return o;
 }
 

@@ -56,27 +56,12 @@ double transport_all_to_all_ms(DeviceComm& dc, Communicator& world, int64_t byte
     void *a = nullptr, *b = nullptr;
     MOEKIT_CUDA_CHECK(cudaMalloc(&a, size_t(std::max<int64_t>(per_peer * (n - 1), 16))));
     MOEKIT_CUDA_CHECK(cudaMalloc(&b, size_t(std::max<int64_t>(recv_total, 16))));
+    const double ms = median_ms_after_barrier(world, s, o.warmup, o.iters,
+                                              [&] { dc.all_to_all_v(a, sb.data(), b, rb.data(), s); });
     world.barrier();
-    cudaEvent_t e0, e1;
-    MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
-    MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<double> t;
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-        world.barrier();
-        MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
-        dc.all_to_all_v(a, sb.data(), b, rb.data(), s);
-        MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
-        MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= o.warmup) t.push_back(ms);
-    }
-    world.barrier();
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
     cudaFree(a);
     cudaFree(b);
-    return median(t);
+    return ms;
 }
 
 }  // namespace
