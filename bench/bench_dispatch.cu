@@ -36,11 +36,11 @@ namespace {
 using namespace moekit;
 using moekit::bench::parse_int_flag;
 using moekit::bench::parse_int_list_flag;
+using moekit::bench::parse_run_flag;
 using moekit::bench::require_json_directory;
 using cuda::DeviceBuffer;
 using cuda::bench::bf16;
 using cuda::bench::median;
-using cuda::bench::median_ms_after_barrier;
 
 struct Options {
     int64_t tokens = 4096, hidden = 7168, experts = 256, topk = 8;
@@ -75,17 +75,9 @@ Options parse(int argc, char** argv) {
                            " must be a number > 0 (the receive budget, --moe-expert-rank-capacity-factor)");
         } else if (a == "--blocks") {
             o.blocks = parse_int_list_flag(a, value(), 1);
-        } else if (a == "--iters") {
-            o.iters = int(parse_int_flag(a, value(), 1));
-        } else if (a == "--warmup") {
-            o.warmup = int(parse_int_flag(a, value(), 0));
-        } else if (a == "--seed") {
-            o.seed = uint64_t(parse_int_flag(a, value(), 0));
         } else if (a == "--virtual-ranks") {
             o.virtual_ranks = int(parse_int_flag(a, value(), 2));
-        } else if (a == "--json") {
-            o.json_path = value();
-        } else {
+        } else if (!parse_run_flag(a, value, o.iters, o.warmup, o.seed, o.json_path)) {
             throw UsageError("unknown flag " + a +
                              " (flags: --tokens T, --hidden H, --experts E, --topk K, --factor F, --blocks 16,24,32, "
                              "--iters N, --warmup N, --seed N, --virtual-ranks N, --json FILE)");
@@ -159,9 +151,9 @@ double transport_ms(cuda::DeviceComm& dc, Communicator& world, const std::vector
         out = std::max(out, c.sent()), in = std::max(in, r);
     }
     DeviceBuffer<char> a(out), b(in);
-    return median_ms_after_barrier(world, s, o.warmup, o.iters, [&] {
+    return cuda::time_ms_after([&] { world.barrier(); }, [&] {
         for (const PeerBytes& c : calls) dc.all_to_all_v(a.get(), c.send.data(), b.get(), c.recv.data(), s);
-    });
+    }, s, o.warmup, o.iters);
 }
 
 // bf16(k * x): what combine gives a token whose k rows are its own row (the fp32 sum of k equal bf16 values is

@@ -36,6 +36,7 @@ namespace {
 using namespace moekit;
 using moekit::bench::parse_int_flag;
 using moekit::bench::parse_int_list_flag;
+using moekit::bench::parse_run_flag;
 using moekit::bench::require_json_directory;
 using cuda::bench::bf16;
 using cuda::bench::DevBuf;
@@ -83,15 +84,7 @@ Options parse(int argc, char** argv) {
             o.algorithm = echo::parse_algorithm(value(), "--algorithm");
         } else if (a == "--group-floor-rows") {
             o.group_floor_rows = parse_int_flag(a, value(), 0);
-        } else if (a == "--iters") {
-            o.iters = int(parse_int_flag(a, value(), 1));
-        } else if (a == "--warmup") {
-            o.warmup = int(parse_int_flag(a, value(), 0));
-        } else if (a == "--seed") {
-            o.seed = uint64_t(parse_int_flag(a, value(), 0));
-        } else if (a == "--json") {
-            o.json_path = value();
-        } else {
+        } else if (!parse_run_flag(a, value, o.iters, o.warmup, o.seed, o.json_path)) {
             throw UsageError("unknown flag " + a +
                              " (flags: --ep 4,8, --preset NAME, --tokens-per-rank T, --skew zipf:S, "
                              "--moe-num-echo-experts S_TOTAL | --slots-per-rank S, --algorithm waterfill|greedy, "

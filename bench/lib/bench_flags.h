@@ -34,6 +34,19 @@ inline std::vector<int64_t> parse_int_list_flag(const std::string& flag, const s
     return out;
 }
 
+// --iters N (>= 1), --warmup N (>= 0), --seed N and --json FILE, which the benchmarks share: true when `flag` was
+// one of them (its value read with value()).
+template <typename Value>
+bool parse_run_flag(const std::string& flag, Value&& value, int& iters, int& warmup, uint64_t& seed,
+                    std::string& json_path) {
+    if (flag == "--iters") iters = int(parse_int_flag(flag, value(), 1));
+    else if (flag == "--warmup") warmup = int(parse_int_flag(flag, value(), 0));
+    else if (flag == "--seed") seed = uint64_t(parse_int_flag(flag, value(), 0));
+    else if (flag == "--json") json_path = value();
+    else return false;
+    return true;
+}
+
 // --json FILE: its directory must exist (checked before the run, not after it).
 inline void require_json_directory(const std::string& path) {
     const std::filesystem::path parent = std::filesystem::path(path).parent_path();

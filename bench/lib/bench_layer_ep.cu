@@ -56,8 +56,8 @@ double transport_all_to_all_ms(DeviceComm& dc, Communicator& world, int64_t byte
     void *a = nullptr, *b = nullptr;
     MOEKIT_CUDA_CHECK(cudaMalloc(&a, size_t(std::max<int64_t>(per_peer * (n - 1), 16))));
     MOEKIT_CUDA_CHECK(cudaMalloc(&b, size_t(std::max<int64_t>(recv_total, 16))));
-    const double ms = median_ms_after_barrier(world, s, o.warmup, o.iters,
-                                              [&] { dc.all_to_all_v(a, sb.data(), b, rb.data(), s); });
+    const double ms = time_ms_after([&] { world.barrier(); }, [&] { dc.all_to_all_v(a, sb.data(), b, rb.data(), s); },
+                                    s, o.warmup, o.iters);
     world.barrier();
     cudaFree(a);
     cudaFree(b);

@@ -15,7 +15,6 @@
 #include "cuda/dense_gemm.cuh"
 #include "cuda/event_timing.h"
 #include "cuda/random_fill.h"
-#include "moekit/comm.h"
 
 namespace moekit::cuda::bench {
 
@@ -23,6 +22,7 @@ using bf16 = __nv_bfloat16;
 using cuda::dense_gemm;
 using cuda::fill_uniform;
 using cuda::time_ms;
+using cuda::time_ms_after;
 using moekit::bench::balanced_order;
 
 // Internal linkage: this header is included by more than one benchmark .cu of the same library.
@@ -33,29 +33,6 @@ template <typename T>
 double median(std::vector<T> v) {
     std::sort(v.begin(), v.end());
     return v.empty() ? 0.0 : double(v[v.size() / 2]);
-}
-
-// Median ms of what `enqueue` puts on stream s, the ranks of `world` meeting on the host before each run (so a
-// collective's time, not the wait for a late rank); the first `warmup` runs are not counted.
-template <typename Enqueue>
-double median_ms_after_barrier(Communicator& world, cudaStream_t s, int warmup, int iters, Enqueue&& enqueue) {
-    cudaEvent_t e0, e1;
-    MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
-    MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<double> t;
-    for (int it = 0; it < warmup + iters; ++it) {
-        world.barrier();
-        MOEKIT_CUDA_CHECK(cudaEventRecord(e0, s));
-        enqueue();
-        MOEKIT_CUDA_CHECK(cudaEventRecord(e1, s));
-        MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= warmup) t.push_back(ms);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    return median(t);
 }
 
 template <typename T>

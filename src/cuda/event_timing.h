@@ -1,5 +1,5 @@
 // time_ms: the median milliseconds of fn() on one stream over `iters` runs after `warmup` runs, each run timed
-// with a pair of CUDA events; graph_time_ms: the same for fn captured in a CUDA graph. Header-only because they take
+// with a pair of CUDA events (time_ms_after: a host step before each run); graph_time_ms: the same for fn captured in a CUDA graph. Header-only because they take
 // any callable. Used by the training engine's speed report (train_engine.cu, `moekit train --device cuda`,
 // tests/gpu/test_cuda_train.cu) and the benchmarks (bench/lib/bench_util.cuh).
 #pragma once
@@ -12,14 +12,17 @@
 
 namespace moekit::cuda {
 
-template <typename Fn>
-double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
-    for (int i = 0; i < warmup; ++i) fn();
+// before() runs on the host ahead of every run, outside its events (benchmarks across ranks: a barrier, so a run's
+// time is the collective's and not the wait for a late rank).
+template <typename Before, typename Fn>
+double time_ms_after(Before&& before, Fn&& fn, cudaStream_t stream, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) before(), fn();
     cudaEvent_t a, b;
     MOEKIT_CUDA_CHECK(cudaEventCreate(&a));
     MOEKIT_CUDA_CHECK(cudaEventCreate(&b));
     std::vector<float> t;
     for (int i = 0; i < iters; ++i) {
+        before();
         MOEKIT_CUDA_CHECK(cudaEventRecord(a, stream));
         fn();
         MOEKIT_CUDA_CHECK(cudaEventRecord(b, stream));
@@ -32,6 +35,11 @@ double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
     cudaEventDestroy(b);
     std::sort(t.begin(), t.end());
     return t.empty() ? 0.0 : t[t.size() / 2];
+}
+
+template <typename Fn>
+double time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
+    return time_ms_after([] {}, fn, stream, warmup, iters);
 }
 
 // fn's launches captured once in a CUDA graph (global capture mode: a host sync inside fails it), then the median
