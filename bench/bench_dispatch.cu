@@ -34,13 +34,13 @@
 namespace {
 
 using namespace moekit;
+using cuda::DeviceBuffer;
+using cuda::bench::bf16;
+using cuda::bench::median;
 using moekit::bench::parse_int_flag;
 using moekit::bench::parse_int_list_flag;
 using moekit::bench::parse_run_flag;
 using moekit::bench::require_json_directory;
-using cuda::DeviceBuffer;
-using cuda::bench::bf16;
-using cuda::bench::median;
 
 struct Options {
     int64_t tokens = 4096, hidden = 7168, experts = 256, topk = 8;
@@ -91,8 +91,8 @@ Options parse(int argc, char** argv) {
 
 // This rank's routing: k distinct experts a token, uniform; probs uniform (combine does not weigh by them).
 struct Routing {
-    std::vector<uint8_t> map;  // [T, E]
-    std::vector<float> probs;  // [T, E]
+    std::vector<uint8_t> map;     // [T, E]
+    std::vector<float> probs;     // [T, E]
     std::vector<int64_t> counts;  // [E]
 };
 
@@ -118,11 +118,21 @@ struct PlanBuffers {
     cuda::RoutingPlan<float> plan;
 
     PlanBuffers(const Routing& r, int64_t T, int64_t E, int64_t K)
-        : map(T * E), probs(T * E), row_prob(T * K), counts(E), offsets(E + 1), rank(T * E), row_token(T * K),
-          token_offsets(T + 1), token_rows(T * K), token_counts(T), scratch(cuda::routing_plan_scratch_elems(T, E)) {
+        : map(T * E),
+          probs(T * E),
+          row_prob(T * K),
+          counts(E),
+          offsets(E + 1),
+          rank(T * E),
+          row_token(T * K),
+          token_offsets(T + 1),
+          token_rows(T * K),
+          token_counts(T),
+          scratch(cuda::routing_plan_scratch_elems(T, E)) {
         map.upload(r.map), probs.upload(r.probs);
         plan.num_tokens = T, plan.num_experts = E, plan.max_rows = T * K;
-        plan.counts = counts.get(), plan.offsets = offsets.get(), plan.rank = rank.get(), plan.row_token = row_token.get();
+        plan.counts = counts.get(), plan.offsets = offsets.get(), plan.rank = rank.get(),
+        plan.row_token = row_token.get();
         plan.row_prob = row_prob.get(), plan.token_offsets = token_offsets.get(), plan.token_rows = token_rows.get();
         plan.token_counts = token_counts.get(), plan.chunk_scratch = scratch.get();
         cuda::build_routing_plan<float>(map.get(), probs.get(), plan, nullptr);
@@ -151,9 +161,12 @@ double transport_ms(cuda::DeviceComm& dc, Communicator& world, const std::vector
         out = std::max(out, c.sent()), in = std::max(in, r);
     }
     DeviceBuffer<char> a(out), b(in);
-    return cuda::time_ms_after([&] { world.barrier(); }, [&] {
-        for (const PeerBytes& c : calls) dc.all_to_all_v(a.get(), c.send.data(), b.get(), c.recv.data(), s);
-    }, s, o.warmup, o.iters);
+    return cuda::time_ms_after([&] { world.barrier(); },
+                               [&] {
+                                   for (const PeerBytes& c : calls)
+                                       dc.all_to_all_v(a.get(), c.send.data(), b.get(), c.recv.data(), s);
+                               },
+                               s, o.warmup, o.iters);
 }
 
 // bf16(k * x): what combine gives a token whose k rows are its own row (the fp32 sum of k equal bf16 values is
@@ -189,7 +202,7 @@ nlohmann::json run_rank(Communicator& world, const Options& o) {
     // Dispatch: a row, its prob (fp32) and its source row (int32); combine: the row back.
     const int64_t dispatch_row_bytes = 2 * H + 4 + 4, combine_row_bytes = 2 * H;
     PeerBytes dispatch{std::vector<int64_t>(size_t(n), 0), std::vector<int64_t>(size_t(n), 0)}, combine = dispatch,
-              both = dispatch;
+                                                                                                both = dispatch;
     for (int q = 0; q < n; ++q) {
         const size_t p = size_t(q);
         dispatch.send[p] = rows_to[p] * dispatch_row_bytes, dispatch.recv[p] = rows_from[p] * dispatch_row_bytes;
@@ -233,8 +246,12 @@ nlohmann::json run_rank(Communicator& world, const Options& o) {
             if (it == 0 || it == o.warmup + o.iters) ok = ok && combined_rows_match(hidden_host, out.download(), K);
         }
         const double d = median(dispatch_ms), c = median(combine_ms);
-        rows.push_back({{"blocks", blocks}, {"dispatch_ms", d}, {"combine_ms", c}, {"gbps", sent / (d + c) / 1e6},
-                        {"combined_rows_exact", ok}, {"overflow", overflow}});
+        rows.push_back({{"blocks", blocks},
+                        {"dispatch_ms", d},
+                        {"combine_ms", c},
+                        {"gbps", sent / (d + c) / 1e6},
+                        {"combined_rows_exact", ok},
+                        {"overflow", overflow}});
     }
     const double a2a_two = transport_ms(*dc, world, {dispatch, combine}, o, s);
     const double a2a_one = transport_ms(*dc, world, {both}, o, s);
@@ -245,10 +262,16 @@ nlohmann::json run_rank(Communicator& world, const Options& o) {
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
     cudaDeviceProp prop{};
     MOEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dc->device()));
-    return {{"rank", me},           {"device", prop.name},   {"sms", prop.multiProcessorCount},
-            {"transport", dc->transport()}, {"bytes_sent", sent}, {"transport_ms", a2a},
-            {"transport_two_calls_ms", a2a_two}, {"transport_one_call_ms", a2a_one},
-            {"transport_gbps", sent / a2a / 1e6}, {"configs", rows}};
+    return {{"rank", me},
+            {"device", prop.name},
+            {"sms", prop.multiProcessorCount},
+            {"transport", dc->transport()},
+            {"bytes_sent", sent},
+            {"transport_ms", a2a},
+            {"transport_two_calls_ms", a2a_two},
+            {"transport_one_call_ms", a2a_one},
+            {"transport_gbps", sent / a2a / 1e6},
+            {"configs", rows}};
 }
 
 std::string table(const nlohmann::json& r) {
@@ -265,17 +288,19 @@ std::string table(const nlohmann::json& r) {
     out += line;
     // a2a: the transport's all-to-all of the same bytes, two calls (dispatch, combine) / one call; GB/s of the faster.
     std::snprintf(line, sizeof line, "  %-5s %6s %9s %12s %11s %10s %15s %9s %8s %6s %6s\n", "rank", "blocks",
-                  "sent MiB", "dispatch ms", "combine ms", "GB/s sent", "a2a ms (2 / 1)", "a2a GB/s", "vs a2a",
-                  "exact", "ovfl");
+                  "sent MiB", "dispatch ms", "combine ms", "GB/s sent", "a2a ms (2 / 1)", "a2a GB/s", "vs a2a", "exact",
+                  "ovfl");
     out += line;
     for (const auto& j : r["ranks"])
         for (const auto& c : j["configs"]) {
-            std::snprintf(line, sizeof line, "  %-5d %6lld %9.1f %12.3f %11.3f %10.1f %7.3f / %5.3f %9.1f %8.2f %6s %6s\n",
-                          j["rank"].get<int>(), static_cast<long long>(c["blocks"].get<int64_t>()),
-                          double(j["bytes_sent"].get<int64_t>()) / (1 << 20), c["dispatch_ms"].get<double>(),
-                          c["combine_ms"].get<double>(), c["gbps"].get<double>(), j["transport_two_calls_ms"].get<double>(),
-                          j["transport_one_call_ms"].get<double>(), j["transport_gbps"].get<double>(), c["gbps"].get<double>() / j["transport_gbps"].get<double>(),
-                          c["combined_rows_exact"].get<bool>() ? "yes" : "NO", c["overflow"].get<bool>() ? "YES" : "no");
+            std::snprintf(
+                line, sizeof line, "  %-5d %6lld %9.1f %12.3f %11.3f %10.1f %7.3f / %5.3f %9.1f %8.2f %6s %6s\n",
+                j["rank"].get<int>(), static_cast<long long>(c["blocks"].get<int64_t>()),
+                double(j["bytes_sent"].get<int64_t>()) / (1 << 20), c["dispatch_ms"].get<double>(),
+                c["combine_ms"].get<double>(), c["gbps"].get<double>(), j["transport_two_calls_ms"].get<double>(),
+                j["transport_one_call_ms"].get<double>(), j["transport_gbps"].get<double>(),
+                c["gbps"].get<double>() / j["transport_gbps"].get<double>(),
+                c["combined_rows_exact"].get<bool>() ? "yes" : "NO", c["overflow"].get<bool>() ? "YES" : "no");
             out += line;
         }
     return out;
@@ -310,9 +335,11 @@ int main(int argc, char** argv) {
         std::fputs(table(result).c_str(), stdout);
         bool ok = true;
         for (const auto& j : ranks)
-            for (const auto& c : j["configs"]) ok = ok && c["combined_rows_exact"].get<bool>() && !c["overflow"].get<bool>();
+            for (const auto& c : j["configs"])
+                ok = ok && c["combined_rows_exact"].get<bool>() && !c["overflow"].get<bool>();
         if (!o.json_path.empty()) io::write_file_atomically(o.json_path, result.dump(2));
-        if (!ok) std::fprintf(stderr, "bench_dispatch: a combined row differs from k x its token (or a step overflowed)\n");
+        if (!ok)
+            std::fprintf(stderr, "bench_dispatch: a combined row differs from k x its token (or a step overflowed)\n");
         return ok ? 0 : 1;
     });
 }

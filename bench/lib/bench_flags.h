@@ -1,6 +1,7 @@
 // Flag values of the standalone benchmarks (bench/bench_*.cu): a bad value is a moekit::UsageError naming the flag
 // and the rule, which bench_main (bench_main.h) turns into exit status 2.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -39,11 +40,16 @@ inline std::vector<int64_t> parse_int_list_flag(const std::string& flag, const s
 template <typename Value>
 bool parse_run_flag(const std::string& flag, Value&& value, int& iters, int& warmup, uint64_t& seed,
                     std::string& json_path) {
-    if (flag == "--iters") iters = int(parse_int_flag(flag, value(), 1));
-    else if (flag == "--warmup") warmup = int(parse_int_flag(flag, value(), 0));
-    else if (flag == "--seed") seed = uint64_t(parse_int_flag(flag, value(), 0));
-    else if (flag == "--json") json_path = value();
-    else return false;
+    if (flag == "--iters")
+        iters = int(parse_int_flag(flag, value(), 1));
+    else if (flag == "--warmup")
+        warmup = int(parse_int_flag(flag, value(), 0));
+    else if (flag == "--seed")
+        seed = uint64_t(parse_int_flag(flag, value(), 0));
+    else if (flag == "--json")
+        json_path = value();
+    else
+        return false;
     return true;
 }
 
