@@ -1,10 +1,12 @@
-// Runs the built `moekit` binary (MOEKIT_BINARY, set by CMake for every test) and captures its exit
-// status and combined output, for end-to-end tests of the subcommands.
+// Runs the built `moekit` binary (MOEKIT_BINARY, set by CMake for every test; the environment variable of that
+// name overrides it, for test binaries carried to another machine) and captures its exit status and combined
+// output, for end-to-end tests of the subcommands.
 #pragma once
 #include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace moekit::testing_util {
@@ -28,8 +30,14 @@ inline ToolResult run_shell(const std::string& command) {
     return r;
 }
 
+// The moekit binary the tests run: $MOEKIT_BINARY where set, else the one this build made.
+inline std::string moekit_binary() {
+    const char* env = std::getenv("MOEKIT_BINARY");
+    return env && *env ? env : MOEKIT_BINARY;
+}
+
 // args: everything after "moekit", e.g. "layer --init random --out R.safetensors".
-inline ToolResult run_tool(const std::string& args) { return run_shell(std::string(MOEKIT_BINARY) + " " + args); }
+inline ToolResult run_tool(const std::string& args) { return run_shell(moekit_binary() + " " + args); }
 
 #ifdef MOEKIT_MPIEXEC
 // The start of an mpirun command line for tool tests: as root, oversubscribed (CI has 2 cores). The ranks' leak

@@ -16,6 +16,7 @@
 namespace moekit {
 namespace {
 
+using testing_util::moekit_binary;
 using testing_util::run_shell;
 using testing_util::run_tool;
 using testing_util::ToolResult;
@@ -86,7 +87,7 @@ TEST_F(CmdEcho, LayerOnVirtualAndMpiRanksEqualsNoEcho) {
     const std::string echo = " --expert-model-parallel-size 2 --moe-enable-echo --moe-num-echo-experts 2";
     ToolResult v = run_tool(kLayer + echo + " --virtual-ranks 2 --out " + path("v"));
     ASSERT_EQ(v.status, 0) << v.output;
-    ToolResult m = run_shell(testing_util::mpirun_prefix(2) + MOEKIT_BINARY + " " + kLayer + echo + " --out " + path("m"));
+    ToolResult m = run_shell(testing_util::mpirun_prefix(2) + moekit_binary() + " " + kLayer + echo + " --out " + path("m"));
     ASSERT_EQ(m.status, 0) << m.output;
     const SafetensorsFile a = read_safetensors(path("m")), b = read_safetensors(path("v"));
     for (const auto& [name, t] : b.tensors) EXPECT_EQ(a.tensors.at(name).bytes, t.bytes) << "mpirun vs virtual: " << name;

@@ -19,6 +19,7 @@
 namespace moekit {
 namespace {
 
+using testing_util::moekit_binary;
 using testing_util::run_shell;
 using testing_util::run_tool;
 using testing_util::ToolResult;
@@ -190,7 +191,7 @@ TEST_F(CmdLayerEp, MpiRanksEqualVirtualRanksBitwise) {
              {2, "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"},
              {4, "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"}}) {
         SCOPED_TRACE(flags);
-        ToolResult r = run_shell(mpirun(np) + MOEKIT_BINARY + " " + base + flags + " --out " + path("m"));
+        ToolResult r = run_shell(mpirun(np) + moekit_binary() + " " + base + flags + " --out " + path("m"));
         ASSERT_EQ(r.status, 0) << r.output;
         r = run_tool(base + flags + " --virtual-ranks " + std::to_string(np) + " --out " + path("v"));
         ASSERT_EQ(r.status, 0) << r.output;
@@ -226,7 +227,7 @@ TEST_F(CmdLayerEp, ReceiveBudgetOverflowIsReRunAndReported) {
         runs.push_back({"mpi", {"--moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 0.05", true}});
     for (const auto& [name, run] : runs) {
         SCOPED_TRACE(name);
-        r = name == "mpi" ? run_shell(mpirun(2) + MOEKIT_BINARY + " " + base + run.flags + " --out " + path(name))
+        r = name == "mpi" ? run_shell(mpirun(2) + moekit_binary() + " " + base + run.flags + " --out " + path(name))
                           : run_tool(base + run.flags + " --out " + path(name));
         ASSERT_EQ(r.status, 0) << r.output;
         const SafetensorsFile f = read_safetensors(path(name));
@@ -267,8 +268,8 @@ TEST_F(CmdLayerEp, RanksWithDifferentFlagsAreRefused) {
     std::string top3 = kLayer;
     top3.replace(top3.find("--moe-router-topk 2"), 19, "--moe-router-topk 3");
     const std::string rest = "--init random --seq-length 3 --micro-batch-size 2 --expert-model-parallel-size 2 ";
-    const ToolResult r = run_shell(mpirun(1) + MOEKIT_BINARY + " " + kLayer + rest + "--out " + path("r") +
-                                   " : -np 1 " + MOEKIT_BINARY + " " + top3 + rest + "--out " + path("r"));
+    const ToolResult r = run_shell(mpirun(1) + moekit_binary() + " " + kLayer + rest + "--out " + path("r") +
+                                   " : -np 1 " + moekit_binary() + " " + top3 + rest + "--out " + path("r"));
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("rank 1 has moe_router_topk=3 vs moe_router_topk=2 on rank 0"), std::string::npos)
         << r.output;
@@ -279,8 +280,8 @@ TEST_F(CmdLayerEp, ARankThatFailsEndsTheJobNamingIt) {
     // Rank 1 cannot read its weights file and fails while rank 0 waits in the start-up collective.
     const std::string base = kLayer + "--seq-length 3 --micro-batch-size 2 --expert-model-parallel-size 2 --out " + path("r");
     const auto t0 = std::chrono::steady_clock::now();
-    const ToolResult r = run_shell("timeout 120 " + mpirun(1) + MOEKIT_BINARY + " " + base + " --init random : -np 1 " +
-                                   MOEKIT_BINARY + " " + base + " --weights " + path("missing.safetensors"));
+    const ToolResult r = run_shell("timeout 120 " + mpirun(1) + moekit_binary() + " " + base + " --init random : -np 1 " +
+                                   moekit_binary() + " " + base + " --weights " + path("missing.safetensors"));
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0);
     EXPECT_NE(r.output.find("moekit layer: error on rank 1 of 2: "), std::string::npos) << r.output;
@@ -292,7 +293,7 @@ TEST_F(CmdLayerEp, KilledRankEndsTheJobNamingIt) {
     if (!MOEKIT_HAVE_MPI) GTEST_SKIP() << "built without MPI";
     const auto t0 = std::chrono::steady_clock::now();
     const ToolResult r = run_shell("MOEKIT_DEBUG_KILL_RANK=1 timeout 120 " + mpirun(2) + "-x MOEKIT_DEBUG_KILL_RANK " +
-                                   MOEKIT_BINARY + " " + kLayer +
+                                   moekit_binary() + " " + kLayer +
                                    "--init random --seq-length 3 --micro-batch-size 2 --expert-model-parallel-size 2 "
                                    "--out " + path("r"));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -12,11 +12,14 @@
 #include "core/rng.h"
 #include "train/adam.h"
 #include "train/report.h"
+#include "run_tool.h"
 #include "train/trainer.h"
 #include "train_test_util.h"
 
 namespace moekit::train {
 namespace {
+
+using testing_util::moekit_binary;
 
 TrainOptions small_run() {
     TrainOptions o = small_training(32, 4, 64, 2, 64, 2);
@@ -122,7 +125,7 @@ TEST(Train, SameSeedGivesIdenticalLosses) {
 TEST(Train, ToolWritesReportAndPlot) {
     const std::string dir = testing::TempDir() + "/moekit_train_test";
     std::filesystem::remove_all(dir);
-    const std::string cmd = std::string(MOEKIT_BINARY) +
+    const std::string cmd = moekit_binary() +
                             " train --device cpu --steps 20 --hidden-size 32 --num-experts 4 --moe-ffn-hidden-size 32"
                             " --seq-length 32 --micro-batch-size 2 --eval-every 10 --out-dir " + dir + " > /dev/null 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
@@ -144,7 +147,7 @@ TEST(Train, ToolWritesReportAndPlot) {
 TEST(Train, BadFlagsExitWithStatus2) {
     for (const std::string flags : {"--steps 0", "--lr -1", "--device tpu", "--num-experts 4 --moe-router-topk 5",
                                     "--stpes 3"}) {
-        const std::string cmd = std::string(MOEKIT_BINARY) + " train " + flags + " --out-dir " + testing::TempDir() +
+        const std::string cmd = moekit_binary() + " train " + flags + " --out-dir " + testing::TempDir() +
                                 "/moekit_bad > /dev/null 2>&1";
         const int status = std::system(cmd.c_str());
         ASSERT_TRUE(WIFEXITED(status)) << flags;

@@ -27,6 +27,7 @@ namespace moekit::train {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::moekit_binary;
 using testing_util::run_tool;
 
 TrainOptions tiny_run(const std::string& device = "cpu") {
@@ -211,14 +212,14 @@ TEST(TrainTool, RoutingTraceFeedsMoekitPlan) {
 
 // SIGINT mid-run: exit 130, and report.json holds the steps done so far, marked as interrupted.
 TEST(TrainTool, SigintWritesTheReportSoFar) {
-    const std::string dir = fresh_dir("sigint");
+    const std::string dir = fresh_dir("sigint"), binary = moekit_binary();
     const pid_t pid = fork();
     ASSERT_GE(pid, 0);
     if (pid == 0) {
         const std::string out = dir;
         freopen("/dev/null", "w", stdout);
         freopen("/dev/null", "w", stderr);
-        execl(MOEKIT_BINARY, MOEKIT_BINARY, "train", "--steps", "1000000", "--device", "cpu", "--hidden-size", "32",
+        execl(binary.c_str(), binary.c_str(), "train", "--steps", "1000000", "--device", "cpu", "--hidden-size", "32",
               "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
               "--log-every", "1", "--out-dir", out.c_str(), (char*)nullptr);
         _exit(127);

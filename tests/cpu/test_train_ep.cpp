@@ -32,6 +32,7 @@ namespace moekit::train {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::moekit_binary;
 using testing_util::run_shell;
 using testing_util::run_tool;
 using testing_util::ToolResult;
@@ -267,7 +268,7 @@ protected:
 };
 
 
-std::string mpirun(int np) { return testing_util::mpirun_prefix(np) + MOEKIT_BINARY + " "; }
+std::string mpirun(int np) { return testing_util::mpirun_prefix(np) + moekit_binary() + " "; }
 
 const std::string kModel =
     "--hidden-size 16 --num-experts 4 --moe-ffn-hidden-size 16 --moe-router-topk 2 "
@@ -400,8 +401,8 @@ TEST_F(TrainEpTool, RefusesWhatItCannotDoNamingTheFlag) {
     if (!MOEKIT_HAVE_MPI) GTEST_SKIP() << "built without MPI";
     // Ranks started with different flags are refused at start-up.
     const ToolResult r = run_shell(std::string(MOEKIT_MPIEXEC) + " --allow-run-as-root --oversubscribe -np 1 " +
-                                   MOEKIT_BINARY + " " + run + "--device cpu --expert-model-parallel-size 2 : -np 1 " +
-                                   MOEKIT_BINARY + " " + kTrain + "--steps 3 --out-dir " + path("r") +
+                                   moekit_binary() + " " + run + "--device cpu --expert-model-parallel-size 2 : -np 1 " +
+                                   moekit_binary() + " " + kTrain + "--steps 3 --out-dir " + path("r") +
                                    " --expert-model-parallel-size 2");
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_NE(r.output.find("rank(s) 1 were started with other flags than rank 0"), std::string::npos) << r.output;
@@ -442,7 +443,7 @@ TEST_F(TrainEpTool, SigintStopsEveryRankAfterTheSameStep) {
     if (pid == 0) {
         freopen("/dev/null", "w", stdout);
         freopen("/dev/null", "w", stderr);
-        const std::string cmd = std::string("exec ") + MOEKIT_BINARY + " " + kTrain +
+        const std::string cmd = std::string("exec ") + moekit_binary() + " " + kTrain +
                                 "--steps 1000000 --expert-model-parallel-size 2 --virtual-ranks 2 --out-dir " +
                                 path("s") + " --save " + path("ck");
         execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
