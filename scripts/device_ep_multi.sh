@@ -6,8 +6,13 @@
 #   collectives); moekit layer --device cuda under mpirun vs --device cpu; the EP benchmark (weak scaling: T tokens
 #   per GPU, against EP=1 on each GPU; dsv3-e256 for the dispatch payload, dsv3-ep8 and qwen3-30b; alltoall vs
 #   budgeted; the transport's all-to-all of the same bytes; ECHO under zipf 1.2 with and without); moekit train
-#   over NCCL vs virtual ranks. ECHO's GPU tests (test_cuda_echo) run their EP = N cases under mpirun -np N.
-# usage: N=2 MOEKIT_COMMIT=<sha> scripts/device_ep_multi.sh; results in $OUT/summary.txt.
+#   over NCCL vs virtual ranks and vs EP=1 (300 steps); bench_dispatch (dispatch + combine alone vs NCCL's
+#   all-to-all of the same bytes). ECHO's GPU tests (test_cuda_echo) run their EP = N cases under mpirun -np N.
+# Binaries: built here (cmake, `.third_party` carried) or, faster, built on the workstation against the image's
+# NCCL headers and carried as prebuilt/bin.txz (moekit, bench_dispatch, the GPU test binaries, lib/libmpi_cxx.so.40).
+# PARTS picks sections (default all): tests layer dispatch scaling echo train virtual suite sanitize.
+# usage: N=2 MOEKIT_COMMIT=<sha> [PARTS="tests dispatch"] [LIMIT=570] scripts/device_ep_multi.sh; results in
+# $OUT/summary.txt (docs/perf.md, "Expert parallelism on real GPUs").
 set -o pipefail
 N=${N:-2}
 OUT=${OUT:-/tmp/moekit-out}
@@ -23,8 +28,6 @@ nccl_lib=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path_
 # prebuilt/lib (last on the path): the workstation's libmpi_cxx, only where the image lacks its own.
 export LD_LIBRARY_PATH=${nccl_lib:+$nccl_lib:}${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$PWD/prebuilt/lib
 LIMIT=${LIMIT:-570}
-# left S: true while more than S seconds of the call's LIMIT remain (a step that would not finish is skipped).
-left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { echo "== skipped: $2 (time)" | tee -a "$OUT/summary.txt"; return 1; }; }
 MPI="mpirun --allow-run-as-root -np $N -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x MOEKIT_DEVICE_WAIT_S -x GTEST_COLOR"
 export GTEST_COLOR=no
 log() { echo "== $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
@@ -147,11 +150,19 @@ if part virtual; then
     grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/virtual_$t.log" | head -10 | cut -c1-200 | tee -a "$OUT/summary.txt"
   done
 fi
-if part suite && [ -x $B/suite.sh ]; then
-  log "the 13 GPU test binaries on GPU 0 (prebuilt/suite.sh)"
-  CUDA_VISIBLE_DEVICES=0 bounded 300 bash $B/suite.sh >"$OUT/suite.log" 2>&1
-  echo "suite exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "^pass|FAILED|Failure" "$OUT/suite.log" | head -30 | cut -c1-200 | tee -a "$OUT/summary.txt"
+if part suite; then
+  # The GPU test binaries there are (4 at a time, GPU 0); tests that run the tool get this moekit.
+  log "the GPU test binaries on GPU 0"
+  export MOEKIT_BINARY=$PWD/$B/moekit
+  tests=$(cd $B && for f in test_cuda_* test_grouped_gemm test_device_buffer test_echo_plan; do
+    [ -f "$f" ] && [ -x "$f" ] && echo "$f"; done)
+  rm -f "$OUT/suite_rc.txt"
+  echo "$tests" | CUDA_VISIBLE_DEVICES=0 bounded 300 \
+    xargs -P 4 -I{} sh -c "$B/{} > '$OUT/suite_{}.log' 2>&1; echo \"{} exit \$?\" >> '$OUT/suite_rc.txt'"
+  sort "$OUT/suite_rc.txt" | while read -r t _ rc; do
+    echo "$t exit $rc $(grep -E '^\[  (PASSED|FAILED)  \] [0-9]' "$OUT/suite_$t.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+    [ "$rc" = 0 ] || grep -E "Failure|Expected|Which is" "$OUT/suite_$t.log" | head -10 | tee -a "$OUT/summary.txt"
+  done
 fi
 if part sanitize; then
   # One process, virtual ranks on GPU 0, host barriers (the sanitizer runs one kernel at a time, so spinning
