@@ -111,7 +111,7 @@ if part scaling; then
   done
 fi
 if part echo; then
-  log "ECHO under zipf 1.2 (dsv3-ep8, budgeted f=1.25) with and without, and the unskewed (balanced) routing"
+  log "ECHO under zipf 1.2 (dsv3-ep8, budgeted f=1.25) with and without (balanced: the scaling part's dsv3-ep8_budgeted)"
   bench echo_off dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 --skew zipf:1.2
   for slots in ${ECHO_SLOTS:-2 8}; do
     bench echo_on_$slots dsv3-ep8 --moe-token-dispatcher-type alltoall --moe-expert-rank-capacity-factor 1.25 \
