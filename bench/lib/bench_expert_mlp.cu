@@ -16,6 +16,7 @@
 #include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_sync.h"
 #include "lib/bench_util.cuh"
+#include "lib/gpu_clocks.h"
 #include "moekit/error.h"
 
 namespace moekit::cuda::bench {
@@ -276,12 +277,22 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                            }});
         const int rounds = std::max(o.rounds, 1), n = int(columns.size());
         std::vector<std::vector<double>> ms(n);
+        int device = 0;
+        MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+        moekit::bench::ClockSampler clocks(device, n);  // the SM clock each column ran at (the power cap moves it)
         for (int round = 0; round < rounds; ++round)
-            for (int col : balanced_order(n, round)) ms[col].push_back(columns[col].time());
+            for (int col : balanced_order(n, round)) {
+                clocks.begin(col);
+                ms[col].push_back(columns[col].time());
+                clocks.end();
+            }
+        std::vector<std::string> keys;
         for (int col = 0; col < n; ++col) {
             r[columns[col].key] = median(ms[col]);
             if (rounds > 1) r[std::string(columns[col].key) + "_rounds"] = ms[col];
+            keys.push_back(columns[col].key);
         }
+        r["clocks"] = moekit::bench::clock_json(clocks, keys, n);
         out["gemms"].push_back(r);
     }
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -344,6 +355,17 @@ std::string format_gemm_table(const nlohmann::json& r) {
         add(" %5.2fx", dense / chosen);
         add(" %5.2fx |", dense / best);
         add(" %8.3f\n", ms(g, "fill_ms"));
+    }
+    // The SM clock of the acceptance pair (the layer's choice and dense cuBLAS), where NVML was there to read it.
+    for (auto& g : r["gemms"]) {
+        if (!g.contains("clocks") || !g["clocks"].contains("auto_ms") || !g["clocks"].contains("dense_ms")) continue;
+        const auto &a = g["clocks"]["auto_ms"], &d = g["clocks"]["dense_ms"];
+        std::snprintf(cell, sizeof cell, "  %-10s SM clock auto / dense: %.0f / %.0f MHz",
+                      g["name"].get<std::string>().c_str(), a["sm_mhz"].get<double>(), d["sm_mhz"].get<double>());
+        out += cell;
+        std::snprintf(cell, sizeof cell, " (power cap %.0f / %.0f %% of samples)\n",
+                      100 * a["power_capped"].get<double>(), 100 * d["power_capped"].get<double>());
+        out += cell;
     }
     return out;
 }

@@ -14,6 +14,7 @@
 #include "cuda/moe_layer.h"
 #include "lib/bench_expert_mlp.h"
 #include "lib/bench_util.cuh"
+#include "lib/gpu_clocks.h"
 #include "moekit/error.h"
 
 namespace moekit::cuda::bench {
@@ -289,12 +290,18 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
         for (cudaGraphExec_t e : variant_exec)
             if (e) runs.push_back([&s, e] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(e, s)); });
         const int n = int(runs.size());
+        int device = 0;
+        MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+        moekit::bench::ClockSampler clocks(device, n);
         for (int it = 0; warming() || it < warm + o.iters; ++it) {
             const std::vector<int> order = balanced_order(n, it);
             double t[6] = {};
+            const bool timed = !warming();
             for (int j = 0; j < n; ++j) {
                 const int which = order[j];
+                if (timed) clocks.begin(which);
                 t[which] = time_ms(runs[size_t(which)], s, 0, 1);
+                clocks.end();
             }
             if (warming()) {
                 ++warm;
@@ -311,6 +318,9 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                               {"graph_ms", median(replay)},
                               {"sync_ms", median(sync)},
                               {"floor_ms", median(dense)}};
+        // The SM clock of each measurement: under the power cap the step and the floor may run at different clocks.
+        out["clocks"] =
+            moekit::bench::clock_json(clocks, {"eager", "graph", "sync", "floor", "variant_on", "variant_off"}, n);
         if (variant)
             out["variant"] = {{"name", variant->name},
                               {"on_graph_ms", median(variant_on)},
@@ -422,6 +432,7 @@ std::string format_layer_table(const nlohmann::json& r) {
                       v["off_graph_ms"].get<double>(), v["on_vs_off"].get<double>());
         out += line;
     }
+    if (r.contains("clocks")) out += moekit::bench::format_clocks(r["clocks"]);
     if (r.contains("memory")) {
         std::snprintf(line, sizeof line, "  memory: layer %.1f MiB (I/O and parameters included), saved activations "
                       "%.0f bytes/token\n", double(r["memory"]["workspace_bytes"].get<int64_t>()) / (1 << 20),

@@ -1,0 +1,59 @@
+// ClockSampler (bench/lib/gpu_clocks.h), the benchmarks' SM-clock readings: on a GPU machine NVML must open, samples
+// must land only in the measurement that is open, and a busy kernel's SM clock must read as a clock.
+#include <chrono>
+#include <thread>
+
+#include "gpu/cuda_layer_test_util.h"
+#include "lib/gpu_clocks.h"
+
+namespace moekit::test {
+namespace {
+
+using moekit::bench::ClockSampler;
+
+// Keeps every SM busy for about `cycles` clock cycles (a dependent chain the compiler cannot fold).
+__global__ void spin_kernel(long long cycles, float* sink) {
+    const long long start = clock64();
+    float x = float(threadIdx.x);
+    while (clock64() - start < cycles) x = x * 0.999f + 1.0f;
+    if (x == -1.0f) *sink = x;  // never true: keeps the loop
+}
+
+TEST(GpuClocks, SamplesOnlyTheOpenMeasurement) {
+    SKIP_WITHOUT_GPU();
+    ClockSampler clocks(0, 3, 200);
+    // A machine with a GPU has its driver's NVML: not finding it would silently drop every clock reading.
+    ASSERT_TRUE(clocks.available()) << clocks.why_unavailable();
+    float* sink = nullptr;
+    ASSERT_EQ(cudaMalloc(&sink, sizeof(float)), cudaSuccess);
+    clocks.begin(1);
+    spin_kernel<<<1024, 256>>>(100'000'000LL, sink);  // ~50-100 ms at 1-2 GHz
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    clocks.end();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // nothing open: these samples count nowhere
+    clocks.begin(7);  // out of range: ignored
+    clocks.end();
+    cudaFree(sink);
+
+    EXPECT_EQ(clocks.stats(0).samples, 0);
+    EXPECT_EQ(clocks.stats(2).samples, 0);
+    EXPECT_EQ(clocks.stats(7).samples, 0);
+    const auto s = clocks.stats(1);
+    EXPECT_GE(s.samples, 10);
+    EXPECT_GT(s.sm_mhz, 200.0);  // a busy SM's clock, not idle's or a unit mix-up
+    EXPECT_LT(s.sm_mhz, 4000.0);
+    EXPECT_GE(s.power_capped, 0.0);
+    EXPECT_LE(s.power_capped, 1.0);
+
+    const nlohmann::json j = moekit::bench::clock_json(clocks, {"idle", "busy", "never"}, 3);
+    ASSERT_EQ(j.size(), 1u);
+    ASSERT_TRUE(j.contains("busy"));
+    EXPECT_EQ(j["busy"]["samples"].get<int>(), s.samples);
+    const std::string line = moekit::bench::format_clocks(j);
+    EXPECT_NE(line.find("busy"), std::string::npos) << line;
+    EXPECT_NE(line.find("MHz"), std::string::npos) << line;
+    EXPECT_EQ(moekit::bench::format_clocks(nlohmann::json::object()), "");
+}
+
+}  // namespace
+}  // namespace moekit::test
