@@ -1,6 +1,7 @@
 // Expert-GEMM and expert-MLP benchmarks (bench_expert_mlp.h): the sync-free grouped GEMMs (whole MLP step captured
 // in one CUDA graph in global capture mode, so any host sync would fail it) vs the synchronous cuBLAS baseline
 // (host syncs counted) vs the floor (dense cuBLAS GEMMs of the expert GEMMs' shapes, same run).
+#include <chrono>
 #include <cmath>
 #include <algorithm>
 #include <cstdio>
@@ -280,6 +281,13 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         int device = 0;
         MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
         moekit::bench::ClockSampler clocks(device, n);  // the SM clock each column ran at (the power cap moves it)
+        // Warm-up rounds, untimed, for at least 2 s (as bench_layer): without them the first columns of the first
+        // round ran on a GPU not yet at its power cap's clocks (H200, 2026-11-28: dsv3-e256 fc1 forward `auto` 4.835
+        // ms against 5.136 for the identical cl-swap column, its samples 69 % power-capped against 100 %).
+        const auto warm_start = std::chrono::steady_clock::now();
+        for (int round = 0; round == 0 || std::chrono::steady_clock::now() - warm_start < std::chrono::seconds(2);
+             ++round)
+            for (int col : balanced_order(n, round)) columns[col].time();
         for (int round = 0; round < rounds; ++round)
             for (int col : balanced_order(n, round)) {
                 clocks.begin(col);
