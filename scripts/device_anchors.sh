@@ -43,6 +43,7 @@ fi
 # A `moekit` built here and carried in prebuilt/ (scripts/device_prebuilt.sh: stripped, or packed as bin.tgz) spares
 # the build's minutes for the peers' autotuning, and .third_party need not travel: carry [".anchors", "prebuilt"].
 [ -f prebuilt/bin.tgz ] && tar -xzf prebuilt/bin.tgz -C prebuilt
+[ -f prebuilt/bin.txz ] && tar -xJf prebuilt/bin.txz -C prebuilt  # scripts/pack_prebuilt.sh moekit
 if [ -x prebuilt/moekit ]; then
   B=prebuilt; BUILD_RC=0
   log "moekit from prebuilt/ (no build)"
