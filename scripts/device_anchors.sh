@@ -92,6 +92,19 @@ for peer in $PEERS; do
     --deadline-s $((budget - margin > 10 ? budget - margin : 10)) --out "$OUT/$peer.json" ${sonic_args:-} ${extra:+$extra "$SONIC_SKIP"} \
     >"$OUT/$peer.log" 2>&1
   rc=$?
+  # A peer process that dies goes on from the next config in a new process (SonicMoE's autotuner hung and then
+  # crashed on mixtral, 2026-11-28, exit 139, and no other config ran), twice at most while time is left; a timeout
+  # (124, 137) ends it.
+  tries=0
+  while [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] && [ $tries -lt 2 ] && left $((margin + 30)) "$peer again"
+  do
+    tries=$((tries + 1)); budget=$((LIMIT - SECONDS - 15)); [ $peer = torch ] && budget=$((budget / 3))
+    log "$peer again after exit $rc ($budget s)"
+    env $env timeout $budget $A $peer --moekit-dir "$M" --configs $CONFIGS --iters $ITERS \
+      --deadline-s $((budget - margin > 10 ? budget - margin : 10)) --out "$OUT/$peer.json" ${sonic_args:-} \
+      --resume-after $rc >>"$OUT/$peer.log" 2>&1
+    rc=$?
+  done
   echo "$peer: rc $rc, t=${SECONDS}s" | tee -a "$OUT/summary.txt"
   grep -E "^anchors " "$OUT/$peer.log" | cut -c1-200 | tee -a "$OUT/summary.txt"
   REPORT_PEERS="$REPORT_PEERS --peer $peer=$OUT/$peer.json:$rc"

@@ -6,7 +6,8 @@ SonicMoE timed in the same device call (scripts/device_anchors.sh runs it).
   anchors.py sonic  --moekit-dir D --out F [--dry-run]       SonicMoE layer + expert path per config
   anchors.py report --moekit-dir D --peer NAME=F[:RC] ... --json F --table F
 Configs: PRESET or PRESET@zipfS. moekit files: D/<config>_layer.json, D/<config>_mlp.json (config with '@'
-replaced by '_'). Peers write their JSON after every config, so a crash or timeout keeps what was done."""
+replaced by '_'). Peers write their JSON after every config, so a crash or timeout keeps what was done, and
+--resume-after RC goes on in a new process after a crash."""
 import argparse
 import faulthandler
 import json
@@ -75,14 +76,33 @@ def plan(args):
     return 0
 
 
+def resumed_configs(prior, rc):
+    """The configs of an earlier run of this peer whose process died (exit rc): what it finished is kept, and the
+    config it was timing gets the death as its error, so a run with --resume-after goes on from the next one."""
+    configs = {c: dict(e) for c, e in (prior.get("configs") or {}).items()}
+    if prior.get("in_progress"):
+        label, config = prior["in_progress"]
+        entry = configs.setdefault(config, {})
+        if not isinstance(entry.get(label), dict):
+            entry[label] = {"error": "the peer's process died while timing it (exit %s); the configs after it ran "
+                                     "in a new process" % rc}
+    return configs
+
+
 def run_peer(args, name):
-    """Times one peer on every config; each config's failure is recorded and the next config still runs."""
+    """Times one peer on every config; each config's failure is recorded and the next config still runs. With
+    --resume-after RC, the configs an earlier run (--out) finished are kept and not timed again."""
     if args.dry_run:
         print("anchors %s --dry-run: would time %s on %d configs, %d warm-up + %d timed iterations each"
               % (name, name, len(args.configs), args.warmup, args.iters))
         return plan(args)
     start = time.time()
     result = dict(peer=name, configs={}, in_progress=None, finished=False)
+    if args.resume_after is not None and os.path.exists(args.out):
+        with open(args.out) as f:
+            prior = json.load(f)
+        result["configs"] = resumed_configs(prior, args.resume_after)
+        result["resumed_after"] = (prior.get("resumed_after") or []) + [args.resume_after]
     if args.skip_reason:  # the device script found a reason not to try (python version, wheels not carried)
         result.update(finished=True, configs={c: {"error": args.skip_reason} for c in args.configs})
         write_json(args.out, result)
@@ -124,6 +144,8 @@ def run_peer(args, name):
     for label, fn in passes:
         for c in args.configs:
             entry = result["configs"].setdefault(c, {})
+            if isinstance(entry.get(label), dict):  # done (or died) in the run this one resumes
+                continue
             if time.time() - start > args.deadline_s:
                 entry[label] = {"error": "skipped: the %d s time limit was reached" % args.deadline_s}
                 continue
@@ -234,6 +256,8 @@ def main(argv):
     ap.add_argument("--stack-dump-s", type=int, default=120, help="peers: dump all stacks to stderr this often")
     ap.add_argument("--dry-run", action="store_true", help="peers: print the plan, import nothing")
     ap.add_argument("--skip-reason", help="peers: record this reason for every config and time nothing")
+    ap.add_argument("--resume-after", help="peers: an earlier run into --out died with this exit code: keep what "
+                    "it finished, mark the config it was timing failed, time the rest")
     ap.add_argument("--peer", action="append", default=[], help="report: NAME=FILE[:RC] (repeatable)")
     ap.add_argument("--json", help="report: write all rows as JSON here")
     ap.add_argument("--table", help="report: write the table here")

@@ -122,6 +122,27 @@ def test_report(rng):
     check(bad.returncode == 2 and "zipf exponent" in bad.stderr, "a bad config exits 2 naming the rule")
 
 
+def test_resume():
+    # A peer process that died mid-run: what it finished is kept, the config it was timing becomes an error naming
+    # the exit code, and configs it never reached stay untouched (a --resume-after run times them).
+    import anchors
+    prior = dict(configs={"mixtral": {"sonic layer": dict(scope="layer", fwd_bwd_ms=30.0)},
+                          "dsv3-ep8": {"counts_source": "moekit layer JSON"}},
+                 in_progress=["sonic layer", "dsv3-ep8"])
+    c = anchors.resumed_configs(prior, 139)
+    check(c["mixtral"]["sonic layer"]["fwd_bwd_ms"] == 30.0, "resume keeps a finished config")
+    check("exit 139" in c["dsv3-ep8"].get("sonic layer", {}).get("error", ""),
+          "resume marks the config the process died on")
+    check("qwen3-30b" not in c, "resume leaves configs never reached to the new run")
+    check("sonic layer" not in prior["configs"]["dsv3-ep8"], "resume does not modify the earlier result")
+    done = anchors.resumed_configs(dict(configs={"mixtral": {"sonic layer": dict(fwd_bwd_ms=1.0)}},
+                                        in_progress=["sonic layer", "mixtral"]), 139)
+    check(done["mixtral"]["sonic layer"] == dict(fwd_bwd_ms=1.0), "a config with a result is not marked failed")
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "sonic", "--configs", "mixtral",
+                          "--resume-after", "139"], capture_output=True, text=True)
+    check(bad.returncode == 2 and "--out" in bad.stderr, "a resumed peer run without --out exits 2 naming --out")
+
+
 if __name__ == "__main__":
     seed = int(os.environ.get("SEED", random.randrange(1 << 30)))
     print("seed", seed)
@@ -130,5 +151,6 @@ if __name__ == "__main__":
     test_presets_match_cpp()
     test_routing(rng)
     test_report(rng)
+    test_resume()
     print("FAILED: %d check(s)" % len(FAILS) if FAILS else "all checks passed")
     sys.exit(1 if FAILS else 0)
