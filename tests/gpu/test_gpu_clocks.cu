@@ -28,12 +28,13 @@ TEST(GpuClocks, SamplesOnlyTheOpenMeasurement) {
     ASSERT_EQ(cudaMalloc(&sink, sizeof(float)), cudaSuccess);
     clocks.begin(1);
     spin_kernel<<<1024, 256>>>(100'000'000LL, sink);  // ~50-100 ms at 1-2 GHz
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     clocks.end();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // nothing open: these samples count nowhere
     clocks.begin(7);  // out of range: ignored
     clocks.end();
-    cudaFree(sink);
+    EXPECT_EQ(cudaFree(sink), cudaSuccess);
 
     EXPECT_EQ(clocks.stats(0).samples, 0);
     EXPECT_EQ(clocks.stats(2).samples, 0);
