@@ -244,7 +244,27 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                 {"auto_along_m_ms", switched(set_cutlass_raster, cutlass_raster, CutlassRaster::kAlongM)});
         }
         if (is_hopper()) {
-            columns.push_back({"tma_ms", graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto)});
+            if (c.op == Op::kTN) {
+                // The own kernel's wgrad, cooperative and ping-pong (set_tn_pingpong), each on single CTAs and on
+                // CTA pairs.
+                const struct {
+                    const char* key;
+                    int pingpong, cluster;
+                } own[] = {{"tma_ms", 0, 1}, {"tma2_ms", 0, 2}, {"tma_pp_ms", 1, 1}, {"tma_pp2_ms", 1, 2}};
+                for (const auto& v : own) {
+                    auto run = graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto);
+                    columns.push_back({v.key, [run, v] {
+                                           set_tn_pingpong(v.pingpong);
+                                           set_grouped_gemm_cluster(v.cluster);
+                                           const double ms = run();
+                                           set_tn_pingpong(-1);
+                                           set_grouped_gemm_cluster(0);
+                                           return ms;
+                                       }});
+                }
+            } else {
+                columns.push_back({"tma_ms", graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto)});
+            }
             if (cutlass_grouped_gemm_built()) {
                 columns.push_back({"cutlass_coop_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative)});
                 columns.push_back(
@@ -315,7 +335,9 @@ std::string format_gemm_table(const nlohmann::json& r) {
                           " rounds in balanced order) on ", r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; auto pl (wgrad) = the same with plain gradient stores (auto marks
     // them evict-first in L2 on small groups: WgradStores); auto rm (wgrad) = the same with the tiles walked along M
-    // (CutlassRaster: auto walks N for a wgrad whose [rows, M] operand overflows half the L2); tma = own kernel;
+    // (CutlassRaster: auto walks N for a wgrad whose [rows, M] operand overflows half the L2); tma = own kernel
+    // (wgrad: its cooperative 128x256 tile); tma2 (wgrad) = the same on CTA pairs; tma pp / pp2 (wgrad) = the own
+    // kernel's ping-pong (set_tn_pingpong) on single CTAs / CTA pairs;
     // cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
     // weight rows x 192 token rows (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
@@ -329,6 +351,9 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"auto_plain_stores_ms", "auto pl"},
                            {"auto_along_m_ms", "auto rm"},
                            {"tma_ms", "tma ms"},
+                           {"tma2_ms", "tma2"},
+                           {"tma_pp_ms", "tma pp"},
+                           {"tma_pp2_ms", "tma pp2"},
                            {"cutlass_coop_ms", "cl-coop"},
                            {"cutlass_tall_ms", "cl-tall"},
                            {"cutlass_pingpong_ms", "cl-pp"},

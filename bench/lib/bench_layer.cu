@@ -62,7 +62,8 @@ struct LayerVariant {
 };
 constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusion},
                                            {"glu-backward", &set_glu_backward_fusion},
-                                           {"gather-fc1", &set_fc1_gather}};
+                                           {"gather-fc1", &set_fc1_gather},
+                                           {"tma-wgrad", &set_wgrad_own_kernel}};
 
 const LayerVariant* find_variant(const std::string& name) {
     for (const LayerVariant& v : kLayerVariants)

@@ -88,6 +88,15 @@ CutlassConfig small_group_wgrad_config() {
     return c;
 }
 
+// The wgrads of groups of >= 256 rows on the own kernel (set_wgrad_own_kernel), for A/B against CUTLASS's ping-pong.
+std::atomic<int> g_wgrad_own{-1};
+bool wgrad_own_kernel() {
+    const int set = g_wgrad_own.load();
+    if (set >= 0) return set > 0;
+    static const bool env = choice_from_env("MOEKIT_WGRAD_KERNEL", "cutlass", false, "tma", true);
+    return env;
+}
+
 // Per-shape choice among CUTLASS's configurations (and the own TMA kernel), from bench_grouped_gemm's per-GEMM
 // A/B (docs/perf.md); rows per group = max_rows / G.
 //  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS computing Cᵀ = W·Aᵀ with 128
@@ -121,6 +130,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (rows_per_group < kSmallGroupRows)
         return {GroupedGemmKernel::kCutlass, op == Op::kTN ? small_group_wgrad_config() : small_group_config()};
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
+        if (wgrad_own_kernel()) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,
                     wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
@@ -181,8 +191,32 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
     return map;
 }
 
+// A row-major bf16 [rows, cols] matrix (cols % 64 == 0) as cols / 64 blocks of 64 columns: dims {64, rows,
+// cols / 64}, the block stride 128 bytes, the box {64, 64, blocks}: one copy lands `blocks` [64 x 64] blocks one
+// after the other, as that many 2-D boxes would (tma_wgrad_pingpong_kernel's kBlocks3d).
+CUtensorMap column_blocks_map(const void* ptr, int64_t rows, int64_t cols, uint32_t blocks) {
+    CUtensorMap map;
+    const cuuint64_t gdim[3] = {64, cuuint64_t(rows), cuuint64_t(cols / 64)};
+    const cuuint64_t gstride[2] = {cuuint64_t(cols * 2), 128};
+    const cuuint32_t bdim[3] = {64, 64, blocks}, estride[3] = {1, 1, 1};
+    CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), gdim, gstride, bdim,
+                                estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", int(r), " (column blocks of ", rows,
+                 "x", cols, ")");
+    return map;
+}
+
 std::atomic<int> g_cluster{0};
 std::atomic<int> g_tn_hot_rows{-1};
+std::atomic<int> g_tn_pingpong{-1};
+
+bool tn_pingpong() {
+    const int set = g_tn_pingpong.load();
+    if (set >= 0) return set > 0;
+    static const bool env = choice_from_env("MOEKIT_TN_SCHEDULE", "pingpong", true, "cooperative", false);
+    return env;
+}
 
 int tn_hot_rows() {
     int h = g_tn_hot_rows.load();
@@ -310,6 +344,26 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const int64_t jobs = int64_t(p.tiles_m) * tiles_n * (kOp == Op::kTN ? p.G : 1);  // both bases
     q.total_tiles = int(jobs);
     q.tn_hot_rows = kOp == Op::kTN ? tn_hot_rows() : 0;
+    if constexpr (kOp == Op::kTN) {
+        if (q.staged_epilogue && tn_pingpong()) {  // 128 x 128 tiles, one a consumer warpgroup
+            q.tiles_m = int(ceil_div(k, 128));
+            q.tiles_n = int(ceil_div(n, 128));
+            const int64_t tiles = int64_t(q.tiles_m) * ceil_div(q.tiles_n, kCluster) * p.G;  // pairs with clusters
+            MOEKIT_CHECK(tiles < (int64_t(1) << 31), "grouped_gemm_tn: too many 128 x 128 tiles (", tiles, ")");
+            q.total_tiles = int(tiles);
+            using gemm_detail::kPpStages, gemm_detail::tma_wgrad_pingpong_kernel;
+            if (k % 64 == 0 && n % 64 == 0) {  // two 64-column blocks a copy (kBlocks3d)
+                if (kCluster == 1) a = column_blocks_map(p.A, rows, k, 2);
+                b = column_blocks_map(p.B, rows, n, 2);
+                launch_tma_kernel<tma_wgrad_pingpong_kernel<kPpStages, kCluster, true>, kCluster>(
+                    gemm_detail::kTmaPingpongSmemBytes, q.total_tiles, q, a, b, c, second, stream);
+            } else {
+                launch_tma_kernel<tma_wgrad_pingpong_kernel<kPpStages, kCluster, false>, kCluster>(
+                    gemm_detail::kTmaPingpongSmemBytes, q.total_tiles, q, a, b, c, second, stream);
+            }
+            return;
+        }
+    }
     if constexpr (kOp == Op::kNT) {
         if (q.glu_out && glu_forward_async_epilogue()) {
             launch_tma_kernel<gemm_detail::tma_kernel<kOp, kCluster, true>, kCluster>(
@@ -590,6 +644,8 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
+void set_tn_pingpong(int on) { g_tn_pingpong = on; }
+void set_wgrad_own_kernel(int on) { g_wgrad_own = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }

@@ -130,6 +130,11 @@ bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloa
                                  __nv_bfloat16* C, const int32_t* d_offsets, const GluForwardEpilogue& epilogue,
                                  cudaStream_t stream, const RowGather* gather = nullptr);
 
+// wgrads (grouped_gemm_tn) of groups of >= 256 rows under the per-shape choice: 1 = the own TMA kernel (its
+// ping-pong schedule, set_tn_pingpong), 0 = CUTLASS's ping-pong; -1 (default) = MOEKIT_WGRAD_KERNEL=cutlass|tma, else
+// CUTLASS (grouped_gemm.cu says what each measured).
+void set_wgrad_own_kernel(int on);
+
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
 int grouped_gemm_sm_count();
 

@@ -33,6 +33,12 @@ void set_grouped_gemm_cluster(int size);
 // fc1 wgrad 6.39 ms vs 6.38 under forced balance, H200, 2026-11-26) but the own kernel's wgrad is slower than
 // CUTLASS's in group order (5.2-5.4 ms there), which the per-shape choice takes.
 void set_tn_interleave(int hot_rows);
+// wgrad (tn) on the kTma kernel: 1 = the ping-pong schedule (tma_wgrad_pingpong_kernel: a 128x128 tile a consumer
+// warpgroup, one warpgroup's gradient stores under the other's main loop), 0 = the cooperative 128x256 tile of
+// tma_kernel; -1 (default) = the environment variable MOEKIT_TN_SCHEDULE=pingpong|cooperative, else ping-pong.
+// Either runs on single CTAs or CTA pairs (set_grouped_gemm_cluster). The ping-pong needs the staged epilogue (a
+// 16-byte aligned gradient); without it the cooperative kernel stores from registers.
+void set_tn_pingpong(int on);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {
@@ -383,3 +389,4 @@ __device__ __forceinline__ void store_pair(const Params& p, const TileJob& job, 
 
 #include "cuda/grouped_gemm_mma.cuh"
 #include "cuda/grouped_gemm_tma.cuh"
+#include "cuda/grouped_gemm_tma_pingpong.cuh"

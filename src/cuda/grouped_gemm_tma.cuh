@@ -353,22 +353,23 @@ __device__ __forceinline__ void store_tile_async(const Params& p, const TileJob&
 // reduce-add (the fp32 main grad is read-modified-written at L2 instead of through the SM's registers). Nothing
 // waits for a store to land: a buffer is reused once its previous store has read it out. Measured about even with
 // the register stores (H200, docs/perf.md): this kernel's wgrad main loop waits on its TMA loads, not on its stores.
-// `issued` counts this warpgroup's chunks.
+// `issued` counts this warpgroup's chunks. The warpgroup's 64 rows start at gradient row m0; N accumulators a thread
+// hold N / 4 columns (m64n256: 128, m64n128: 64); `bar` is the warpgroup's named barrier.
+template <int N>
 __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
-                                                  const CUtensorMap* map_c2, int cw, int ctid, uint32_t bufs, int r,
-                                                  int lane, const float (&d)[128], int& issued) {
+                                                  const CUtensorMap* map_c2, int m0, int bar, int ctid, uint32_t bufs,
+                                                  int r, int lane, const float (&d)[N], int& issued) {
     const bool leader = (ctid & 127) == 0;
     const CUtensorMap* map = in_second(p, job.group) ? map_c2 : map_c;
     const int z = local_group(p, job.group);
-    const int m0 = job.m0 + 64 * cw;
     if (m0 >= p.k) return;  // uniform over the warpgroup: its rows lie past the gradient's
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < N / 16; ++c) {
         if (job.n0 + c * 32 >= p.n) continue;  // uniform over the warpgroup
         const uint32_t buf = bufs + (issued & 1) * kEpiF32Bytes;
         if (issued >= 2) {  // the store before last used this buffer
             if (leader) bulk_wait_read<1>();
-            named_barrier(2 + cw, 128);
+            named_barrier(bar, 128);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -378,7 +379,7 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
             st_shared_f32x2(buf + (r + 8) * 128 + off, d[4 * i + 2], d[4 * i + 3]);
         }
         fence_proxy_async();  // generic-proxy writes, read by the async proxy
-        named_barrier(2 + cw, 128);
+        named_barrier(bar, 128);
         if (leader) {
             if (p.accumulate)
                 tma_reduce_add_3d(map, buf, job.n0 + c * 32, m0, z);
@@ -528,7 +529,11 @@ __global__ void __launch_bounds__(384, 1)
         } else {
             if (tid >= 32) return;
         }
-        int it = 0;
+        // The ring position (stage s of round ph's parity), kept incrementally: a division by kStages (3 with the
+        // async epilogue) a k-step costs the one issuing thread more than the copies (tma_wgrad_pingpong_kernel).
+        int s = 0;
+        uint32_t ph = 0;
+        bool wrapped = false;  // past the first round: a stage is refilled once the consumers released it
         TileJob job;
         for (int i = 0; job_at(i, job); ++i) {
             if (!job.active) continue;
@@ -544,10 +549,8 @@ __global__ void __launch_bounds__(384, 1)
                                      : kOp == Op::kTN || kCluster > 1 ? uint32_t(a_boxes) * kBlockBytes
                                                                       : kStageA;
             const uint32_t bytes = a_bytes + uint32_t(b_boxes) * (kOp == Op::kNT ? kStageB : kBlockBytes);
-            for (int kt = 0; kt < nk; ++kt, ++it) {
-                if (tid != 0) continue;
-                const int s = it % kStages;
-                if (it >= kStages) mbar_wait(empty(s), ((it / kStages) + 1) & 1);
+            for (int kt = 0; kt < nk && tid == 0; ++kt) {
+                if (wrapped) mbar_wait(empty(s), ph ^ 1);
                 mbar_expect_tx(full(s), bytes);
                 const int k0 = kt * kBK;
                 if constexpr (kOp == Op::kTN) {
@@ -583,6 +586,7 @@ __global__ void __launch_bounds__(384, 1)
                             tma_3d(sB(s) + j * kBlockBytes, mb, job.n0 + 64 * j, k0, z, full(s));
                     }
                 }
+                if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
             }
             __syncwarp();  // lanes 1-31 skipped the copies: meet lane 0 before the next job search
         }
@@ -590,8 +594,10 @@ __global__ void __launch_bounds__(384, 1)
             // Do not exit while the peer may still arrive on this CTA's empty barriers: wait until the last
             // kStages stages were released by the consumers of both CTAs.
             if (tid == 0)
-                for (int i = 0; i < kStages; ++i, ++it)
-                    if (it >= kStages) mbar_wait(empty(it % kStages), ((it / kStages) + 1) & 1);
+                for (int q = 0; q < kStages; ++q) {
+                    if (wrapped) mbar_wait(empty(s), ph ^ 1);
+                    if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
+                }
             __syncwarp();
         }
         return;
@@ -720,8 +726,8 @@ __global__ void __launch_bounds__(384, 1)
                 // An empty group adds nothing to an accumulated gradient, and an overwrite_nonempty one is not
                 // written: its tile is left as it is.
                 if (!((p.keep_empty || in_second(p, job.group)) && nk == 0))
-                    tn_store_epilogue(p, job, &map_c, &map_2, cw, ctid, epi + cw * 2 * kEpiF32Bytes, row - cw * 64,
-                                      lane, d, tn_chunks);
+                    tn_store_epilogue(p, job, &map_c, &map_2, job.m0 + 64 * cw, 2 + cw, ctid,
+                                      epi + cw * 2 * kEpiF32Bytes, row - cw * 64, lane, d, tn_chunks);
                 continue;
             }
         }

@@ -119,14 +119,16 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 enum class Backend {
-    kMma, kWgmma, kTma, kTmaPair, kCutlassCoop, kCutlassTall, kCutlassPingpong, kCutlassSplit, kCutlassSwap,
-    kCutlass2x2, kAuto, kSync
+    kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
            : b == Backend::kWgmma          ? "wgmma"
-           : b == Backend::kTma            ? "tma"
-           : b == Backend::kTmaPair        ? "tma-cluster2"
+           : b == Backend::kTma            ? "tma (tn: cooperative)"
+           : b == Backend::kTmaPingpong    ? "tma (tn: ping-pong)"
+           : b == Backend::kTmaPair        ? "tma-cluster2 (tn: cooperative)"
+           : b == Backend::kTmaPairPingpong ? "tma-cluster2 (tn: ping-pong)"
            : b == Backend::kCutlassCoop    ? "cutlass-cooperative"
            : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
            : b == Backend::kAuto           ? "per-shape choice"
@@ -157,7 +159,9 @@ std::vector<Backend> backends(bool own_only = false) {
     if (major == 9 && minor == 0) {
         out.push_back(Backend::kWgmma);
         out.push_back(Backend::kTma);
+        out.push_back(Backend::kTmaPingpong);
         out.push_back(Backend::kTmaPair);
+        out.push_back(Backend::kTmaPairPingpong);
         if (own_only) {
             out.push_back(Backend::kAuto);  // falls back to the own kernel for such a C
             return out;
@@ -178,8 +182,10 @@ std::vector<Backend> backends(bool own_only = false) {
 void select(Backend b) {
     if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
-    if (b == Backend::kTma || b == Backend::kTmaPair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
-    set_grouped_gemm_cluster(b == Backend::kTmaPair ? 2 : 1);
+    const bool pair = b == Backend::kTmaPair || b == Backend::kTmaPairPingpong;
+    if (b == Backend::kTma || b == Backend::kTmaPingpong || pair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
+    set_grouped_gemm_cluster(pair ? 2 : 1);
+    set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
@@ -195,6 +201,7 @@ void select(Backend b) {
 void reset_backend() {
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
     set_grouped_gemm_cluster(0);
+    set_tn_pingpong(-1);
     set_cutlass_config(CutlassConfig::kAuto);
 }
 
@@ -431,6 +438,18 @@ TEST(GroupedGemm, MoreTilesThanMultiprocessors) {
     check_row_gemm(Op::kNT, counts, 5, 768, 64, 72);
     check_row_gemm(Op::kNN, counts, 5, 768, 64, 73);
     check_tn(counts, 5, 384, 768, true, 74);
+}
+
+TEST(GroupedGemm, WgradPingpongManyLongJobsPerWarpgroup) {
+    SKIP_WITHOUT_GPU();
+    // The ping-pong wgrad (tma_wgrad_pingpong_kernel) hands a CTA's jobs to its two consumer warpgroups in turn: 400
+    // groups of one 128 x 128 tile, so each warpgroup of the 132 CTAs walks one or two jobs; reductions of 0 to ~1000
+    // rows, most longer than the 6-stage ring (a warpgroup that started a job before the other finished waiting on
+    // the previous one would read a stage's parity a phase early); empty groups among them; every wgrad mode.
+    const auto counts = random_counts(400, 180000, 181, 0.1);
+    check_tn(counts, 5, 128, 128, false, 182);
+    check_tn(counts, 5, 128, 128, true, 183);
+    check_tn(counts, 5, 128, 128, WgradWrite::overwrite_nonempty, 184);
 }
 
 TEST(GroupedGemm, LargeGroupsLongReduction) {
