@@ -121,6 +121,10 @@ bool wgrad_own_kernel() {
 //    cooperative and 3.43-3.48 own TMA). Mixtral's fc1 wgrad (28672 x 4096) took cooperative until its tiles were
 //    walked along N (CutlassRaster, grouped_gemm_cutlass.cu): walking M, ping-pong re-read the gradient rows from
 //    DRAM and took 8.2-9.2 ms; along N it takes 6.13-6.16 against cooperative's 6.21-6.44 (2026-11-27).
+//  - the own TMA kernel's wgrad on its ping-pong schedule (set_wgrad_own_kernel) stays 3-15 % behind CUTLASS's
+//    ping-pong (H200, 2026-11-28, median of 5 rounds, ms: qwen3-30b fc1 1.552 vs 1.469, fc2 0.744 vs 0.737;
+//    dsv3-ep8 3.712 vs 3.259, 1.748 vs 1.585; mixtral 6.710 vs 6.015, 3.230 vs 2.990), and the layer step with it
+//    read 1.014 (qwen3-30b) and 1.053 (dsv3-ep8) of the step without.
 // The own TMA kernel stays the fallback (a C only 8-byte aligned, the hot/cold wgrad interleave, no CUTLASS).
 Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     using gemm_detail::Op;

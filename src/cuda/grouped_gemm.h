@@ -132,7 +132,7 @@ bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloa
 
 // wgrads (grouped_gemm_tn) of groups of >= 256 rows under the per-shape choice: 1 = the own TMA kernel (its
 // ping-pong schedule, set_tn_pingpong), 0 = CUTLASS's ping-pong; -1 (default) = MOEKIT_WGRAD_KERNEL=cutlass|tma, else
-// CUTLASS (grouped_gemm.cu says what each measured).
+// CUTLASS (grouped_gemm.cu's choose_for_shape says what each measured).
 void set_wgrad_own_kernel(int on);
 
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.

@@ -6,6 +6,9 @@
 // Kept from the own kernel: every group is addressed through one tensor map a operand (CUTLASS's grouped scheduler
 // rewrites its A, B and D maps whenever a CTA's next tile is in another group), with the rows past a group's end
 // zeroed in shared memory by the warpgroup that consumes the stage.
+// Measured (H200, 2026-11-28, docs/perf.md): faster than the cooperative kernel on every wgrad of qwen3-30b,
+// dsv3-ep8 and mixtral (qwen3-30b fc1 1.55 vs 1.76 ms), so the own kernel's default; still 3-15 % behind CUTLASS's
+// ping-pong, which the per-shape choice keeps.
 // Included by grouped_gemm_kernels.cuh only, after grouped_gemm_tma.cuh.
 #pragma once
 
