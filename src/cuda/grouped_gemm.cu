@@ -173,12 +173,25 @@ EncodeTiled encode_tiled() {
     return fn;
 }
 
-// Row-major tensor of `rank` dims (dims[0] contiguous), bf16 (or fp32), 128-byte swizzle; the box's contiguous
-// dimension must be 128 bytes.
-CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uint32_t* box, bool fp32 = false) {
+// cuTensorMapEncodeTiled with what every map here shares: 128-byte swizzle (the box's contiguous dimension must be
+// 128 bytes), 256-byte L2 promotion, out-of-bounds elements read as zero. dim0 x dim1 (contiguous first) name the
+// tensor in the error.
+CUtensorMap encode_map(CUtensorMapDataType type, int rank, const void* ptr, const cuuint64_t* gdim,
+                       const cuuint64_t* gstride, const cuuint32_t* bdim, int64_t dim0, int64_t dim1) {
     CUtensorMap map;
+    const cuuint32_t estride[3] = {1, 1, 1};
+    CUresult r = encode_tiled()(&map, type, cuuint32_t(rank), const_cast<void*>(ptr), gdim, gstride, bdim, estride,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", int(r), " (rank ", rank, ", dims ",
+                 dim0, "x", dim1, ")");
+    return map;
+}
+
+// Row-major tensor of `rank` dims (dims[0] contiguous), bf16 (or fp32).
+CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uint32_t* box, bool fp32 = false) {
     cuuint64_t gdim[3], gstride[2];
-    cuuint32_t bdim[3], estride[3] = {1, 1, 1};
+    cuuint32_t bdim[3];
     int64_t stride = fp32 ? 4 : 2;
     for (int i = 0; i < rank; ++i) {
         gdim[i] = cuuint64_t(dims[i]);
@@ -186,29 +199,18 @@ CUtensorMap tensor_map(const void* ptr, int rank, const int64_t* dims, const uin
         if (i > 0) gstride[i - 1] = cuuint64_t(stride);
         stride *= dims[i];
     }
-    CUresult r = encode_tiled()(&map, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                cuuint32_t(rank), const_cast<void*>(ptr), gdim,
-                                gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", int(r), " (rank ", rank, ", dims ",
-                 dims[0], "x", dims[1], ")");
-    return map;
+    return encode_map(fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, ptr, gdim,
+                      gstride, bdim, dims[0], dims[1]);
 }
 
 // A row-major bf16 [rows, cols] matrix (cols % 64 == 0) as cols / 64 blocks of 64 columns: dims {64, rows,
 // cols / 64}, the block stride 128 bytes, the box {64, 64, blocks}: one copy lands `blocks` [64 x 64] blocks one
 // after the other, as that many 2-D boxes would (tma_wgrad_pingpong_kernel's kBlocks3d).
 CUtensorMap column_blocks_map(const void* ptr, int64_t rows, int64_t cols, uint32_t blocks) {
-    CUtensorMap map;
     const cuuint64_t gdim[3] = {64, cuuint64_t(rows), cuuint64_t(cols / 64)};
     const cuuint64_t gstride[2] = {cuuint64_t(cols * 2), 128};
-    const cuuint32_t bdim[3] = {64, 64, blocks}, estride[3] = {1, 1, 1};
-    CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), gdim, gstride, bdim,
-                                estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", int(r), " (column blocks of ", rows,
-                 "x", cols, ")");
-    return map;
+    const cuuint32_t bdim[3] = {64, 64, blocks};
+    return encode_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, ptr, gdim, gstride, bdim, cols, rows);
 }
 
 std::atomic<int> g_cluster{0};

@@ -66,10 +66,53 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) 
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+// After the barriers' initialisation: every thread of the CTA, or of the cluster (whose peer multicasts into this
+// CTA and arrives on its barriers), starts once they are initialised.
+template <int kCluster>
+__device__ __forceinline__ void sync_cta_or_cluster() {
+    if constexpr (kCluster > 1)
+        cluster_sync_all();
+    else
+        __syncthreads();
+}
 __device__ __forceinline__ uint32_t cluster_ctarank() {
     uint32_t r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
     return r;
+}
+// The producer's position in a ring of kStages stages: stage s of a round of parity ph. Past the first round
+// (wrapped) a stage is refilled only once the consumers released its previous round (the empty barrier's phase of
+// parity ph ^ 1). Kept incrementally: a division by the stage count a k-step cost the one issuing thread more than its
+// copies (tma_wgrad_pingpong_kernel, docs/perf.md).
+template <int kStages>
+struct RingPosition {
+    int s = 0;
+    uint32_t ph = 0;
+    bool wrapped = false;
+    __device__ __forceinline__ void wait_free(uint32_t empty_bar) const {
+        if (wrapped) mbar_wait(empty_bar, ph ^ 1);
+    }
+    __device__ __forceinline__ void advance() {
+        if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
+    }
+};
+// Before a cluster's producer exits: the peer may still arrive on this CTA's empty barriers, so wait until the
+// consumers of both CTAs released the last kStages stages. empty(s) = stage s's empty barrier.
+template <int kStages, typename EmptyBar>
+__device__ __forceinline__ void drain_ring(RingPosition<kStages> pos, EmptyBar empty) {
+    for (int q = 0; q < kStages; ++q) {
+        pos.wait_free(empty(pos.s));
+        pos.advance();
+    }
+}
+// A consumer warpgroup hands a stage back: one arrival on its empty barriers in every CTA of the cluster.
+template <int kCluster>
+__device__ __forceinline__ void release_stage(uint32_t empty_bar) {
+    if constexpr (kCluster > 1) {
+        for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(empty_bar, uint32_t(c));
+    } else {
+        mbar_arrive(empty_bar);
+    }
 }
 __device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -481,10 +524,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (kCluster > 1)
-        cluster_sync_all();  // the peer's barriers are initialised before any multicast or remote arrival
-    else
-        __syncthreads();
+    sync_cta_or_cluster<kCluster>();
     // Persistent: the CTA (cluster) walks tiles (pairs) blockIdx.x / kCluster, + gridDim.x / kCluster, ...
     // Producer and consumers walk the same sequence and count k-steps globally (it), so the ring's stages and phases
     // carry over from one tile to the next and the producer fills the next tile's first stages while the consumers
@@ -529,11 +569,7 @@ __global__ void __launch_bounds__(384, 1)
         } else {
             if (tid >= 32) return;
         }
-        // The ring position (stage s of round ph's parity), kept incrementally: a division by kStages (3 with the
-        // async epilogue) a k-step costs the one issuing thread more than the copies (tma_wgrad_pingpong_kernel).
-        int s = 0;
-        uint32_t ph = 0;
-        bool wrapped = false;  // past the first round: a stage is refilled once the consumers released it
+        RingPosition<kStages> ring;
         TileJob job;
         for (int i = 0; job_at(i, job); ++i) {
             if (!job.active) continue;
@@ -550,7 +586,8 @@ __global__ void __launch_bounds__(384, 1)
                                                                       : kStageA;
             const uint32_t bytes = a_bytes + uint32_t(b_boxes) * (kOp == Op::kNT ? kStageB : kBlockBytes);
             for (int kt = 0; kt < nk && tid == 0; ++kt) {
-                if (wrapped) mbar_wait(empty(s), ph ^ 1);
+                const int s = ring.s;
+                ring.wait_free(empty(s));
                 mbar_expect_tx(full(s), bytes);
                 const int k0 = kt * kBK;
                 if constexpr (kOp == Op::kTN) {
@@ -586,18 +623,12 @@ __global__ void __launch_bounds__(384, 1)
                             tma_3d(sB(s) + j * kBlockBytes, mb, job.n0 + 64 * j, k0, z, full(s));
                     }
                 }
-                if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
+                ring.advance();
             }
             __syncwarp();  // lanes 1-31 skipped the copies: meet lane 0 before the next job search
         }
         if constexpr (kCluster > 1) {
-            // Do not exit while the peer may still arrive on this CTA's empty barriers: wait until the last
-            // kStages stages were released by the consumers of both CTAs.
-            if (tid == 0)
-                for (int q = 0; q < kStages; ++q) {
-                    if (wrapped) mbar_wait(empty(s), ph ^ 1);
-                    if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
-                }
+            if (tid == 0) drain_ring(ring, empty);
             __syncwarp();
         }
         return;
@@ -616,13 +647,7 @@ __global__ void __launch_bounds__(384, 1)
     const int w = (ctid >> 5) & 3, lane = ctid & 31;
     constexpr int kTransA = kOp == Op::kTN ? 1 : 0;
     constexpr int kTransB = kOp == Op::kNT ? 0 : 1;
-    auto release = [&](int s) {
-        if constexpr (kCluster > 1) {
-            for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(empty(s), uint32_t(c));
-        } else {
-            mbar_arrive(empty(s));
-        }
-    };
+    auto release = [&](int s) { release_stage<kCluster>(empty(s)); };
     int it = 0, tn_chunks = 0, staged_tiles = 0;
     // Gathered A: the next step to gather (g_it, global), kStages ahead of the consumed one; every thread gathers
     // one step after each step its warpgroup retired, into the slot that step freed.

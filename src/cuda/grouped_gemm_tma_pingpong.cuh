@@ -58,10 +58,7 @@ __global__ void __launch_bounds__(384, 1)
         mbar_init(turn(1), 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (kCluster > 1)
-        cluster_sync_all();  // the peer's barriers are initialised before any multicast or remote arrival
-    else
-        __syncthreads();
+    sync_cta_or_cluster<kCluster>();
     const int first = blockIdx.x / kCluster, stride = gridDim.x / kCluster;
     auto job_at = [&](int i, TileJob& job) {
         if (p.tn_hot_rows > 0) {
@@ -79,12 +76,10 @@ __global__ void __launch_bounds__(384, 1)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
 #endif
         if (tid >= 32) return;
-        // The ring position (stage s of round `round`, ph = round & 1), kept incrementally: a division by kStages a
-        // k-step and per-box loops with run-time bounds made this loop the kernel's bottleneck (ncu, H200: 143
-        // instructions a k-step on one thread, the consumers waiting for data while no stage was ever full).
-        int s = 0;
-        uint32_t ph = 0;
-        bool wrapped = false;  // round >= 1: a stage is refilled once the consumers released round - 1
+        // The ring position kept incrementally (RingPosition) and no box loops with run-time bounds: before, this
+        // loop was the kernel's bottleneck (ncu, H200: 143 instructions a k-step on one thread, the consumers
+        // waiting for data while no stage was ever full).
+        RingPosition<kStages> ring;
         TileJob job;
         for (int i = 0; job_at(i, job); ++i) {
             if (!job.active) continue;
@@ -98,8 +93,9 @@ __global__ void __launch_bounds__(384, 1)
                 const uint32_t bytes = uint32_t(a_blocks + b_blocks) * kBlockBytes;
                 int r0 = int(job.row0);
                 for (int kt = 0; kt < nk; ++kt, r0 += kBK) {
+                    const int s = ring.s;
                     const uint32_t fb = full(s), a = sA(s), b = sB(s);
-                    if (wrapped) mbar_wait(empty(s), ph ^ 1);
+                    ring.wait_free(empty(s));
                     mbar_expect_tx(fb, bytes);
                     if constexpr (kCluster > 1) {
                         if (rank == 0 || a2) tma_2d_mc(a + rank * kBlockBytes, &map_a, m0 + 64 * rank, r0, fb, 3);
@@ -115,19 +111,13 @@ __global__ void __launch_bounds__(384, 1)
                         if (b1) tma_2d(b, &map_b, n0, r0, fb);
                         if (b2) tma_2d(b + kBlockBytes, &map_b, n0 + 64, r0, fb);
                     }
-                    if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
+                    ring.advance();
                 }
             }
             __syncwarp();
         }
         if constexpr (kCluster > 1) {
-            // Do not exit while the peer may still arrive on this CTA's empty barriers: wait until the last kStages
-            // stages were released by the consumers of both CTAs.
-            if (tid == 0)
-                for (int q = 0; q < kStages; ++q) {
-                    if (wrapped) mbar_wait(empty(s), ph ^ 1);
-                    if (++s == kStages) s = 0, ph ^= 1, wrapped = true;
-                }
+            if (tid == 0) drain_ring(ring, empty);
             __syncwarp();
         }
         return;
@@ -140,13 +130,7 @@ __global__ void __launch_bounds__(384, 1)
     const int w = ctid >> 5, lane = ctid & 31, r = w * 16 + (lane >> 2);
     const bool leader = ctid == 0;
     const uint32_t bufs = epi + cw * 2 * kEpiF32Bytes;
-    auto release = [&](int s) {
-        if constexpr (kCluster > 1) {
-            for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(empty(s), uint32_t(c));
-        } else {
-            mbar_arrive(empty(s));
-        }
-    };
+    auto release = [&](int s) { release_stage<kCluster>(empty(s)); };
     int s = 0, t = 0, issued = 0;  // the ring's stage and its round's parity ph, as the producer keeps them
     uint32_t ph = 0;
     float d0[64], d1[64];  // rows m0 .. m0+63 and m0+64 .. m0+127 of the tile
