@@ -20,7 +20,8 @@ namespace {
 
 constexpr const char* kUsage =
     "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
-    "                    [--device cuda] [--scope layer|mlp] [--variant glu-forward|glu-backward|gather-fc1|tma-wgrad]\n"
+    "                    [--device cuda] [--scope layer|mlp]\n"
+    "                    [--variant glu-forward|glu-backward|gather-fc1|tma-wgrad]\n"
     "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]\n"
     "              [--moe-expert-rank-capacity-factor f] [--moe-enable-echo --moe-num-echo-experts S]]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
@@ -69,8 +70,8 @@ int run_bench(const std::vector<std::string>& args) {
                    ep, " needs --virtual-ranks ", ep, " (the ranks on this one GPU) or mpirun -np ", ep,
                    " (one GPU per process, NCCL)");
     MOEKIT_REQUIRE(ep == 1 || scope == "layer", "--scope=", scope, ": the EP benchmark times the whole layer");
-    MOEKIT_REQUIRE(variant.empty() || variant == "glu-forward" || variant == "glu-backward" || variant == "gather-fc1" ||
-                       variant == "tma-wgrad",
+    MOEKIT_REQUIRE(variant.empty() || variant == "glu-forward" || variant == "glu-backward" ||
+                       variant == "gather-fc1" || variant == "tma-wgrad",
                    "--variant=", variant, ": expected glu-forward, glu-backward, gather-fc1 or tma-wgrad");
     MOEKIT_REQUIRE(variant.empty() || (scope == "layer" && ep == 1), "--variant=", variant,
                    " goes with --scope layer at EP=1");

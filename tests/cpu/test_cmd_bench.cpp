@@ -34,7 +34,8 @@ TEST(CmdBench, BadFlagCombinationsAreNamedWithExitStatus2) {
          "allgather --moe-enable-echo --moe-num-echo-experts 8",
          "--moe-token-dispatcher-type alltoall"},
         {"bench --preset mixtral --moe-num-echo-experts 8", "--moe-num-echo-experts=8 goes with --moe-enable-echo"},
-        {"bench --preset mixtral --variant fused", "--variant=fused: expected glu-forward, glu-backward, gather-fc1 or tma-wgrad"},
+        {"bench --preset mixtral --variant fused",
+         "--variant=fused: expected glu-forward, glu-backward, gather-fc1 or tma-wgrad"},
         {"bench --preset mixtral --variant glu-forward --scope mlp", "goes with --scope layer at EP=1"},
     };
     for (const Case& c : cases) {
