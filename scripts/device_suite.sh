@@ -1,26 +1,48 @@
 #!/usr/bin/env bash
 # The GPU suite REPEAT times in one bounded device call (issue 10: "passes three times in a row"), then
 # compute-sanitizer memcheck and racecheck on the grouped GEMMs (every backend, CUTLASS included) and the
-# sinkhorn/fp64 layer cases repeated. Builds everything first unless BUILD=0 (a warm machine of the previous call).
+# sinkhorn/fp64 layer cases repeated. Builds everything first unless BUILD=0 (a warm machine of the previous call),
+# or runs the binaries carried in prebuilt/bin.txz (scripts/pack_prebuilt.sh: the GPU test binaries and moekit), a
+# run then being every GPU test binary, CTEST_J at a time, each under a 150 s limit.
 # usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [CTEST_J=4] [RUN_S=170 (seconds a run needs; +40 s its limit)] scripts/device_suite.sh;
 # results in $OUT (summary.txt first).
 . "$(dirname "$0")/device_lib.sh"
-if [ "${BUILD:-1}" = 1 ] || [ ! -f $B/build.ninja ]; then
+[ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt
+if [ -x prebuilt/moekit ]; then
+  B=prebuilt
+  export MOEKIT_BINARY=$PWD/prebuilt/moekit LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$PWD/prebuilt/lib
+  nccl_lib=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -1)
+  [ -n "$nccl_lib" ] && export LD_LIBRARY_PATH=$nccl_lib:$LD_LIBRARY_PATH
+  log "prebuilt binaries: $(cd prebuilt && ls test_* | tr '\n' ' ')"
+elif [ "${BUILD:-1}" = 1 ] || [ ! -f $B/build.ninja ]; then
   log "build (all targets)"
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
   timeout 330 cmake --build $B >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
 fi
 for i in $(seq 1 "${REPEAT:-3}"); do
   left "${RUN_S:-170}" "GPU suite run $i" || break
+  if [ $B = prebuilt ]; then
+    log "GPU test binaries, run $i"
+    rm -f "$OUT/rc_$i.txt"
+    (cd $B && ls test_* | timeout $((${RUN_S:-170} + 40)) xargs -P "${CTEST_J:-4}" -I{} sh -c \
+      "timeout 150 ./{} > '$OUT/run${i}_{}.log' 2>&1; echo \"{} \$?\" >> '$OUT/rc_$i.txt'")
+    sort "$OUT/rc_$i.txt" | while read -r t rc; do
+      echo "$t exit $rc: $(grep -E '^\[  (PASSED|FAILED)  \] [0-9]' "$OUT/run${i}_$t.log" | tr '\n' ' ')"
+      [ "$rc" = 0 ] || grep -E "Failure|Expected|Which is|FAILED" "$OUT/run${i}_$t.log" | head -10
+    done | tee -a "$OUT/summary.txt"
+    echo "run $i: $(grep -c ' 0$' "$OUT/rc_$i.txt") of $(wc -l < "$OUT/rc_$i.txt") binaries exit 0" | tee -a "$OUT/summary.txt"
+    continue
+  fi
   log "ctest -L gpu, run $i"
   (cd $B && timeout $((${RUN_S:-170} + 40)) ctest -L gpu -j "${CTEST_J:-4}" --output-on-failure --timeout 150 2>&1) >"$OUT/ctest_gpu_$i.log"
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Total Test time" "$OUT/ctest_gpu_$i.log" | tee -a "$OUT/summary.txt"
 done
+[ $B = prebuilt ] && (cd "$OUT" && tar -czf runs.tar.gz run*_*.log rc_*.txt && rm -f run*_*.log rc_*.txt)
 left 100 "racecheck" && {
   log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
   sanitize racecheck 90 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 }
-left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*WgradPingpong*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \
