@@ -10,6 +10,11 @@
 #   bash scripts/device_anchors.sh    env: ITERS=10 CONFIGS="mixtral dsv3-ep8@zipf1.2 ..." PEERS="torch sonic"
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
+#                                     SKIP_MOEKIT=1 (peers only: no moekit rows, no report)
+# SonicMoE's compiled kernels: its persistent object cache (QUACK_CACHE_DIR) starts from SONIC_CACHE (default
+# .anchors/quack_cache.tar.xz, carried) where that exists, and SAVE_SONIC_CACHE=1 packs it into $OUT afterwards. A call
+# without it spends most of its peer time compiling (mixtral alone took 256 s on 2026-11-28 and the last three configs
+# were not reached); its autotuning still runs in the call that times it (its choices are not cached).
 # Results in $OUT: summary.txt, anchors.txt (the table), anchors.json, moekit/*.json|txt, torch.json, sonic.json, logs.
 LIMIT=${LIMIT:-540}
 . "$(dirname "$0")/device_lib.sh"
@@ -22,6 +27,11 @@ export PYTHONUNBUFFERED=1
 SONIC_PASSES=${SONIC_PASSES:-layer experts}
 # SonicMoE compiles its GEMM configurations in worker processes: one per core; its autotuning progress goes to the log.
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)} QUACK_PRINT_AUTOTUNING=${QUACK_PRINT_AUTOTUNING:-1}
+export QUACK_CACHE_DIR=/tmp/quack_cache CUTE_DSL_CACHE_DIR=/tmp/quack_cache/cute_dsl  # quack objects, CuTe DSL JIT files
+SONIC_CACHE=${SONIC_CACHE:-.anchors/quack_cache.tar.xz}
+mkdir -p $CUTE_DSL_CACHE_DIR
+[ -s "$SONIC_CACHE" ] && tar -xJf "$SONIC_CACHE" -C $QUACK_CACHE_DIR &&
+  log "SonicMoE's kernel cache from $SONIC_CACHE: $(find $QUACK_CACHE_DIR -type f | wc -l) files"
 M="$OUT/moekit"; mkdir -p "$M"
 A="python3 bench/anchors/anchors.py"
 # A build dir with the tests needs the carried GoogleTest; without it, a build dir of its own without tests.
@@ -43,7 +53,7 @@ fi
 # A `moekit` built here and carried in prebuilt/ (scripts/device_prebuilt.sh: stripped, or packed as bin.tgz) spares
 # the build's minutes for the peers' autotuning, and .third_party need not travel: carry [".anchors", "prebuilt"].
 [ -f prebuilt/bin.tgz ] && tar -xzf prebuilt/bin.tgz -C prebuilt
-[ -f prebuilt/bin.txz ] && tar -xJf prebuilt/bin.txz -C prebuilt  # scripts/pack_prebuilt.sh moekit
+[ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt  # scripts/pack_prebuilt.sh moekit
 if [ -x prebuilt/moekit ]; then
   B=prebuilt; BUILD_RC=0
   log "moekit from prebuilt/ (no build)"
@@ -55,6 +65,7 @@ else
 fi
 [ $BUILD_RC = 0 ] || { log "build failed or timed out (rc $BUILD_RC): no moekit rows"; grep -E "error" "$OUT/build.log" | head -10 | tee -a "$OUT/summary.txt"; }
 
+[ "${SKIP_MOEKIT:-0}" = 1 ] && BUILD_RC=skipped
 if [ $BUILD_RC = 0 ]; then
   for c in $CONFIGS; do
     preset=${c%%@*}; skew=""
@@ -110,6 +121,11 @@ for peer in $PEERS; do
   REPORT_PEERS="$REPORT_PEERS --peer $peer=$OUT/$peer.json:$rc"
 done
 
+if [ "${SAVE_SONIC_CACHE:-0}" = 1 ]; then
+  tar -cJf "$OUT/quack_cache.tar.xz" -C $QUACK_CACHE_DIR . &&
+    log "SonicMoE's kernel cache: $(find $QUACK_CACHE_DIR -type f | wc -l) files, $(stat -c %s "$OUT/quack_cache.tar.xz") bytes packed"
+fi
+[ "${SKIP_MOEKIT:-0}" = 1 ] && { log "done (peers only)"; exit 0; }
 log "report"
 $A report --moekit-dir "$M" --configs $CONFIGS --scopes $SCOPES $REPORT_PEERS --json "$OUT/anchors.json" \
   --table "$OUT/anchors.txt" 2>&1 | tee -a "$OUT/summary.txt"

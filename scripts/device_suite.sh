@@ -4,7 +4,7 @@
 # sinkhorn/fp64 layer cases repeated. Builds everything first unless BUILD=0 (a warm machine of the previous call),
 # or runs the binaries carried in prebuilt/bin.txz (scripts/pack_prebuilt.sh: the GPU test binaries and moekit), a
 # run then being every GPU test binary, CTEST_J at a time, each under a 150 s limit.
-# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [CTEST_J=4] [RUN_S=170 (seconds a run needs; +40 s its limit)] scripts/device_suite.sh;
+# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=4] [RUN_S=170 (seconds a run needs; +40 s its limit)] scripts/device_suite.sh;
 # results in $OUT (summary.txt first).
 . "$(dirname "$0")/device_lib.sh"
 [ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt
@@ -38,11 +38,11 @@ for i in $(seq 1 "${REPEAT:-3}"); do
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Total Test time" "$OUT/ctest_gpu_$i.log" | tee -a "$OUT/summary.txt"
 done
 [ $B = prebuilt ] && (cd "$OUT" && tar -czf runs.tar.gz run*_*.log rc_*.txt && rm -f run*_*.log rc_*.txt)
-left 100 "racecheck" && {
+[ "${SANITIZE:-1}" = 1 ] && left 100 "racecheck" && {
   log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
   sanitize racecheck 90 $B/test_grouped_gemm '*EmptyFirst*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 }
-left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*WgradPingpong*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+[ "${SANITIZE:-1}" = 1 ] && left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*WgradPingpong*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \

@@ -49,7 +49,7 @@ struct ClockSampler::Impl {
     std::atomic<bool> stop{false};
     mutable std::mutex mu;
     struct Sum {
-        int n = 0, capped = 0, power_n = 0;
+        int n = 0, capped = 0, power_n = 0, failed = 0;
         double mhz = 0, power_w = 0;
     };
     std::vector<Sum> sums;
@@ -72,18 +72,26 @@ struct ClockSampler::Impl {
         if (cudaDeviceGetPCIBusId(bus_id, int(sizeof bus_id), cuda_device) != cudaSuccess)
             return why = "cudaDeviceGetPCIBusId failed", false;
         if (nvml.by_pci(bus_id, &dev) != 0) return why = std::string("NVML has no device at ") + bus_id, false;
+        // One query of each kind now: NVML's first answers for a device can take longer than a short measurement,
+        // and a sample still in flight when its measurement closes is dropped (sample()).
+        unsigned mhz = 0, mw = 0;
+        unsigned long long r = 0;
+        if (nvml.clock(dev, kNvmlClockSm, &mhz) != 0) return why = "nvmlDeviceGetClockInfo failed", false;
+        if (nvml.reasons) nvml.reasons(dev, &r);
+        if (nvml.power) nvml.power(dev, &mw);
         return true;
     }
 
     void sample(int m) {
         unsigned mhz = 0, mw = 0;
         unsigned long long r = 0;
-        if (nvml.clock(dev, kNvmlClockSm, &mhz) != 0) return;
-        const bool have_reasons = nvml.reasons && nvml.reasons(dev, &r) == 0;
-        const bool have_power = nvml.power && nvml.power(dev, &mw) == 0;
+        const bool have_clock = nvml.clock(dev, kNvmlClockSm, &mhz) == 0;
+        const bool have_reasons = have_clock && nvml.reasons && nvml.reasons(dev, &r) == 0;
+        const bool have_power = have_clock && nvml.power && nvml.power(dev, &mw) == 0;
         std::lock_guard<std::mutex> lock(mu);
         if (current.load() != m) return;  // the measurement closed while NVML answered
         Sum& s = sums[size_t(m)];
+        if (!have_clock) return void(++s.failed);
         ++s.n, s.mhz += mhz;
         s.capped += have_reasons && (r & kPowerCapReasons) ? 1 : 0;
         if (have_power) ++s.power_n, s.power_w += mw / 1000.0;
@@ -128,6 +136,7 @@ ClockStats ClockSampler::stats(int measurement) const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     const Impl::Sum& s = impl_->sums[size_t(measurement)];
     out.samples = s.n;
+    out.failed_queries = s.failed;
     if (s.n > 0) out.sm_mhz = s.mhz / s.n, out.power_capped = double(s.capped) / s.n;
     if (s.power_n > 0) out.power_w = s.power_w / s.power_n;
     return out;

@@ -16,6 +16,7 @@ struct ClockStats {
     double sm_mhz = 0;        // mean SM clock over the samples
     double power_capped = 0;  // fraction of the samples with the power-cap reason active (SW power cap or HW brake)
     double power_w = 0;       // mean board power NVML reported (its own averaging window: seconds, not this span)
+    int failed_queries = 0;   // clock queries NVML refused while the measurement was open (not in `samples`)
 };
 
 class ClockSampler {
