@@ -247,18 +247,22 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
             if (c.op == Op::kTN) {
                 // The own kernel's wgrad, cooperative and ping-pong (set_tn_pingpong), each on single CTAs and on
                 // CTA pairs.
+                // CTA pairs; the ping-pong also with four staging buffers a warpgroup (set_tn_pingpong_buffers).
                 const struct {
                     const char* key;
-                    int pingpong, cluster;
-                } own[] = {{"tma_ms", 0, 1}, {"tma2_ms", 0, 2}, {"tma_pp_ms", 1, 1}, {"tma_pp2_ms", 1, 2}};
+                    int pingpong, cluster, buffers;
+                } own[] = {{"tma_ms", 0, 1, -1},    {"tma2_ms", 0, 2, -1}, {"tma_pp_ms", 1, 1, 2},
+                           {"tma_pp2_ms", 1, 2, 2}, {"tma_pp4_ms", 1, 1, 4}};
                 for (const auto& v : own) {
                     auto run = graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto);
                     columns.push_back({v.key, [run, v] {
                                            set_tn_pingpong(v.pingpong);
                                            set_grouped_gemm_cluster(v.cluster);
+                                           set_tn_pingpong_buffers(v.buffers);
                                            const double ms = run();
                                            set_tn_pingpong(-1);
                                            set_grouped_gemm_cluster(0);
+                                           set_tn_pingpong_buffers(-1);
                                            return ms;
                                        }});
                 }
@@ -337,7 +341,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // them evict-first in L2 on small groups: WgradStores); auto rm (wgrad) = the same with the tiles walked along M
     // (CutlassRaster: auto walks N for a wgrad whose [rows, M] operand overflows half the L2); tma = own kernel
     // (wgrad: its cooperative 128x256 tile); tma2 (wgrad) = the same on CTA pairs; tma pp / pp2 (wgrad) = the own
-    // kernel's ping-pong (set_tn_pingpong) on single CTAs / CTA pairs;
+    // kernel's ping-pong (set_tn_pingpong) on single CTAs / CTA pairs; tma pp4 = its ping-pong with four staging
+    // buffers a warpgroup and five ring stages;
     // cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
     // weight rows x 192 token rows (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
@@ -354,6 +359,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"tma2_ms", "tma2"},
                            {"tma_pp_ms", "tma pp"},
                            {"tma_pp2_ms", "tma pp2"},
+                           {"tma_pp4_ms", "tma pp4"},
                            {"cutlass_coop_ms", "cl-coop"},
                            {"cutlass_tall_ms", "cl-tall"},
                            {"cutlass_pingpong_ms", "cl-pp"},

@@ -224,6 +224,14 @@ bool tn_pingpong() {
     return env;
 }
 
+std::atomic<int> g_tn_pp_buffers{-1};
+int tn_pingpong_buffers() {
+    const int set = g_tn_pp_buffers.load();
+    if (set >= 0) return set;
+    static const int env = choice_from_env("MOEKIT_TN_PP_BUFFERS", "2", 2, "4", 4);
+    return env;
+}
+
 int tn_hot_rows() {
     int h = g_tn_hot_rows.load();
     if (h < 0) {
@@ -357,16 +365,25 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
             const int64_t tiles = int64_t(q.tiles_m) * ceil_div(q.tiles_n, kCluster) * p.G;  // pairs with clusters
             MOEKIT_CHECK(tiles < (int64_t(1) << 31), "grouped_gemm_tn: too many 128 x 128 tiles (", tiles, ")");
             q.total_tiles = int(tiles);
-            using gemm_detail::kPpStages, gemm_detail::tma_wgrad_pingpong_kernel;
-            if (k % 64 == 0 && n % 64 == 0) {  // two 64-column blocks a copy (kBlocks3d)
+            using gemm_detail::pingpong_smem_bytes, gemm_detail::tma_wgrad_pingpong_kernel;
+            const bool blocks3d = k % 64 == 0 && n % 64 == 0;  // two 64-column blocks a copy (kBlocks3d)
+            if (blocks3d) {
                 if (kCluster == 1) a = column_blocks_map(p.A, rows, k, 2);
                 b = column_blocks_map(p.B, rows, n, 2);
-                launch_tma_kernel<tma_wgrad_pingpong_kernel<kPpStages, kCluster, true>, kCluster>(
-                    gemm_detail::kTmaPingpongSmemBytes, q.total_tiles, q, a, b, c, second, stream);
-            } else {
-                launch_tma_kernel<tma_wgrad_pingpong_kernel<kPpStages, kCluster, false>, kCluster>(
-                    gemm_detail::kTmaPingpongSmemBytes, q.total_tiles, q, a, b, c, second, stream);
             }
+            auto launch = [&]<int kStages, int kBufs>() {
+                constexpr int smem = pingpong_smem_bytes(kStages, kBufs);
+                if (blocks3d)
+                    launch_tma_kernel<tma_wgrad_pingpong_kernel<kStages, kBufs, kCluster, true>, kCluster>(
+                        smem, q.total_tiles, q, a, b, c, second, stream);
+                else
+                    launch_tma_kernel<tma_wgrad_pingpong_kernel<kStages, kBufs, kCluster, false>, kCluster>(
+                        smem, q.total_tiles, q, a, b, c, second, stream);
+            };
+            if (tn_pingpong_buffers() == 4)
+                launch.template operator()<5, 4>();
+            else
+                launch.template operator()<6, 2>();
             return;
         }
     }
@@ -651,6 +668,11 @@ void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel);
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
 void set_tn_pingpong(int on) { g_tn_pingpong = on; }
+void set_tn_pingpong_buffers(int buffers) {
+    MOEKIT_CHECK(buffers == -1 || buffers == 2 || buffers == 4, "set_tn_pingpong_buffers(", buffers,
+                 "): 2, 4 or -1 (MOEKIT_TN_PP_BUFFERS)");
+    g_tn_pp_buffers = buffers;
+}
 void set_wgrad_own_kernel(int on) { g_wgrad_own = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }

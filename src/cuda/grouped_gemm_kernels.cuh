@@ -39,6 +39,10 @@ void set_tn_interleave(int hot_rows);
 // Either runs on single CTAs or CTA pairs (set_grouped_gemm_cluster). The ping-pong needs the staged epilogue (a
 // 16-byte aligned gradient); without it the cooperative kernel stores from registers.
 void set_tn_pingpong(int on);
+// The ping-pong wgrad's fp32 staging buffers a consumer warpgroup: 2 (with 6 ring stages) or 4 (with 5 stages: a
+// tile's eight store chunks wait on their shared-memory reads half as often); -1 (default) = the environment variable
+// MOEKIT_TN_PP_BUFFERS=2|4, else 2.
+void set_tn_pingpong_buffers(int buffers);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {

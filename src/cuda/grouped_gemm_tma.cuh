@@ -396,9 +396,10 @@ __device__ __forceinline__ void store_tile_async(const Params& p, const TileJob&
 // reduce-add (the fp32 main grad is read-modified-written at L2 instead of through the SM's registers). Nothing
 // waits for a store to land: a buffer is reused once its previous store has read it out. Measured about even with
 // the register stores (H200, docs/perf.md): this kernel's wgrad main loop waits on its TMA loads, not on its stores.
-// `issued` counts this warpgroup's chunks. The warpgroup's 64 rows start at gradient row m0; N accumulators a thread
-// hold N / 4 columns (m64n256: 128, m64n128: 64); `bar` is the warpgroup's named barrier.
-template <int N>
+// `issued` counts this warpgroup's chunks, which rotate through its kBufs staging buffers. The warpgroup's 64 rows
+// start at gradient row m0; N accumulators a thread hold N / 4 columns (m64n256: 128, m64n128: 64); `bar` is the
+// warpgroup's named barrier.
+template <int N, int kBufs = 2>
 __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob& job, const CUtensorMap* map_c,
                                                   const CUtensorMap* map_c2, int m0, int bar, int ctid, uint32_t bufs,
                                                   int r, int lane, const float (&d)[N], int& issued) {
@@ -409,9 +410,9 @@ __device__ __forceinline__ void tn_store_epilogue(const Params& p, const TileJob
 #pragma unroll
     for (int c = 0; c < N / 16; ++c) {
         if (job.n0 + c * 32 >= p.n) continue;  // uniform over the warpgroup
-        const uint32_t buf = bufs + (issued & 1) * kEpiF32Bytes;
-        if (issued >= 2) {  // the store before last used this buffer
-            if (leader) bulk_wait_read<1>();
+        const uint32_t buf = bufs + (issued % kBufs) * kEpiF32Bytes;
+        if (issued >= kBufs) {  // the store kBufs chunks back used this buffer
+            if (leader) bulk_wait_read<kBufs - 1>();
             named_barrier(bar, 128);
         }
 #pragma unroll

@@ -14,11 +14,16 @@
 
 namespace moekit::cuda::gemm_detail {
 
-// 6 stages of A [64 k x 128 m] + B [64 k x 128 n] bf16 (32 KB), 1 KB for the 1024-byte alignment, 1 KB of
-// mbarriers, and per consumer warpgroup two 8 KB fp32 staging buffers (tn_store_epilogue).
-constexpr int kPpStages = 6, kPpStageBytes = 4 * kBlockBytes;
-constexpr int kTmaPingpongSmemBytes = kPpStages * kPpStageBytes + 1024 + 1024 + 4 * kEpiF32Bytes;
-static_assert(kTmaPingpongSmemBytes <= 232448, "the ping-pong wgrad's shared memory must fit an H100 / H200 SM");
+// kStages stages of A [64 k x 128 m] + B [64 k x 128 n] bf16 (32 KB), 1 KB for the 1024-byte alignment, 1 KB of
+// mbarriers, and per consumer warpgroup kEpiBufs 8 KB fp32 staging buffers (tn_store_epilogue): 6 stages and two
+// buffers, or 5 stages and four (a tile's eight chunks then wait on their stores' reads half as often; the
+// epilogue must end within the other warpgroup's main loop, ~6 us at 1024 reduction rows).
+constexpr int kPpStageBytes = 4 * kBlockBytes;
+constexpr int pingpong_smem_bytes(int stages, int epi_bufs) {
+    return stages * kPpStageBytes + 1024 + 1024 + 2 * epi_bufs * kEpiF32Bytes;
+}
+static_assert(pingpong_smem_bytes(6, 2) <= 232448 && pingpong_smem_bytes(5, 4) <= 232448,
+              "the ping-pong wgrad's shared memory must fit an H100 / H200 SM");
 
 // Tiles 128 x 128 (Params::tiles_m / tiles_n count them); one CTA per SM walks its jobs as tma_kernel does. Active
 // job t of a CTA goes to consumer warpgroup t & 1. Order: a warpgroup starts the main loop of job t only once the
@@ -31,7 +36,7 @@ static_assert(kTmaPingpongSmemBytes <= 232448, "the ping-pong wgrad's shared mem
 // kBlocks3d (m and n multiples of 64): A and B come through 3-D tensor maps that view a [rows, m] operand as m / 64
 // blocks of 64 columns ({64, rows, m / 64}, block stride 128 bytes), so one copy brings both 64-column blocks of a
 // k-step (box {64, 64, 2}; with a cluster, A's half stays one 2-D box): two copies a k-step instead of four.
-template <int kStages, int kCluster, bool kBlocks3d>
+template <int kStages, int kEpiBufs, int kCluster, bool kBlocks3d>
 __global__ void __launch_bounds__(384, 1)
     tma_wgrad_pingpong_kernel(Params p, const __grid_constant__ CUtensorMap map_a,
                               const __grid_constant__ CUtensorMap map_b, const __grid_constant__ CUtensorMap map_c,
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(384, 1)
     const int cw = wg - 1, ctid = tid & 127, bar = 2 + cw;
     const int w = ctid >> 5, lane = ctid & 31, r = w * 16 + (lane >> 2);
     const bool leader = ctid == 0;
-    const uint32_t bufs = epi + cw * 2 * kEpiF32Bytes;
+    const uint32_t bufs = epi + cw * kEpiBufs * kEpiF32Bytes;
     auto release = [&](int s) { release_stage<kCluster>(empty(s)); };
     int s = 0, t = 0, issued = 0;  // the ring's stage and its round's parity ph, as the producer keeps them
     uint32_t ph = 0;
@@ -184,8 +189,8 @@ __global__ void __launch_bounds__(384, 1)
         ++t;
         // An empty group adds nothing to an accumulated gradient, and an overwrite_nonempty one is not written.
         if ((p.keep_empty || in_second(p, job.group)) && nk == 0) continue;
-        tn_store_epilogue(p, job, &map_c, &map_2, job.m0, bar, ctid, bufs, r, lane, d0, issued);
-        tn_store_epilogue(p, job, &map_c, &map_2, job.m0 + 64, bar, ctid, bufs, r, lane, d1, issued);
+        tn_store_epilogue<64, kEpiBufs>(p, job, &map_c, &map_2, job.m0, bar, ctid, bufs, r, lane, d0, issued);
+        tn_store_epilogue<64, kEpiBufs>(p, job, &map_c, &map_2, job.m0 + 64, bar, ctid, bufs, r, lane, d1, issued);
     }
     // The last bulk stores must have read their shared-memory source before the CTA (and its memory) ends.
     if (issued > 0 && leader) bulk_wait_all();

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/bf16.h"
@@ -446,10 +447,18 @@ TEST(GroupedGemm, WgradPingpongManyLongJobsPerWarpgroup) {
     // groups of one 128 x 128 tile, so each warpgroup of the 132 CTAs walks one or two jobs; reductions of 0 to ~1000
     // rows, most longer than the 6-stage ring (a warpgroup that started a job before the other finished waiting on
     // the previous one would read a stage's parity a phase early); empty groups among them; every wgrad mode.
+    // With two and with four staging buffers a warpgroup (set_tn_pingpong_buffers: 6 or 5 ring stages).
     const auto counts = random_counts(400, 180000, 181, 0.1);
-    check_tn(counts, 5, 128, 128, false, 182);
-    check_tn(counts, 5, 128, 128, true, 183);
-    check_tn(counts, 5, 128, 128, WgradWrite::overwrite_nonempty, 184);
+    for (int buffers : {2, 4}) {
+        SCOPED_TRACE(std::to_string(buffers) + " staging buffers a warpgroup");
+        set_tn_pingpong_buffers(buffers);
+        check_tn(counts, 5, 128, 128, false, 182);
+        check_tn(counts, 5, 128, 128, true, 183);
+        check_tn(counts, 5, 128, 128, WgradWrite::overwrite_nonempty, 184);
+        // Gradient widths that are not multiples of 64 (2-D boxes, partial chunks) and a tile's last chunks skipped.
+        check_tn(random_counts(30, 9000, 185, 0.2), 5, 200, 96, true, 186);
+    }
+    set_tn_pingpong_buffers(-1);
 }
 
 TEST(GroupedGemm, LargeGroupsLongReduction) {
