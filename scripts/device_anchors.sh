@@ -12,7 +12,8 @@
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
 #                                     SKIP_MOEKIT=1 (peers only: no moekit rows, no report)
 # SonicMoE's compiled kernels: its persistent object cache (QUACK_CACHE_DIR) starts from SONIC_CACHE (default
-# .anchors/quack_cache.tar.xz, carried) where that exists, and SAVE_SONIC_CACHE=1 packs it into $OUT afterwards. A call
+# .anchors/quack_cache.tar.xz, carried: copy an earlier call's $OUT/quack_cache.tar.xz there) where that exists, and
+# SAVE_SONIC_CACHE=1 packs it into $OUT afterwards (objects only: autotuning results and locks stay behind). A call
 # without it spends most of its peer time compiling (mixtral alone took 256 s on 2026-11-28 and the last three configs
 # were not reached); its autotuning still runs in the call that times it (its choices are not cached).
 # Results in $OUT: summary.txt, anchors.txt (the table), anchors.json, moekit/*.json|txt, torch.json, sonic.json, logs.
@@ -122,7 +123,7 @@ for peer in $PEERS; do
 done
 
 if [ "${SAVE_SONIC_CACHE:-0}" = 1 ]; then
-  tar -cJf "$OUT/quack_cache.tar.xz" -C $QUACK_CACHE_DIR . &&
+  tar -cJf "$OUT/quack_cache.tar.xz" --exclude='*.autotune.json' --exclude='*.lock' -C $QUACK_CACHE_DIR . &&
     log "SonicMoE's kernel cache: $(find $QUACK_CACHE_DIR -type f | wc -l) files, $(stat -c %s "$OUT/quack_cache.tar.xz") bytes packed"
 fi
 [ "${SKIP_MOEKIT:-0}" = 1 ] && { log "done (peers only)"; exit 0; }
