@@ -246,7 +246,6 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         if (is_hopper()) {
             if (c.op == Op::kTN) {
                 // The own kernel's wgrad, cooperative and ping-pong (set_tn_pingpong), each on single CTAs and on
-                // CTA pairs.
                 // CTA pairs; the ping-pong also with four staging buffers a warpgroup (set_tn_pingpong_buffers).
                 const struct {
                     const char* key;
