@@ -323,6 +323,17 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
             if (rounds > 1) r[std::string(columns[col].key) + "_rounds"] = ms[col];
             keys.push_back(columns[col].key);
         }
+        // The acceptance ratio round by round: both columns of one round ran within seconds of each other, so their
+        // ratio is less moved by the power cap's clock drift than the ratio of two medians (two columns running the
+        // same kernels read up to 9 % apart, H200, 2026-11-28: docs/perf.md).
+        if (rounds > 1 && r.contains("auto_ms") && r.contains("dense_ms")) {
+            const int a = int(std::find(keys.begin(), keys.end(), "auto_ms") - keys.begin());
+            const int d = int(std::find(keys.begin(), keys.end(), "dense_ms") - keys.begin());
+            std::vector<double> ratio;
+            for (int round = 0; round < rounds; ++round) ratio.push_back(ms[d][round] / ms[a][round]);
+            r["dense_over_auto_rounds"] = ratio;
+            r["dense_over_auto_median"] = median(ratio);
+        }
         r["clocks"] = moekit::bench::clock_json(clocks, keys, n);
         out["gemms"].push_back(r);
     }
@@ -346,8 +357,9 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
     // weight rows x 192 token rows (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
     // GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's
-    // (the per-GEMM acceptance ratio); fill (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound
-    // wgrad's floor (bench_wgrad_stores says what else bounds it).
+    // (the per-GEMM acceptance ratio), and the same ratio taken in each round (median, least and greatest); fill
+    // (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what
+    // else bounds it).
     struct Col {
         const char *key, *head;
     };
@@ -375,7 +387,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
     add(" %4s", "op");
     add(" %8s |", "GFLOP");
     for (const Col& c : grouped) add(" %8s", c.head);
-    out += " | sync ms dense ms | TFLOP/s   dense | dns/au dns/bs |     fill\n";
+    out += " | sync ms dense ms | TFLOP/s   dense | dns/au dns/bs | a round:  median  min-max |     fill\n";
     auto ms = [](const nlohmann::json& g, const char* key) { return g.contains(key) ? g[key].get<double>() : NAN; };
     for (auto& g : r["gemms"]) {
         double best = INFINITY;
@@ -392,6 +404,14 @@ std::string format_gemm_table(const nlohmann::json& r) {
         add(" %7.0f |", gf / dense);
         add(" %5.2fx", dense / chosen);
         add(" %5.2fx |", dense / best);
+        if (g.contains("dense_over_auto_rounds")) {  // dns/au round by round (bench_gemms)
+            const auto rr = g["dense_over_auto_rounds"].get<std::vector<double>>();
+            add("          %5.2fx", g["dense_over_auto_median"].get<double>());
+            add(" %4.2f", *std::min_element(rr.begin(), rr.end()));
+            add("-%4.2f |", *std::max_element(rr.begin(), rr.end()));
+        } else {
+            add(" %24s |", "");
+        }
         add(" %8.3f\n", ms(g, "fill_ms"));
     }
     // The SM clock of the acceptance pair (the layer's choice and dense cuBLAS), where NVML was there to read it.
