@@ -461,18 +461,6 @@ TEST(GroupedGemm, WgradPingpongManyLongJobsPerWarpgroup) {
     set_tn_pingpong_buffers(-1);
 }
 
-TEST(GroupedGemm, LastTilesWithAnIdleWarpgroup) {
-    SKIP_WITHOUT_GPU();
-    // A group's last 128-row tile holding 1, 63, 64, 65 or 127 of its rows: where the second 64 rows all lie past
-    // the group's end, the own TMA kernel's second consumer warpgroup issues no wgmmas (nt / nn), and the rows it
-    // owns must still come out right in the next group's tiles; every backend against the double-precision reference,
-    // and the fused GLU forward against the unfused pair.
-    const std::vector<int> counts{1, 63, 64, 65, 129, 191, 192, 193, 0, 300, 127, 256};
-    check_row_gemm(Op::kNT, counts, 5, 192, 128, 191);
-    check_row_gemm(Op::kNN, counts, 5, 192, 128, 192);
-    if (device_major() == 9) check_glu_forward(counts, 5, 128, 128, Activation::silu, true, 193);
-}
-
 TEST(GroupedGemm, LargeGroupsLongReduction) {
     SKIP_WITHOUT_GPU();
     // >= 1536 rows per group and k >= 2n: the per-shape choice's CUTLASS-cooperative branch (nt/nn); tn its
@@ -788,6 +776,18 @@ TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
     check_glu_forward(random_counts(4, 500, 131, 0.0), 3, 192, 128, Activation::silu, true, 132, 0, -1);
     check_glu_forward(random_counts(2, 1200, 133, 0.0), 0, 128, 128, Activation::silu, true, 134, 0, -1);
     set_glu_forward_fusion(-1);
+}
+
+TEST(GroupedGemm, LastTilesWithAnIdleWarpgroup) {
+    SKIP_WITHOUT_GPU();
+    // A group's last 128-row tile holding 1, 63, 64, 65 or 127 of its rows: where the second 64 rows all lie past
+    // the group's end, the own TMA kernel's second consumer warpgroup issues no wgmmas (nt / nn), and the rows it
+    // owns must still come out right in the next group's tiles; every backend against the double-precision reference,
+    // and the fused GLU forward against the unfused pair.
+    const std::vector<int> counts{1, 63, 64, 65, 129, 191, 192, 193, 0, 300, 127, 256};
+    check_row_gemm(Op::kNT, counts, 5, 192, 128, 191);
+    check_row_gemm(Op::kNN, counts, 5, 192, 128, 192);
+    if (device_major() == 9) check_glu_forward(counts, 5, 128, 128, Activation::silu, true, 193);
 }
 
 TEST(GroupedGemm, RejectsUnalignedSizes) {
