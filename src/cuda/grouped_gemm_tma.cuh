@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(384, 1)
         // multiple about half the time). A warpgroup whose 64 output rows all lie past the group's end would only
         // compute rows that are never stored: it issues no wgmmas, so the other has the tensor cores to itself. It
         // still waits on and releases every stage, as the ring's counts expect.
-        const bool idle = kOp != Op::kTN && job.row0 + 64 * cw >= job.row_end;
+        const bool idle = kOp != Op::kTN && p.idle_skip && job.row0 + 64 * cw >= job.row_end;
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0.f;
         for (int kt = 0; kt < nk; ++kt, ++it) {
