@@ -88,14 +88,6 @@ CutlassConfig small_group_wgrad_config() {
     return c;
 }
 
-// The other nt / nn: ping-pong on 128-row tiles, or on 64-row tiles (kPingpongShort) with MOEKIT_ROW_TILE=64, for
-// measurements.
-CutlassConfig pingpong_row_config() {
-    static const CutlassConfig c =
-        choice_from_env("MOEKIT_ROW_TILE", "128", CutlassConfig::kPingpong, "64", CutlassConfig::kPingpongShort);
-    return c;
-}
-
 // The wgrads of groups of >= 256 rows on the own kernel (set_wgrad_own_kernel), for A/B against CUTLASS's ping-pong.
 std::atomic<int> g_wgrad_own{-1};
 bool wgrad_own_kernel() {
@@ -150,7 +142,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    return {GroupedGemmKernel::kCutlass, pingpong_row_config()};
+    return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
 }
 
 template <auto kKernel>
@@ -237,14 +229,6 @@ int tn_pingpong_buffers() {
     const int set = g_tn_pp_buffers.load();
     if (set >= 0) return set;
     static const int env = choice_from_env("MOEKIT_TN_PP_BUFFERS", "2", 2, "4", 4);
-    return env;
-}
-
-std::atomic<int> g_idle_skip{-1};
-bool tma_idle_skip() {
-    const int set = g_idle_skip.load();
-    if (set >= 0) return set > 0;
-    static const bool env = choice_from_env("MOEKIT_TMA_IDLE_WARPGROUP", "skip", true, "compute", false);
     return env;
 }
 
@@ -347,7 +331,6 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const uintptr_t c_bits =
         reinterpret_cast<uintptr_t>(p.C) | (kOp == Op::kTN && G2 > 0 ? reinterpret_cast<uintptr_t>(p.second) : 0);
     q.staged_epilogue = tma_staged_epilogue() && c_bits % 16 == 0 ? 1 : 0;
-    q.idle_skip = tma_idle_skip() ? 1 : 0;
     if constexpr (kOp == Op::kTN) {
         int64_t da[2] = {k, rows}, db[2] = {n, rows};
         uint32_t box[2] = {64, 64};
@@ -690,7 +673,6 @@ void set_tn_pingpong_buffers(int buffers) {
                  "): 2, 4 or -1 (MOEKIT_TN_PP_BUFFERS)");
     g_tn_pp_buffers = buffers;
 }
-void set_tma_idle_skip(int on) { g_idle_skip = on; }
 void set_wgrad_own_kernel(int on) { g_wgrad_own = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }

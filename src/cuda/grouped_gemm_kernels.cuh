@@ -43,10 +43,6 @@ void set_tn_pingpong(int on);
 // tile's eight store chunks wait on their shared-memory reads half as often); -1 (default) = the environment variable
 // MOEKIT_TN_PP_BUFFERS=2|4, else 2.
 void set_tn_pingpong_buffers(int buffers);
-// nt / nn on the kTma kernel: 1 = a consumer warpgroup whose 64 output rows all lie past its group's end issues no
-// wgmmas (the other has the tensor cores to itself), 0 = it computes them as padding; -1 (default) = the environment
-// variable MOEKIT_TMA_IDLE_WARPGROUP=skip|compute, else skip.
-void set_tma_idle_skip(int on);
 }  // namespace moekit::cuda
 
 namespace moekit::cuda::gemm_detail {
@@ -78,7 +74,6 @@ struct Params {
     int total_tiles;  // persistent kernels: tiles walked by the grid (tile ids pid = blockIdx.x + i * gridDim.x)
     int staged_epilogue;  // TMA kernel: results leave through shared memory (nt/nn: bf16 full-line stores; tn: fp32
                           // bulk tensor stores / reduce-adds through map_c)
-    int idle_skip;        // TMA kernel, nt / nn: a warpgroup past its group's end issues no wgmmas (set_tma_idle_skip)
     int tn_hot_rows;      // TMA kernel, tn: > 0 = groups of >= this many rows interleaved with the others
                           // (tn_interleaved_job); 0 = the groups in order
     // TMA kernel, nn with the gated activation's backward in the epilogue (grouped_gemm_nn_glu_backward; glu_grad

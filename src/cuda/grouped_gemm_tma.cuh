@@ -679,11 +679,6 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; job_at(i, job); ++i) {
         if (!job.active) continue;
         const int nk = num_ktiles<kOp>(p, job);
-        // nt / nn: a group's last tile often holds 64 of its rows or fewer (groups of ~1024 rows end past a 128-row
-        // multiple about half the time). A warpgroup whose 64 output rows all lie past the group's end would only
-        // compute rows that are never stored: it issues no wgmmas, so the other has the tensor cores to itself. It
-        // still waits on and releases every stage, as the ring's counts expect.
-        const bool idle = kOp != Op::kTN && p.idle_skip && job.row0 + 64 * cw >= job.row_end;
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0.f;
         for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -709,18 +704,16 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
             const uint32_t a_s = sA(s), b_s = sB(s);
-            if (!idle) {
-                wgmma_fence();
+            wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < kBK / 16; ++kk) {
-                    uint64_t da = kTransA ? make_desc(a_s + cw * kBlockBytes + kk * 2048, kBlockBytes, 1024)
-                                          : make_desc(a_s + cw * 64 * 128 + kk * 32, 16, 1024);
-                    uint64_t db = kTransB ? make_desc(b_s + kk * 2048, kBlockBytes, 1024)
-                                          : make_desc(b_s + kk * 32, 16, 1024);
-                    wgmma_m64n256k16<kTransA, kTransB>(d, da, db, 1);
-                }
-                wgmma_commit();
+            for (int kk = 0; kk < kBK / 16; ++kk) {
+                uint64_t da = kTransA ? make_desc(a_s + cw * kBlockBytes + kk * 2048, kBlockBytes, 1024)
+                                      : make_desc(a_s + cw * 64 * 128 + kk * 32, 16, 1024);
+                uint64_t db =
+                    kTransB ? make_desc(b_s + kk * 2048, kBlockBytes, 1024) : make_desc(b_s + kk * 32, 16, 1024);
+                wgmma_m64n256k16<kTransA, kTransB>(d, da, db, 1);
             }
+            wgmma_commit();
             wgmma_wait<1>();  // step it-1 retired by this warpgroup: hand its stage back to the producer(s)
             if (kt > 0 && (ctid & 127) == 0) release((it - 1) % kStages);
             if (kt > 0 && gathering) gather_next();

@@ -121,7 +121,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
-    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongShort, kAuto, kSync
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -137,7 +137,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
-           : b == Backend::kCutlassPingpongShort ? "cutlass-pingpong-64-rows (tn: ping-pong)"
                                            : "sync-cublas";
 }
 
@@ -175,7 +174,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kCutlassSwap);
             out.push_back(Backend::kCutlass2x2);
-            out.push_back(Backend::kCutlassPingpongShort);
             out.push_back(Backend::kAuto);
         }
     }
@@ -190,15 +188,13 @@ void select(Backend b) {
     set_grouped_gemm_cluster(pair ? 2 : 1);
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
-        b == Backend::kCutlassPingpongShort) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
                            : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
-                           : b == Backend::kCutlassPingpongShort ? CutlassConfig::kPingpongShort
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
@@ -780,18 +776,6 @@ TEST(GroupedGemm, GluForwardEpilogueMatchesUnfused) {
     check_glu_forward(random_counts(4, 500, 131, 0.0), 3, 192, 128, Activation::silu, true, 132, 0, -1);
     check_glu_forward(random_counts(2, 1200, 133, 0.0), 0, 128, 128, Activation::silu, true, 134, 0, -1);
     set_glu_forward_fusion(-1);
-}
-
-TEST(GroupedGemm, LastTilesWithAnIdleWarpgroup) {
-    SKIP_WITHOUT_GPU();
-    // A group's last 128-row tile holding 1, 63, 64, 65 or 127 of its rows: where the second 64 rows all lie past
-    // the group's end, the own TMA kernel's second consumer warpgroup issues no wgmmas (nt / nn), and the rows it
-    // owns must still come out right in the next group's tiles; every backend against the double-precision reference,
-    // and the fused GLU forward against the unfused pair.
-    const std::vector<int> counts{1, 63, 64, 65, 129, 191, 192, 193, 0, 300, 127, 256};
-    check_row_gemm(Op::kNT, counts, 5, 192, 128, 191);
-    check_row_gemm(Op::kNN, counts, 5, 192, 128, 192);
-    if (device_major() == 9) check_glu_forward(counts, 5, 128, 128, Activation::silu, true, 193);
 }
 
 TEST(GroupedGemm, RejectsUnalignedSizes) {
