@@ -5,7 +5,7 @@
 # Runs STEPS, a ';'-separated list of "label|ENV=V ...|command" (command relative to prebuilt/, e.g.
 # "test_grouped_gemm --gtest_filter=*Wgrad*"), each bounded by the time left; a "sanitize:TOOL" label runs
 # compute-sanitizer TOOL on the command instead. usage: MOEKIT_COMMIT=<sha> STEPS=... scripts/device_prebuilt.sh;
-# results in $OUT (summary.txt first, one log a step).
+# results in $OUT (summary.txt first, one log a step). STEP_S=N bounds each step to N seconds.
 . "$(dirname "$0")/device_lib.sh"
 B=prebuilt
 [ -f $B/bin.tgz ] && tar -xzf $B/bin.tgz -C $B
@@ -26,6 +26,7 @@ for st in "${steps[@]}"; do
   left 30 "$label" || break
   log "$label: $envs $cmd"
   budget=$((LIMIT - SECONDS - 10))
+  [ "${STEP_S:-0}" -gt 0 ] && [ "$STEP_S" -lt $budget ] && budget=$STEP_S  # a hung step costs STEP_S at most
   if [[ $label == sanitize:* ]]; then
     env $envs timeout $budget compute-sanitizer --error-exitcode 9 --tool "${label#sanitize:}" $B/$cmd >"$OUT/step$i.log" 2>&1
   else
