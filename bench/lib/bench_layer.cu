@@ -63,7 +63,8 @@ struct LayerVariant {
 constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusion},
                                            {"glu-backward", &set_glu_backward_fusion},
                                            {"gather-fc1", &set_fc1_gather},
-                                           {"tma-wgrad", &set_wgrad_own_kernel}};
+                                           {"tma-wgrad", &set_wgrad_own_kernel},
+                                           {"pingpong-192", &set_pingpong_wide}};
 
 const LayerVariant* find_variant(const std::string& name) {
     for (const LayerVariant& v : kLayerVariants)

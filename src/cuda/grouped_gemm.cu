@@ -88,6 +88,15 @@ CutlassConfig small_group_wgrad_config() {
     return c;
 }
 
+// The other nt / nn on ping-pong's 128x192 tiles instead of 128x128 (set_pingpong_wide).
+std::atomic<int> g_pingpong_wide{-1};
+bool pingpong_wide() {
+    const int set = g_pingpong_wide.load();
+    if (set >= 0) return set > 0;
+    static const bool env = choice_from_env("MOEKIT_PINGPONG_TILE", "128", false, "192", true);
+    return env;
+}
+
 // The wgrads of groups of >= 256 rows on the own kernel (set_wgrad_own_kernel), for A/B against CUTLASS's ping-pong.
 std::atomic<int> g_wgrad_own{-1};
 bool wgrad_own_kernel() {
@@ -142,7 +151,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
+    return {GroupedGemmKernel::kCutlass, pingpong_wide() ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
 }
 
 template <auto kKernel>
@@ -674,6 +683,7 @@ void set_tn_pingpong_buffers(int buffers) {
     g_tn_pp_buffers = buffers;
 }
 void set_wgrad_own_kernel(int on) { g_wgrad_own = on; }
+void set_pingpong_wide(int on) { g_pingpong_wide = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }

@@ -121,7 +121,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
-    kCutlassSplit, kCutlassSwap, kCutlass2x2, kAuto, kSync
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -137,6 +137,7 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
+           : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192 (tn: ping-pong)"
                                            : "sync-cublas";
 }
 
@@ -174,6 +175,7 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassSplit);
             out.push_back(Backend::kCutlassSwap);
             out.push_back(Backend::kCutlass2x2);
+            out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kAuto);
         }
     }
@@ -188,13 +190,15 @@ void select(Backend b) {
     set_grouped_gemm_cluster(pair ? 2 : 1);
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
-        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2) {
+        b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
+        b == Backend::kCutlassPingpongWide) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
                            : b == Backend::kCutlassSplit   ? CutlassConfig::kSplitBySize
                            : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
+                           : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

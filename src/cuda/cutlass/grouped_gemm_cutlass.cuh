@@ -71,6 +71,13 @@ struct Pingpong {
     using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+// 128x192 tiles on ping-pong (kPingpongWide): each warpgroup computes a whole tile, 192 accumulators a thread.
+struct PingpongWide {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+    using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
+    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
 // Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
@@ -378,6 +385,8 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
     }
     if (config == CutlassConfig::kPingpong)
         run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
+    else if (config == CutlassConfig::kPingpongWide)
+        run_grouped<kOp, PingpongWide>(s, A, B, C, d_offsets, write, stream);
     else if (config == CutlassConfig::kCooperativeTall)
         run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);
     else
