@@ -48,7 +48,7 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--scope", &scope, "layer: the whole layer step | mlp: the expert MLP alone");
     p.add("--variant", &variant,
           "glu-forward | glu-backward | gather-fc1 | tma-wgrad (the wgrads on the own kernel's ping-pong) | "
-          "pingpong-192 (CUTLASS's ping-pong nt / nn on 128x192 tiles): also "
+          "pingpong-192 (CUTLASS's ping-pong nt / nn on 128x192 tiles where they pad little): also "
           "time the step's graph with that switch on, in the same rounds as with it off (--scope layer, EP=1)");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");

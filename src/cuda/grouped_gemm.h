@@ -135,8 +135,9 @@ bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloa
 // CUTLASS (grouped_gemm.cu's choose_for_shape says what each measured).
 void set_wgrad_own_kernel(int on);
 
-// nt / nn that the per-shape choice gives CUTLASS's ping-pong: 1 = on its 128x192 tiles (kPingpongWide), 0 = on
-// 128x128; -1 (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
+// nt / nn that the per-shape choice gives CUTLASS's ping-pong: 1 = on its 128x192 tiles (kPingpongWide) where
+// those pad under 2 % of the output columns (core/tile_padding_math.h), else 128x128; 0 = 128x128 always; -1
+// (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
 void set_pingpong_wide(int on);
 
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.

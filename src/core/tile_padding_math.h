@@ -1,0 +1,24 @@
+// Output columns a grouped GEMM's column tiles compute past n, and where CUTLASS's 128x192 ping-pong
+// (kPingpongWide, src/cuda/cutlass) is worth its wider tiles. CUTLASS's group scheduler gives a cluster whole tiles:
+// a group's column tiles are rounded up to the cluster's CTAs along N, so on a 1x2 cluster n = 2048 takes 12 tiles
+// of 192 (2304 columns, 12.5 % padding) where 128-column tiles fit exactly. Measured per GEMM on an H200
+// (docs/perf.md, 2026-11-28, five rounds against the 128x128 ping-pong): up to 5 % faster where the 192-column tiles
+// pad under 2 % of n (qwen3-30b fc1 forward and fc2 dgrad, n = 1536 / 768; dsv3-ep8 fc1 dgrad, n = 7168), 6-11 %
+// slower at n = 2048. Plain C++ (tests/cpu/test_tile_padding.cpp).
+#pragma once
+#include <cstdint>
+
+namespace moekit {
+
+// Columns past n that tiles of tile_n columns compute, their count rounded up to cluster_n CTAs.
+inline int64_t padded_columns(int64_t n, int64_t tile_n, int64_t cluster_n) {
+    if (n <= 0 || tile_n <= 0 || cluster_n <= 0) return 0;
+    const int64_t tiles = (n + tile_n - 1) / tile_n;
+    const int64_t clustered = (tiles + cluster_n - 1) / cluster_n * cluster_n;
+    return clustered * tile_n - n;
+}
+
+// Whether the 128x192 ping-pong on a 1x2 cluster computes padding columns for at most 2 % of an output n wide.
+inline bool wide_pingpong_pads_little(int64_t n) { return n > 0 && padded_columns(n, 192, 2) * 50 <= n; }
+
+}  // namespace moekit
