@@ -73,6 +73,20 @@ T choice_from_env(const char* var, const char* preferred_name, T preferred, cons
     return other;
 }
 
+// A measurement switch set from code: a setter's 1 or 0, or with -1 (the default) the environment's choice
+// (`from_env`, read once by the caller).
+class Switch {
+public:
+    void set(int on) { value_ = on; }
+    bool on(bool from_env) const {
+        const int v = value_.load();
+        return v >= 0 ? v > 0 : from_env;
+    }
+
+private:
+    std::atomic<int> value_{-1};
+};
+
 // nt / nn of small groups: the transposed product, 192 token rows a tile (kSwapAB; H200, 2026-11-27: the dsv3-e256
 // layer 34.1 -> 30.6 ms, docs/perf.md); MOEKIT_SMALL_GROUP_CONFIG=tall picks the 256x128 tile for measurements.
 CutlassConfig small_group_config() {
@@ -93,21 +107,17 @@ CutlassConfig small_group_wgrad_config() {
 // (set_pingpong_wide; core/tile_padding_math.h says what was measured). Off by default: all such GEMMs on 128x192
 // made the layer 0.6-3.2 % slower (H200, 2026-11-28, the n = 2048 ones among them); the rule is not yet measured in
 // the layer.
-std::atomic<int> g_pingpong_wide{-1};
+Switch g_pingpong_wide;
 bool pingpong_wide() {
-    const int set = g_pingpong_wide.load();
-    if (set >= 0) return set > 0;
     static const bool env = choice_from_env("MOEKIT_PINGPONG_TILE", "128", false, "192", true);
-    return env;
+    return g_pingpong_wide.on(env);
 }
 
 // The wgrads of groups of >= 256 rows on the own kernel (set_wgrad_own_kernel), for A/B against CUTLASS's ping-pong.
-std::atomic<int> g_wgrad_own{-1};
+Switch g_wgrad_own;
 bool wgrad_own_kernel() {
-    const int set = g_wgrad_own.load();
-    if (set >= 0) return set > 0;
     static const bool env = choice_from_env("MOEKIT_WGRAD_KERNEL", "cutlass", false, "tma", true);
-    return env;
+    return g_wgrad_own.on(env);
 }
 
 // Per-shape choice among CUTLASS's configurations (and the own TMA kernel), from bench_grouped_gemm's per-GEMM
@@ -155,8 +165,8 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    return {GroupedGemmKernel::kCutlass,
-            pingpong_wide() && wide_pingpong_pads_little(s.n) ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
+    const bool wide = pingpong_wide() && wide_pingpong_pads_little(s.n);
+    return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
 }
 
 template <auto kKernel>
@@ -229,13 +239,11 @@ CUtensorMap column_blocks_map(const void* ptr, int64_t rows, int64_t cols, uint3
 
 std::atomic<int> g_cluster{0};
 std::atomic<int> g_tn_hot_rows{-1};
-std::atomic<int> g_tn_pingpong{-1};
+Switch g_tn_pingpong;
 
 bool tn_pingpong() {
-    const int set = g_tn_pingpong.load();
-    if (set >= 0) return set > 0;
     static const bool env = choice_from_env("MOEKIT_TN_SCHEDULE", "pingpong", true, "cooperative", false);
-    return env;
+    return g_tn_pingpong.on(env);
 }
 
 std::atomic<int> g_tn_pp_buffers{-1};
@@ -325,12 +333,10 @@ void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, co
 // The fused GLU forward's epilogue on the producer warpgroup's idle warps, overlapping the next tile's main loop
 // (tma_kernel kAsyncEpi), or in the consumers after each tile (set_glu_forward_async_epilogue(0) or
 // MOEKIT_GLU_FORWARD_EPILOGUE=inline, for A/B).
-std::atomic<int> g_glu_forward_async{-1};
+Switch g_glu_forward_async;
 bool glu_forward_async_epilogue() {
-    const int set = g_glu_forward_async.load();
-    if (set >= 0) return set > 0;
     static const bool async = choice_from_env("MOEKIT_GLU_FORWARD_EPILOGUE", "async", true, "inline", false);
-    return async;
+    return g_glu_forward_async.on(async);
 }
 
 template <gemm_detail::Op kOp, int kCluster>
@@ -479,11 +485,10 @@ bool glu_fusion_wanted(bool backward, const GroupedGemmShape& s) {
 // MOEKIT_GATHER_FC1=0|1, else off: it measured slower than the permute pass it saves (qwen3-30b's step 1.026-1.033
 // of the permuted one, --variant gather-fc1, H200, 2026-11-27; docs/perf.md). The own kernel on single CTAs with
 // the epilogue on warps of its own only (a cluster multicasts TMA boxes of A).
-std::atomic<int> g_fc1_gather{-1};
+Switch g_fc1_gather;
 bool fc1_gather_wanted(const GroupedGemmShape& s) {
-    const int set = g_fc1_gather.load();
     static const bool env = choice_from_env("MOEKIT_GATHER_FC1", "0", false, "1", true);
-    const bool on = set >= 0 ? set > 0 : env;
+    const bool on = g_fc1_gather.on(env);
     const GroupedGemmKernel k = resolve_kernel();
     return on && glu_fusion_wanted(false, s) && (k == GroupedGemmKernel::kAuto || k == GroupedGemmKernel::kTma) &&
            tma_cluster() != 2 && glu_forward_async_epilogue();
@@ -681,19 +686,19 @@ int grouped_gemm_sm_count() {
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { g_kernel = int(kernel); }
 void set_grouped_gemm_cluster(int size) { g_cluster = size; }
 void set_tn_interleave(int hot_rows) { g_tn_hot_rows = hot_rows; }
-void set_tn_pingpong(int on) { g_tn_pingpong = on; }
+void set_tn_pingpong(int on) { g_tn_pingpong.set(on); }
 void set_tn_pingpong_buffers(int buffers) {
     MOEKIT_CHECK(buffers == -1 || buffers == 2 || buffers == 4, "set_tn_pingpong_buffers(", buffers,
                  "): 2, 4 or -1 (MOEKIT_TN_PP_BUFFERS)");
     g_tn_pp_buffers = buffers;
 }
-void set_wgrad_own_kernel(int on) { g_wgrad_own = on; }
-void set_pingpong_wide(int on) { g_pingpong_wide = on; }
+void set_wgrad_own_kernel(int on) { g_wgrad_own.set(on); }
+void set_pingpong_wide(int on) { g_pingpong_wide.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
-void set_glu_forward_async_epilogue(int on) { g_glu_forward_async = on; }
+void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }
 bool glu_forward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(false, shape); }
-void set_fc1_gather(int on) { g_fc1_gather = on; }
+void set_fc1_gather(int on) { g_fc1_gather.set(on); }
 bool fc1_gather_enabled(const GroupedGemmShape& shape) { return fc1_gather_wanted(shape) && shape.n % 16 == 0; }
 bool glu_backward_fusion_enabled(const GroupedGemmShape& shape) { return glu_fusion_wanted(true, shape); }
 GroupedGemmKernel grouped_gemm_kernel() { return resolve_kernel(); }
