@@ -30,9 +30,9 @@ bool cutlass_grouped_gemm_built();
 //                     token rows a tile, cooperative, 2x1 cluster (the token tile multicast): the weights, not the
 //                     few token rows of a small group, fill the tensor-core tile's 128-row side.
 //   kCooperative2x2 (tn only; nt/nn take kCooperative): kCooperative on a 2x2 cluster, both operands multicast.
-//   kPingpongWide (nt/nn only; tn takes kPingpong): ping-pong on 128x192x64 tiles, 1x2 cluster: 1.5x the math per
-//                     byte loaded of kPingpong's tile, each warpgroup's epilogue still under the other's main loop
-//                     (192 accumulators a thread).
+//   kPingpongWide (nt/nn only; tn takes kPingpong): ping-pong on 128x192x64 tiles, 1x2 cluster: 1.1-1.2x the math
+//                     per byte loaded of kPingpong's tile, each warpgroup's epilogue still under the other's main
+//                     loop (192 accumulators a thread).
 enum class CutlassConfig {
     kAuto,
     kCooperative,
