@@ -5,8 +5,9 @@
 # or runs the binaries carried in prebuilt/bin.txz (scripts/pack_prebuilt.sh: the GPU test binaries and moekit), a
 # run then being every GPU test binary, CTEST_J at a time, each under a 240 s limit (test_grouped_gemm alone took
 # 119-127 s on an H200, 2026-11-28).
-# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=4] [RUN_S=170 (seconds a run needs; +40 s its limit)] scripts/device_suite.sh;
-# results in $OUT (summary.txt first).
+# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=4] [RUN_S=170] scripts/device_suite.sh;
+# RUN_S = the seconds a run needs (a run starts only with that much left; its limit is RUN_S + 40 s under ctest,
+# RUN_S + 100 s for carried binaries); results in $OUT (summary.txt first).
 . "$(dirname "$0")/device_lib.sh"
 [ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt
 if [ -x prebuilt/moekit ]; then
