@@ -64,7 +64,8 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"glu-backward", &set_glu_backward_fusion},
                                            {"gather-fc1", &set_fc1_gather},
                                            {"tma-wgrad", &set_wgrad_own_kernel},
-                                           {"pingpong-192", &set_pingpong_wide}};
+                                           {"pingpong-192", &set_pingpong_wide},
+                                           {"swap-pingpong", &set_swap_pingpong}};
 
 const LayerVariant* find_variant(const std::string& name) {
     for (const LayerVariant& v : kLayerVariants)

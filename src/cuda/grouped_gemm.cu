@@ -95,6 +95,14 @@ CutlassConfig small_group_config() {
     return c;
 }
 
+// The small groups' swapped nt / nn on ping-pong (kSwapPingpong) instead of cooperative (set_swap_pingpong, else
+// MOEKIT_SWAP_SCHEDULE=cooperative|pingpong; cooperative by default until measured).
+Switch g_swap_pingpong;
+bool swap_pingpong() {
+    static const bool env = choice_from_env("MOEKIT_SWAP_SCHEDULE", "cooperative", false, "pingpong", true);
+    return g_swap_pingpong.on(env);
+}
+
 // wgrad of small groups: CUTLASS cooperative on a 2x2 cluster (choose_for_shape); MOEKIT_SMALL_GROUP_WGRAD=coop picks
 // the 1x2 cluster for measurements.
 CutlassConfig small_group_wgrad_config() {
@@ -154,8 +162,12 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     // Asked for the hot/cold interleave (set_tn_interleave / MOEKIT_WGRAD_HOT_ROWS): only the own kernel has it.
     if (op == Op::kTN && tn_hot_rows() > 0) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
-    if (rows_per_group < kSmallGroupRows)
-        return {GroupedGemmKernel::kCutlass, op == Op::kTN ? small_group_wgrad_config() : small_group_config()};
+    if (rows_per_group < kSmallGroupRows) {
+        if (op == Op::kTN) return {GroupedGemmKernel::kCutlass, small_group_wgrad_config()};
+        const CutlassConfig c = small_group_config();
+        return {GroupedGemmKernel::kCutlass,
+                c == CutlassConfig::kSwapAB && swap_pingpong() ? CutlassConfig::kSwapPingpong : c};
+    }
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (wgrad_own_kernel()) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
         if (rows_per_group < kLargeGroupRows)
@@ -694,6 +706,7 @@ void set_tn_pingpong_buffers(int buffers) {
 }
 void set_wgrad_own_kernel(int on) { g_wgrad_own.set(on); }
 void set_pingpong_wide(int on) { g_pingpong_wide.set(on); }
+void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }

@@ -140,6 +140,10 @@ void set_wgrad_own_kernel(int on);
 // (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
 void set_pingpong_wide(int on);
 
+// nt / nn of small groups (computed transposed, kSwapAB): 1 = on CUTLASS's ping-pong schedule (kSwapPingpong), 0 =
+// cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.
+void set_swap_pingpong(int on);
+
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
 int grouped_gemm_sm_count();
 

@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|split|swap|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|split|swap|swap-pp|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -30,6 +30,9 @@ bool cutlass_grouped_gemm_built();
 //                     token rows a tile, cooperative, 2x1 cluster (the token tile multicast): the weights, not the
 //                     few token rows of a small group, fill the tensor-core tile's 128-row side.
 //   kCooperative2x2 (tn only; nt/nn take kCooperative): kCooperative on a 2x2 cluster, both operands multicast.
+//   kSwapPingpong (nt/nn only; tn takes kAuto's choice): kSwapAB's product and tile on ping-pong: each consumer
+//                     warpgroup owns a whole 128x192 tile, its epilogue under the other's main loop (a small group's
+//                     tile is a short reduction against a 48 KB epilogue that kSwapAB does not overlap).
 //   kPingpongWide (nt/nn only; tn takes kPingpong): ping-pong on 128x192x64 tiles, 1x2 cluster: 1.1-1.2x the math
 //                     per byte loaded of kPingpong's tile, each warpgroup's epilogue still under the other's main
 //                     loop (192 accumulators a thread).
@@ -41,7 +44,8 @@ enum class CutlassConfig {
     kSplitBySize,
     kSwapAB,
     kCooperative2x2,
-    kPingpongWide
+    kPingpongWide,
+    kSwapPingpong
 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no

@@ -121,7 +121,8 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
-    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kAuto, kSync
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kAuto,
+    kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -138,6 +139,7 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
            : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192 (tn: ping-pong)"
+           : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -176,6 +178,7 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassSwap);
             out.push_back(Backend::kCutlass2x2);
             out.push_back(Backend::kCutlassPingpongWide);
+            out.push_back(Backend::kCutlassSwapPingpong);
             out.push_back(Backend::kAuto);
         }
     }
@@ -191,7 +194,7 @@ void select(Backend b) {
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
-        b == Backend::kCutlassPingpongWide) {
+        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -199,6 +202,7 @@ void select(Backend b) {
                            : b == Backend::kCutlassSwap    ? CutlassConfig::kSwapAB
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
+                           : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);

@@ -67,6 +67,7 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
     if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
+    if (requested == CutlassConfig::kSwapPingpong && wgrad) requested = CutlassConfig::kAuto;  // nt / nn only
     if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
     if (requested == CutlassConfig::kPingpongWide && wgrad) requested = CutlassConfig::kPingpong;  // nt / nn only
     if (requested == CutlassConfig::kAuto) {
@@ -77,6 +78,7 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
             if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
+            if (std::strcmp(env, "swap-pp") == 0 && !wgrad) return CutlassConfig::kSwapPingpong;
             if (std::strcmp(env, "coop22") == 0 && wgrad) return CutlassConfig::kCooperative2x2;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):

@@ -90,9 +90,16 @@ struct SwapAB {
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
     using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
+// kSwapAB's product and tile on ping-pong (kSwapPingpong): each warpgroup a whole tile, 192 accumulators a thread.
+struct SwapABPingpong {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+    using Tile = SwapAB::Tile;
+    using Cluster = SwapAB::Cluster;
+};
 template <class Config>
 constexpr bool swapped() {
-    return std::is_same_v<Config, SwapAB>;
+    return std::is_same_v<Config, SwapAB> || std::is_same_v<Config, SwapABPingpong>;
 }
 
 // The collective epilogue `Epi` (as CUTLASS's builder made it) with its shared-to-global TMA copy replaced by
@@ -327,14 +334,18 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 
 // nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
 // instantiations compile in parallel).
+// `pingpong`: kSwapPingpong, else kSwapAB.
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, cudaStream_t stream) {
-    run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+                 const int32_t* d_offsets, cudaStream_t stream, bool pingpong) {
+    if (pingpong)
+        run_grouped<kOp, SwapABPingpong>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    else
+        run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
 // wgrad (tn) in a resolved configuration, its gradient written with kStores.
@@ -376,11 +387,11 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
         return;
-    } else if (config == CutlassConfig::kSwapAB) {
+    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
         if constexpr (kOp == Op::kNT)
-            run_swapped_nt(s, A, B, C, d_offsets, stream);
+            run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         else
-            run_swapped_nn(s, A, B, C, d_offsets, stream);
+            run_swapped_nn(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         return;
     }
     if (config == CutlassConfig::kPingpong)
