@@ -11,6 +11,7 @@
 #include "core/flags.h"
 #include "moekit/comm.h"
 #include "moekit/error.h"
+#include "lib/layer_variants.h"
 
 #ifdef MOEKIT_WITH_CUDA
 #include "lib/bench_expert_mlp.h"
@@ -20,8 +21,7 @@ namespace {
 
 constexpr const char* kUsage =
     "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
-    "                    [--device cuda] [--scope layer|mlp]\n"
-    "                    [--variant glu-forward|glu-backward|gather-fc1|tma-wgrad|pingpong-192|swap-pingpong]\n"
+    "                    [--device cuda] [--scope layer|mlp] [--variant NAME]\n"
     "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]\n"
     "              [--moe-expert-rank-capacity-factor f] [--moe-enable-echo --moe-num-echo-experts S]]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
@@ -49,7 +49,8 @@ int run_bench(const std::vector<std::string>& args) {
     p.add("--variant", &variant,
           "glu-forward | glu-backward | gather-fc1 | tma-wgrad (the wgrads on the own kernel's ping-pong) | "
           "pingpong-192 (CUTLASS's ping-pong nt / nn on 128x192 tiles where they pad little) | swap-pingpong "
-          "(small groups' swapped nt / nn on ping-pong): also "
+          "(small groups' swapped nt / nn on ping-pong) | wgrad-192 (CUTLASS's ping-pong wgrads on 192x128 or 128x192 "
+          "tiles where they pad little): also "
           "time the step's graph with that switch on, in the same rounds as with it off (--scope layer, EP=1)");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");
@@ -72,11 +73,8 @@ int run_bench(const std::vector<std::string>& args) {
                    ep, " needs --virtual-ranks ", ep, " (the ranks on this one GPU) or mpirun -np ", ep,
                    " (one GPU per process, NCCL)");
     MOEKIT_REQUIRE(ep == 1 || scope == "layer", "--scope=", scope, ": the EP benchmark times the whole layer");
-    MOEKIT_REQUIRE(variant.empty() || variant == "glu-forward" || variant == "glu-backward" ||
-                       variant == "gather-fc1" || variant == "tma-wgrad" || variant == "pingpong-192" ||
-                       variant == "swap-pingpong",
-                   "--variant=", variant,
-                   ": expected glu-forward, glu-backward, gather-fc1, tma-wgrad, pingpong-192 or swap-pingpong");
+    MOEKIT_REQUIRE(variant.empty() || moekit::bench::is_layer_variant(variant), "--variant=", variant, ": expected ",
+                   moekit::bench::layer_variant_list());
     MOEKIT_REQUIRE(variant.empty() || (scope == "layer" && ep == 1), "--variant=", variant,
                    " goes with --scope layer at EP=1");
     MOEKIT_REQUIRE(dispatcher == "allgather" || dispatcher == "alltoall", "--moe-token-dispatcher-type=", dispatcher,

@@ -15,6 +15,7 @@
 #include "lib/bench_expert_mlp.h"
 #include "lib/bench_util.cuh"
 #include "lib/gpu_clocks.h"
+#include "lib/layer_variants.h"
 #include "moekit/error.h"
 
 namespace moekit::cuda::bench {
@@ -65,7 +66,12 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"gather-fc1", &set_fc1_gather},
                                            {"tma-wgrad", &set_wgrad_own_kernel},
                                            {"pingpong-192", &set_pingpong_wide},
-                                           {"swap-pingpong", &set_swap_pingpong}};
+                                           {"swap-pingpong", &set_swap_pingpong},
+                                           {"wgrad-192", &set_wgrad_wide}};
+
+static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
+                  sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),
+              "every --variant name (lib/layer_variants.h) has its switch here");
 
 const LayerVariant* find_variant(const std::string& name) {
     for (const LayerVariant& v : kLayerVariants)

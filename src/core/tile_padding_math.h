@@ -21,4 +21,20 @@ inline int64_t padded_columns(int64_t n, int64_t tile_n, int64_t cluster_n) {
 // Whether the 128x192 ping-pong on a 1x2 cluster computes padding columns for at most 2 % of an output n wide.
 inline bool wide_pingpong_pads_little(int64_t n) { return n > 0 && padded_columns(n, 192, 2) * 50 <= n; }
 
+// A wgrad's [m, n] gradient block on ping-pong tiles with 192 accumulators a thread: 192 along m (192x128,
+// kPingpongTall) or along n (128x192, kPingpongWide), both on a 1x2 cluster (CTA pairs along n). Whichever computes
+// fewer elements, where that is at most 2 % more than the 128x128 tiles compute; else kNone. E.g. qwen3-30b's fc1
+// wgrad (1536 x 2048) along m, its fc2 wgrad (2048 x 768) along n: both exact where 192 the other way pads 12.5 %.
+enum class WideWgradTile { kNone, kAlongM, kAlongN };
+inline WideWgradTile wide_wgrad_tile(int64_t m, int64_t n) {
+    if (m <= 0 || n <= 0) return WideWgradTile::kNone;
+    const auto area = [&](int64_t tile_m, int64_t tile_n) {
+        return (m + padded_columns(m, tile_m, 1)) * (n + padded_columns(n, tile_n, 2));
+    };
+    const int64_t square = area(128, 128), along_m = area(192, 128), along_n = area(128, 192);
+    const int64_t best = along_m <= along_n ? along_m : along_n;
+    if (best * 50 > square * 51) return WideWgradTile::kNone;
+    return along_m <= along_n ? WideWgradTile::kAlongM : WideWgradTile::kAlongN;
+}
+
 }  // namespace moekit

@@ -140,6 +140,11 @@ void set_wgrad_own_kernel(int on);
 // (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
 void set_pingpong_wide(int on);
 
+// wgrads (tn) of groups of >= 256 rows: 1 = on CUTLASS ping-pong tiles of 192 by 128 (kPingpongTall) or 128 by 192
+// (kPingpongWide), where core/tile_padding_math.h's wide_wgrad_tile picks one; 0 = as the per-shape choice has it;
+// -1 (default) = MOEKIT_WGRAD_TILE=128|192, else 128.
+void set_wgrad_wide(int on);
+
 // nt / nn of small groups (computed transposed, kSwapAB): 1 = on CUTLASS's ping-pong schedule (kSwapPingpong), 0 =
 // cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.
 void set_swap_pingpong(int on);

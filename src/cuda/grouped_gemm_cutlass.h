@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|split|swap|swap-pp|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pt192|split|swap|swap-pp|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -33,9 +33,10 @@ bool cutlass_grouped_gemm_built();
 //   kSwapPingpong (nt/nn only; tn takes kAuto's choice): kSwapAB's product and tile on ping-pong: each consumer
 //                     warpgroup owns a whole 128x192 tile, its epilogue under the other's main loop (a small group's
 //                     tile is a short reduction against a 48 KB epilogue that kSwapAB does not overlap).
-//   kPingpongWide (nt/nn only; tn takes kPingpong): ping-pong on 128x192x64 tiles, 1x2 cluster: 1.1-1.2x the math
-//                     per byte loaded of kPingpong's tile, each warpgroup's epilogue still under the other's main
-//                     loop (192 accumulators a thread).
+//   kPingpongWide:    ping-pong on 128x192x64 tiles, 1x2 cluster: 1.1-1.2x the math per byte loaded of
+//                     kPingpong's tile, each warpgroup's epilogue still under the other's main loop (192
+//                     accumulators a thread), and half as many tile switches a wgrad's short reduction pays for.
+//   kPingpongTall (tn only; nt/nn take kPingpong): the same on 192x128 tiles, the 192 along the gradient's rows.
 enum class CutlassConfig {
     kAuto,
     kCooperative,
@@ -45,7 +46,8 @@ enum class CutlassConfig {
     kSwapAB,
     kCooperative2x2,
     kPingpongWide,
-    kSwapPingpong
+    kSwapPingpong,
+    kPingpongTall
 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no

@@ -121,7 +121,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
-    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kAuto,
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongTall, kAuto,
     kSync
 };
 const char* name(Backend b) {
@@ -138,7 +138,8 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
-           : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192 (tn: ping-pong)"
+           : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192"
+           : b == Backend::kCutlassPingpongTall ? "cutlass-pingpong-192x128 (nt/nn: ping-pong)"
            : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
                                            : "sync-cublas";
 }
@@ -179,6 +180,7 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlass2x2);
             out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kCutlassSwapPingpong);
+            out.push_back(Backend::kCutlassPingpongTall);
             out.push_back(Backend::kAuto);
         }
     }
@@ -194,7 +196,8 @@ void select(Backend b) {
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
-        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong) {
+        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong ||
+        b == Backend::kCutlassPingpongTall) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -203,6 +206,7 @@ void select(Backend b) {
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
+                           : b == Backend::kCutlassPingpongTall ? CutlassConfig::kPingpongTall
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
@@ -494,6 +498,20 @@ TEST(GroupedGemm, WgradGroupsSplitBySize) {
         check_tn(mixed, 7, 192, 256, acc, 115 + acc);
     }
     check_tn(mixed, 7, 192, 256, WgradWrite::overwrite_nonempty, 117);
+}
+
+TEST(GroupedGemm, WgradOnWideTilesWhereTheyPadLittle) {
+    SKIP_WITHOUT_GPU();
+    // set_wgrad_wide(1): the per-shape choice (the auto backend) puts mid-sized groups' wgrads on 192x128 tiles
+    // where m is a multiple of 192 (384 x 256) and on 128x192 where n is (256 x 384); every other backend of
+    // check_tn runs beside it. With and without accumulation, one group empty, one past a 64-row step.
+    set_wgrad_wide(1);
+    const std::vector<int> counts{700, 0, 333, 1025, 512};
+    for (WgradWrite w : {WgradWrite::overwrite, WgradWrite::accumulate}) {
+        check_tn(counts, 5, 384, 256, w, 171 + int(w));
+        check_tn(counts, 5, 256, 384, w, 175 + int(w));
+    }
+    set_wgrad_wide(-1);
 }
 
 TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {

@@ -78,6 +78,14 @@ struct PingpongWide {
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+// 192x128 tiles on ping-pong (kPingpongTall, wgrad only): PingpongWide's 192 accumulators a thread with the 192 along
+// the gradient's rows, for a wgrad whose m is a multiple of 192 and whose n is not (qwen3-30b fc1: 1536 x 2048).
+struct PingpongTall {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+    using Tile = cute::Shape<cute::_192, cute::_128, cute::_64>;
+    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
 // Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
@@ -363,6 +371,10 @@ void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat
             return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kPingpong:
             return run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream);
+        case CutlassConfig::kPingpongWide:
+            return run_grouped<Op::kTN, PingpongWide, kStores>(s, A, B, C, d_offsets, write, stream);
+        case CutlassConfig::kPingpongTall:
+            return run_grouped<Op::kTN, PingpongTall, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kCooperativeTall:
             return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
         default:
