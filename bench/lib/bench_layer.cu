@@ -67,7 +67,8 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"tma-wgrad", &set_wgrad_own_kernel},
                                            {"pingpong-192", &set_pingpong_wide},
                                            {"swap-pingpong", &set_swap_pingpong},
-                                           {"wgrad-192", &set_wgrad_wide}};
+                                           {"wgrad-192", &set_wgrad_wide},
+                                           {"wgrad-split", &set_wgrad_split}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
                   sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),

@@ -1,5 +1,5 @@
 // Output columns a grouped GEMM's column tiles compute past n, and where CUTLASS's 128x192 ping-pong
-// (kPingpongWide, src/cuda/cutlass) is worth its wider tiles. CUTLASS's group scheduler gives a cluster whole tiles:
+// (kPingpongWide, src/cuda/cutlass; nt / nn, and wgrads' n columns) is worth its wider tiles. CUTLASS's group scheduler gives a cluster whole tiles:
 // a group's column tiles are rounded up to the cluster's CTAs along N, so on a 1x2 cluster n = 2048 takes 12 tiles
 // of 192 (2304 columns, 12.5 % padding) where 128-column tiles fit exactly. Measured per GEMM on an H200
 // (docs/perf.md, 2026-11-28, five rounds against the 128x128 ping-pong): up to 5 % faster where the 192-column tiles
@@ -20,21 +20,5 @@ inline int64_t padded_columns(int64_t n, int64_t tile_n, int64_t cluster_n) {
 
 // Whether the 128x192 ping-pong on a 1x2 cluster computes padding columns for at most 2 % of an output n wide.
 inline bool wide_pingpong_pads_little(int64_t n) { return n > 0 && padded_columns(n, 192, 2) * 50 <= n; }
-
-// A wgrad's [m, n] gradient block on ping-pong tiles with 192 accumulators a thread: 192 along m (192x128,
-// kPingpongTall) or along n (128x192, kPingpongWide), both on a 1x2 cluster (CTA pairs along n). Whichever computes
-// fewer elements, where that is at most 2 % more than the 128x128 tiles compute; else kNone. E.g. qwen3-30b's fc1
-// wgrad (1536 x 2048) along m, its fc2 wgrad (2048 x 768) along n: both exact where 192 the other way pads 12.5 %.
-enum class WideWgradTile { kNone, kAlongM, kAlongN };
-inline WideWgradTile wide_wgrad_tile(int64_t m, int64_t n) {
-    if (m <= 0 || n <= 0) return WideWgradTile::kNone;
-    const auto area = [&](int64_t tile_m, int64_t tile_n) {
-        return (m + padded_columns(m, tile_m, 1)) * (n + padded_columns(n, tile_n, 2));
-    };
-    const int64_t square = area(128, 128), along_m = area(192, 128), along_n = area(128, 192);
-    const int64_t best = along_m <= along_n ? along_m : along_n;
-    if (best * 50 > square * 51) return WideWgradTile::kNone;
-    return along_m <= along_n ? WideWgradTile::kAlongM : WideWgradTile::kAlongN;
-}
 
 }  // namespace moekit

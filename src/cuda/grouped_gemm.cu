@@ -121,14 +121,13 @@ bool pingpong_wide() {
     return g_pingpong_wide.on(env);
 }
 
-// The wgrads of mid-sized and large groups on ping-pong tiles of 192 accumulators a thread, 192 along whichever side
-// of the gradient pads less (set_wgrad_wide; core/tile_padding_math.h's wide_wgrad_tile), else as before. Off by
+// CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_wide). Off by
 // default until measured in the layer.
 Switch g_wgrad_wide;
-bool wgrad_wide() {
-    static const bool env = choice_from_env("MOEKIT_WGRAD_TILE", "128", false, "192", true);
-    return g_wgrad_wide.on(env);
-}
+
+// The wgrad's split by group size (kSplitBySize) on or off for A/B (set_wgrad_split); unset, MOEKIT_WGRAD_SPLIT_ROWS
+// and MOEKIT_WGRAD_SPLIT_LARGE decide (wgrad_split_on).
+Switch g_wgrad_split;
 
 // The wgrads of groups of >= 256 rows on the own kernel (set_wgrad_own_kernel), for A/B against CUTLASS's ping-pong.
 Switch g_wgrad_own;
@@ -179,12 +178,6 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (wgrad_own_kernel()) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
-        if (wgrad_wide()) {
-            const WideWgradTile t = wide_wgrad_tile(s.k, s.n);
-            if (t != WideWgradTile::kNone)
-                return {GroupedGemmKernel::kCutlass,
-                        t == WideWgradTile::kAlongM ? CutlassConfig::kPingpongTall : CutlassConfig::kPingpongWide};
-        }
         if (rows_per_group < kLargeGroupRows)
             return {GroupedGemmKernel::kCutlass,
                     wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
@@ -304,7 +297,12 @@ WgradSplit wgrad_split() {
     return split;
 }
 
-bool wgrad_split_on() { return wgrad_split().small_below > 0 || wgrad_split().large_from > 0; }
+bool wgrad_split_on() { return g_wgrad_split.on(wgrad_split().small_below > 0 || wgrad_split().large_from > 0); }
+
+bool wgrad_pingpong_wide(int64_t n) {
+    static const bool env = choice_from_env("MOEKIT_WGRAD_TILE", "128", false, "192", true);
+    return g_wgrad_wide.on(env) && wide_pingpong_pads_little(n);
+}
 
 namespace {
 
@@ -722,6 +720,7 @@ void set_tn_pingpong_buffers(int buffers) {
 void set_wgrad_own_kernel(int on) { g_wgrad_own.set(on); }
 void set_pingpong_wide(int on) { g_pingpong_wide.set(on); }
 void set_wgrad_wide(int on) { g_wgrad_wide.set(on); }
+void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }

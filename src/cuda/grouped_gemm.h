@@ -140,10 +140,15 @@ void set_wgrad_own_kernel(int on);
 // (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
 void set_pingpong_wide(int on);
 
-// wgrads (tn) of groups of >= 256 rows: 1 = on CUTLASS ping-pong tiles of 192 by 128 (kPingpongTall) or 128 by 192
-// (kPingpongWide), where core/tile_padding_math.h's wide_wgrad_tile picks one; 0 = as the per-shape choice has it;
+// wgrads (tn) that take CUTLASS's ping-pong (alone or as kSplitBySize's ping-pong share): 1 = on 128x192 tiles
+// (kPingpongWide) where those pad at most 2 % of the gradient's n columns (core/tile_padding_math.h), 0 = 128x128;
 // -1 (default) = MOEKIT_WGRAD_TILE=128|192, else 128.
 void set_wgrad_wide(int on);
+
+// wgrads of mid-sized groups: 1 = split by group size between CUTLASS's cooperative and ping-pong launches
+// (kSplitBySize), 0 = ping-pong alone; -1 (default) = by MOEKIT_WGRAD_SPLIT_ROWS / MOEKIT_WGRAD_SPLIT_LARGE, split
+// unless both are 0 (wgrad_split_on, grouped_gemm_cutlass.h).
+void set_wgrad_split(int on);
 
 // nt / nn of small groups (computed transposed, kSwapAB): 1 = on CUTLASS's ping-pong schedule (kSwapPingpong), 0 =
 // cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.

@@ -121,7 +121,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
-    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongTall, kAuto,
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kAuto,
     kSync
 };
 const char* name(Backend b) {
@@ -139,7 +139,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
            : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192"
-           : b == Backend::kCutlassPingpongTall ? "cutlass-pingpong-192x128 (nt/nn: ping-pong)"
            : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
                                            : "sync-cublas";
 }
@@ -180,7 +179,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlass2x2);
             out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kCutlassSwapPingpong);
-            out.push_back(Backend::kCutlassPingpongTall);
             out.push_back(Backend::kAuto);
         }
     }
@@ -196,8 +194,7 @@ void select(Backend b) {
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
-        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong ||
-        b == Backend::kCutlassPingpongTall) {
+        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -206,7 +203,6 @@ void select(Backend b) {
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
-                           : b == Backend::kCutlassPingpongTall ? CutlassConfig::kPingpongTall
                                                             : CutlassConfig::kPingpong);
     }
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
@@ -502,16 +498,22 @@ TEST(GroupedGemm, WgradGroupsSplitBySize) {
 
 TEST(GroupedGemm, WgradOnWideTilesWhereTheyPadLittle) {
     SKIP_WITHOUT_GPU();
-    // set_wgrad_wide(1): the per-shape choice (the auto backend) puts mid-sized groups' wgrads on 192x128 tiles
-    // where m is a multiple of 192 (384 x 256) and on 128x192 where n is (256 x 384); every other backend of
-    // check_tn runs beside it. With and without accumulation, one group empty, one past a 64-row step.
-    set_wgrad_wide(1);
+    // set_wgrad_wide(1): the per-shape choice (the auto backend) puts mid-sized groups' wgrads on 128x192 ping-pong
+    // tiles where n pads little (n = 384: two tiles, one cluster), alone and as the split's ping-pong share (groups
+    // of 333 rows go cooperative, the others ping-pong); n = 320 pads 20 %: 128x128. Every other backend of check_tn
+    // runs beside it. With and without accumulation, one group empty, one past a 64-row step.
     const std::vector<int> counts{700, 0, 333, 1025, 512};
-    for (WgradWrite w : {WgradWrite::overwrite, WgradWrite::accumulate}) {
-        check_tn(counts, 5, 384, 256, w, 171 + int(w));
-        check_tn(counts, 5, 256, 384, w, 175 + int(w));
+    for (int split : {0, 1}) {
+        SCOPED_TRACE(split ? "split by size" : "ping-pong alone");
+        set_wgrad_wide(1);
+        set_wgrad_split(split);
+        for (WgradWrite w : {WgradWrite::overwrite, WgradWrite::accumulate}) {
+            check_tn(counts, 5, 256, 384, w, 171 + int(w) + 4 * split);
+            check_tn(counts, 5, 136, 320, w, 173 + int(w) + 4 * split);
+        }
     }
     set_wgrad_wide(-1);
+    set_wgrad_split(-1);
 }
 
 TEST(GroupedGemm, WgradStoresPlainAndEvictFirst) {

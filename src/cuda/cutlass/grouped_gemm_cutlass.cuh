@@ -78,14 +78,6 @@ struct PingpongWide {
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-// 192x128 tiles on ping-pong (kPingpongTall, wgrad only): PingpongWide's 192 accumulators a thread with the 192 along
-// the gradient's rows, for a wgrad whose m is a multiple of 192 and whose n is not (qwen3-30b fc1: 1536 x 2048).
-struct PingpongTall {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-    using Tile = cute::Shape<cute::_192, cute::_128, cute::_64>;
-    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-};
 // Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
@@ -356,25 +348,34 @@ void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
+// wgrad (tn) on ping-pong: 128x192 tiles where wgrad_pingpong_wide(n) says (also forced: kPingpongWide), else
+// 128x128.
+template <Stores kStores>
+void run_tn_pingpong(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                     const int32_t* d_offsets, WgradWrite write, bool wide, cudaStream_t stream, Share share) {
+    if (wide)
+        run_grouped<Op::kTN, PingpongWide, kStores>(s, A, B, C, d_offsets, write, stream, share);
+    else
+        run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream, share);
+}
+
 // wgrad (tn) in a resolved configuration, its gradient written with kStores.
 template <Stores kStores>
 void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream) {
+    const bool wide = wgrad_pingpong_wide(s.n);
     switch (config) {
         case CutlassConfig::kSplitBySize:
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
             run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
-            run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream, Share::kPingpong);
-            return;
+            return run_tn_pingpong<kStores>(s, A, B, C, d_offsets, write, wide, stream, Share::kPingpong);
         case CutlassConfig::kCooperative2x2:
             return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kPingpong:
-            return run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kPingpongWide:
-            return run_grouped<Op::kTN, PingpongWide, kStores>(s, A, B, C, d_offsets, write, stream);
-        case CutlassConfig::kPingpongTall:
-            return run_grouped<Op::kTN, PingpongTall, kStores>(s, A, B, C, d_offsets, write, stream);
+            return run_tn_pingpong<kStores>(s, A, B, C, d_offsets, write,
+                                            wide || config == CutlassConfig::kPingpongWide, stream, Share::kAll);
         case CutlassConfig::kCooperativeTall:
             return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
         default:
