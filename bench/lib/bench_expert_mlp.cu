@@ -212,11 +212,15 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
             std::function<double()> time;
         };
         std::vector<Column> columns;
+        // A named ping-pong or split column is the 128x128 tile's (a wgrad's ping-pong may take 128x192, cl-pp192).
         auto graph = [&](GroupedGemmKernel kernel, CutlassConfig config) {
             return [&, kernel, config] {
+                const bool square = config == CutlassConfig::kPingpong || config == CutlassConfig::kSplitBySize;
                 set_grouped_gemm_kernel(kernel);
                 set_cutlass_config(config);
+                if (square) set_wgrad_wide(0);
                 const double ms = graph_time_ms([&] { run_case(kGrouped, q, c, s); }, s, o.warmup, o.iters);
+                if (square) set_wgrad_wide(-1);
                 set_cutlass_config(CutlassConfig::kAuto);
                 set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
                 return ms;

@@ -121,8 +121,11 @@ bool pingpong_wide() {
     return g_pingpong_wide.on(env);
 }
 
-// CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_wide). Off by
-// default until measured in the layer.
+// CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_wide): on by
+// default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
+// 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
+// dsv3-ep8 zipf 1.2 0.997. 192 along the gradient's rows instead (192x128 where m pads little) was slower per GEMM
+// than 128x128 on both shapes tried (qwen3-30b fc1 1.442 vs 1.393 ms, dsv3-ep8 fc2 1.616 vs 1.487) and is not kept.
 Switch g_wgrad_wide;
 
 // The wgrad's split by group size (kSplitBySize) on or off for A/B (set_wgrad_split); unset, MOEKIT_WGRAD_SPLIT_ROWS
@@ -155,7 +158,9 @@ bool wgrad_own_kernel() {
 //    vs 3.044 (the own kernel was the choice here before);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
 //    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
-//    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h);
+//    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h); every
+//    wgrad's ping-pong on 128x192 tiles where n pads little (g_wgrad_wide: the layer 1.6-1.8 % faster on qwen3-30b
+//    and dsv3-ep8);
 //  - wgrad of large groups: CUTLASS ping-pong (H200, 2026-11-26: mixtral fc2 wgrad 2.75-2.95 ms vs 3.14-3.17
 //    cooperative and 3.43-3.48 own TMA). Mixtral's fc1 wgrad (28672 x 4096) took cooperative until its tiles were
 //    walked along N (CutlassRaster, grouped_gemm_cutlass.cu): walking M, ping-pong re-read the gradient rows from
@@ -300,7 +305,7 @@ WgradSplit wgrad_split() {
 bool wgrad_split_on() { return g_wgrad_split.on(wgrad_split().small_below > 0 || wgrad_split().large_from > 0); }
 
 bool wgrad_pingpong_wide(int64_t n) {
-    static const bool env = choice_from_env("MOEKIT_WGRAD_TILE", "128", false, "192", true);
+    static const bool env = choice_from_env("MOEKIT_WGRAD_TILE", "192", true, "128", false);
     return g_wgrad_wide.on(env) && wide_pingpong_pads_little(n);
 }
 

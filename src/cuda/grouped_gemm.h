@@ -142,7 +142,7 @@ void set_pingpong_wide(int on);
 
 // wgrads (tn) that take CUTLASS's ping-pong (alone or as kSplitBySize's ping-pong share): 1 = on 128x192 tiles
 // (kPingpongWide) where those pad at most 2 % of the gradient's n columns (core/tile_padding_math.h), 0 = 128x128;
-// -1 (default) = MOEKIT_WGRAD_TILE=128|192, else 128.
+// -1 (default) = MOEKIT_WGRAD_TILE=192|128, else 192.
 void set_wgrad_wide(int on);
 
 // wgrads of mid-sized groups: 1 = split by group size between CUTLASS's cooperative and ping-pong launches

@@ -205,6 +205,9 @@ void select(Backend b) {
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
                                                             : CutlassConfig::kPingpong);
     }
+    // The named ping-pong and split backends on 128x128 tiles everywhere (a wgrad's ping-pong takes 128x192 where it
+    // pads little by default: the auto backend covers that, kCutlassPingpongWide forces it).
+    set_wgrad_wide(b == Backend::kCutlassPingpong || b == Backend::kCutlassSplit ? 0 : -1);
     if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
 }
 void reset_backend() {
@@ -212,6 +215,7 @@ void reset_backend() {
     set_grouped_gemm_cluster(0);
     set_tn_pingpong(-1);
     set_cutlass_config(CutlassConfig::kAuto);
+    set_wgrad_wide(-1);
 }
 
 enum class Op { kNT, kNN };
