@@ -4,8 +4,8 @@
 // 1x2 cluster n = 2048 takes 12 tiles of 192 (2304 columns, 12.5 % padding) where 128-column tiles fit exactly.
 // Measured per GEMM on an H200 (docs/perf.md, 2026-11-28, five rounds against the 128x128 ping-pong): up to 5 %
 // faster where the 192-column tiles pad under 2 % of n (qwen3-30b fc1 forward and fc2 dgrad, n = 1536 / 768;
-// dsv3-ep8 fc1 dgrad, n = 7168), 6-11 % slower at n = 2048. The wgrads' ping-pong takes the same rule (in the layer 1.6-1.8 % faster on qwen3-30b and
-// dsv3-ep8, the same on mixtral). Plain C++ (tests/cpu/test_tile_padding.cpp).
+// dsv3-ep8 fc1 dgrad, n = 7168), 6-11 % slower at n = 2048. The wgrads' ping-pong takes the same rule (in the layer
+// 1.6-1.8 % faster on qwen3-30b and dsv3-ep8, the same on mixtral). Plain C++ (tests/cpu/test_tile_padding.cpp).
 #pragma once
 #include <cstdint>
 
