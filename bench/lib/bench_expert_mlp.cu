@@ -290,6 +290,8 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                         {"cutlass_2x2_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative2x2)});
                     columns.push_back(
                         {"cutlass_pp192_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongWide)});
+                    columns.push_back({"cutlass_pp192t_ms",
+                                       graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongWideTransposed)});
                 }
                 if (c.op == Op::kTN && wgrad_split_on())  // wgrad groups split by size between the two
                     columns.push_back(
@@ -367,8 +369,8 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // buffers a warpgroup and five ring stages;
     // cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
-    // weight rows x 192 token rows (nt/nn); cl-pp192 = CUTLASS ping-pong on 128x192 tiles; cl-swpp = cl-swap's
-    // product and tile on ping-pong (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
+    // weight rows x 192 token rows (nt/nn); cl-pp192 = CUTLASS ping-pong on 128x192 tiles (cl-pp192t: a wgrad
+    // computed transposed on them, the 192 along its m); cl-swpp = cl-swap's product and tile on ping-pong (nt/nn); cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other
     // GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's
     // (the per-GEMM acceptance ratio), and the same ratio taken in each round (median, least and greatest); fill
     // (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what
@@ -391,6 +393,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"cutlass_swap_ms", "cl-swap"},
                            {"cutlass_pp192_ms", "cl-pp192"},
                            {"cutlass_swap_pp_ms", "cl-swpp"},
+                           {"cutlass_pp192t_ms", "cl-pp192t"},
                            {"cutlass_2x2_ms", "cl-2x2"},
                            {"mma_ms", "mma ms"}};
     char cell[64];

@@ -68,6 +68,7 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"pingpong-192", &set_pingpong_wide},
                                            {"swap-pingpong", &set_swap_pingpong},
                                            {"wgrad-192", &set_wgrad_wide},
+                                           {"wgrad-192t", &set_wgrad_wide_transposed},
                                            {"wgrad-split", &set_wgrad_split}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==

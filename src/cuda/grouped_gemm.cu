@@ -122,12 +122,16 @@ bool pingpong_wide() {
     return g_pingpong_wide.on(env);
 }
 
-// CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_wide): on by
+// CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
 // default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
 // 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
 // dsv3-ep8 zipf 1.2 0.997. 192 along the gradient's rows instead (192x128 where m pads little) was slower per GEMM
 // than 128x128 on both shapes tried (qwen3-30b fc1 1.442 vs 1.393 ms, dsv3-ep8 fc2 1.616 vs 1.487) and is not kept.
 Switch g_wgrad_wide;
+
+// Where n pads in 192-column tiles but m does not (qwen3-30b fc1, dsv3-ep8 fc2: n = 2048), the wgrad computed
+// transposed on them (kPingpongWideTransposed; set_wgrad_wide_transposed). Off by default until measured in the layer.
+Switch g_wgrad_wide_t;
 
 // The wgrad's split by group size (kSplitBySize) on or off for A/B (set_wgrad_split); unset, MOEKIT_WGRAD_SPLIT_ROWS
 // and MOEKIT_WGRAD_SPLIT_LARGE decide (wgrad_split_on).
@@ -305,9 +309,13 @@ WgradSplit wgrad_split() {
 
 bool wgrad_split_on() { return g_wgrad_split.on(wgrad_split().small_below > 0 || wgrad_split().large_from > 0); }
 
-bool wgrad_pingpong_wide(int64_t n) {
+WgradPingpongTile wgrad_pingpong_tile(int64_t m, int64_t n) {
     static const bool env = choice_from_env("MOEKIT_WGRAD_TILE", "192", true, "128", false);
-    return g_wgrad_wide.on(env) && wide_pingpong_pads_little(n);
+    static const bool env_t = choice_from_env("MOEKIT_WGRAD_TRANSPOSED", "0", false, "1", true);
+    if (!g_wgrad_wide.on(env)) return WgradPingpongTile::kSquare;
+    if (wide_pingpong_pads_little(n)) return WgradPingpongTile::kWide;
+    if (g_wgrad_wide_t.on(env_t) && wide_pingpong_pads_little(m)) return WgradPingpongTile::kWideTransposed;
+    return WgradPingpongTile::kSquare;
 }
 
 namespace {
@@ -726,6 +734,7 @@ void set_tn_pingpong_buffers(int buffers) {
 void set_wgrad_own_kernel(int on) { g_wgrad_own.set(on); }
 void set_pingpong_wide(int on) { g_pingpong_wide.set(on); }
 void set_wgrad_wide(int on) { g_wgrad_wide.set(on); }
+void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }

@@ -145,6 +145,10 @@ void set_pingpong_wide(int on);
 // -1 (default) = MOEKIT_WGRAD_TILE=192|128, else 192.
 void set_wgrad_wide(int on);
 
+// With set_wgrad_wide on: a wgrad whose n pads in 128x192 tiles but whose m does not computed transposed on them
+// (kPingpongWideTransposed); 1 = on, 0 = off, -1 (default) = MOEKIT_WGRAD_TRANSPOSED=0|1, else 0.
+void set_wgrad_wide_transposed(int on);
+
 // wgrads of mid-sized groups: 1 = split by group size between CUTLASS's cooperative and ping-pong launches
 // (kSplitBySize), 0 = ping-pong alone; -1 (default) = by MOEKIT_WGRAD_SPLIT_ROWS / MOEKIT_WGRAD_SPLIT_LARGE, split
 // unless both are 0 (wgrad_split_on, grouped_gemm_cutlass.h).

@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|split|swap|swap-pp|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|split|swap|swap-pp|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -36,7 +36,9 @@ bool cutlass_grouped_gemm_built();
 //   kPingpongWide:    ping-pong on 128x192x64 tiles, 1x2 cluster: 1.1-1.2x the math per byte loaded of
 //                     kPingpong's tile, each warpgroup's epilogue still under the other's main loop (192
 //                     accumulators a thread). A wgrad's ping-pong (kPingpong, kSplitBySize's ping-pong share) takes
-//                     it where wgrad_pingpong_wide(n) says.
+//                     it where wgrad_pingpong_tile says.
+//   kPingpongWideTransposed (tn only; nt/nn take kPingpongWide): the wgrad computed transposed, Cᵀ = Bᵀ·A, on
+//                     kPingpongWide's tiles: their 192 columns along the gradient's m.
 enum class CutlassConfig {
     kAuto,
     kCooperative,
@@ -46,7 +48,8 @@ enum class CutlassConfig {
     kSwapAB,
     kCooperative2x2,
     kPingpongWide,
-    kSwapPingpong
+    kSwapPingpong,
+    kPingpongWideTransposed
 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no
@@ -74,10 +77,11 @@ CutlassRaster cutlass_raster();
 // (wgrad of mid-sized groups all ping-pong, as before 2026-11-26).
 WgradSplit wgrad_split();
 bool wgrad_split_on();
-// Whether a wgrad's ping-pong launch (kPingpong, kSplitBySize's ping-pong share) takes 128x192 tiles for a gradient n
-// columns wide: where those pad at most 2 % of n (core/tile_padding_math.h) and the switch is on (set_wgrad_wide,
-// grouped_gemm.h).
-bool wgrad_pingpong_wide(int64_t n);
+// The tile a wgrad's ping-pong launch (kPingpong, kSplitBySize's ping-pong share) takes for an [m, n] gradient:
+// 128x192 where those pad at most 2 % of n (core/tile_padding_math.h), else the transposed product on them where they
+// pad at most 2 % of m, else 128x128; with the switches on (set_wgrad_wide, set_wgrad_wide_transposed, grouped_gemm.h).
+enum class WgradPingpongTile { kSquare, kWide, kWideTransposed };
+WgradPingpongTile wgrad_pingpong_tile(int64_t m, int64_t n);
 
 void cutlass_grouped_gemm_nt(const GroupedGemmShape& shape, const __nv_bfloat16* A, const __nv_bfloat16* B,
                              __nv_bfloat16* C, const int32_t* d_offsets, cudaStream_t stream,

@@ -121,7 +121,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
-    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kAuto,
+    kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongWideT, kAuto,
     kSync
 };
 const char* name(Backend b) {
@@ -140,6 +140,7 @@ const char* name(Backend b) {
            : b == Backend::kCutlass2x2     ? "cutlass-cooperative-2x2-cluster (nt/nn: cooperative)"
            : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192"
            : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
+           : b == Backend::kCutlassPingpongWideT ? "cutlass-pingpong-128x192-transposed (nt/nn: 128x192)"
                                            : "sync-cublas";
 }
 
@@ -179,6 +180,7 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlass2x2);
             out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kCutlassSwapPingpong);
+            out.push_back(Backend::kCutlassPingpongWideT);
             out.push_back(Backend::kAuto);
         }
     }
@@ -194,7 +196,8 @@ void select(Backend b) {
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
-        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong) {
+        b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong ||
+        b == Backend::kCutlassPingpongWideT) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -203,6 +206,7 @@ void select(Backend b) {
                            : b == Backend::kCutlass2x2     ? CutlassConfig::kCooperative2x2
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
+                           : b == Backend::kCutlassPingpongWideT ? CutlassConfig::kPingpongWideTransposed
                                                             : CutlassConfig::kPingpong);
     }
     // The named ping-pong and split backends on 128x128 tiles everywhere (a wgrad's ping-pong takes 128x192 where it
@@ -506,17 +510,21 @@ TEST(GroupedGemm, WgradOnWideTilesWhereTheyPadLittle) {
     // tiles where n pads little (n = 384: two tiles, one cluster), alone and as the split's ping-pong share (groups
     // of 333 rows go cooperative, the others ping-pong); n = 320 pads 20 %: 128x128. Every other backend of check_tn
     // runs beside it. With and without accumulation, one group empty, one past a 64-row step.
+    // With set_wgrad_wide_transposed(1), m = 384 and n = 320 is computed transposed (the 192 along m).
     const std::vector<int> counts{700, 0, 333, 1025, 512};
     for (int split : {0, 1}) {
         SCOPED_TRACE(split ? "split by size" : "ping-pong alone");
         set_wgrad_wide(1);
+        set_wgrad_wide_transposed(1);
         set_wgrad_split(split);
         for (WgradWrite w : {WgradWrite::overwrite, WgradWrite::accumulate}) {
             check_tn(counts, 5, 256, 384, w, 171 + int(w) + 4 * split);
             check_tn(counts, 5, 136, 320, w, 173 + int(w) + 4 * split);
+            check_tn(counts, 5, 384, 320, w, 181 + int(w) + 4 * split);
         }
     }
     set_wgrad_wide(-1);
+    set_wgrad_wide_transposed(-1);
     set_wgrad_split(-1);
 }
 

@@ -32,6 +32,8 @@ enum class Op { kNT, kNN, kTN };
 //   nt: C[rows, n] = A[rows, k] · W[n, k]ᵀ      A row-major, B column-major (both K-major), D bf16
 //   nn: C[rows, n] = A[rows, k] · W[k, n]       A row-major, B row-major (N-major), D bf16
 //   tn: C[m, n] (+)= A[rows, m]ᵀ · B[rows, n]   A column-major, B row-major (both MN-major), C/D fp32
+// Transposed tn (PingpongWideTransposed): Cᵀ[n, m] (+)= B[rows, n]ᵀ · A[rows, m], so the gradient's m fills
+// CUTLASS's N: A' = B, B' = A (the same layouts, both MN-major), C/D column-major (Cᵀ column-major is C).
 // Swapped (nt / nn only, SwapAB configurations): the transposed product Cᵀ[n, rows] = W[g] · A[rows, k]ᵀ, so the
 // weights fill CUTLASS's M and a group's token rows its N:
 //   nt: A' = W[n, k] row-major (K-major), B' = A column-major (K-major), D' = Cᵀ column-major
@@ -40,7 +42,8 @@ template <Op kOp, bool kSwap = false>
 struct OpTraits {
     using LayoutA = std::conditional_t<kOp == Op::kTN || (kSwap && kOp == Op::kNN), cutlass::layout::ColumnMajor,
                                        cutlass::layout::RowMajor>;
-    using LayoutB = std::conditional_t<kOp == Op::kNT || kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+    using LayoutB = std::conditional_t<kOp == Op::kNT || (kSwap && kOp != Op::kTN), cutlass::layout::ColumnMajor,
+                                       cutlass::layout::RowMajor>;
     using LayoutD = std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
     using ElementC = std::conditional_t<kOp == Op::kTN, float, void>;  // void: no source operand
     using ElementD = std::conditional_t<kOp == Op::kTN, float, cutlass::bfloat16_t>;
@@ -78,6 +81,16 @@ struct PingpongWide {
     using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
     using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+// A wgrad computed transposed (kPingpongWideTransposed, OpTraits' kSwap for tn): PingpongWide's tile with its 192
+// columns along the gradient's m, for a gradient whose m pads little in them and whose n does not (qwen3-30b fc1:
+// 1536 x 2048). 192 rows of the gradient a tile instead (a 192x128 tile, three m64 wgmmas where this one issues two
+// n192 ones) was slower than 128x128 (H200, 2026-11-28).
+struct PingpongWideTransposed {
+    using Kernel = PingpongWide::Kernel;
+    using Epilogue = PingpongWide::Epilogue;
+    using Tile = PingpongWide::Tile;
+    using Cluster = PingpongWide::Cluster;
+};
 // Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
@@ -99,7 +112,8 @@ struct SwapABPingpong {
 };
 template <class Config>
 constexpr bool swapped() {
-    return std::is_same_v<Config, SwapAB> || std::is_same_v<Config, SwapABPingpong>;
+    return std::is_same_v<Config, SwapAB> || std::is_same_v<Config, SwapABPingpong> ||
+           std::is_same_v<Config, PingpongWideTransposed>;
 }
 
 // The collective epilogue `Epi` (as CUTLASS's builder made it) with its shared-to-global TMA copy replaced by
@@ -199,7 +213,16 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
         const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kCooperative);
-        if constexpr (kOp == Op::kTN) {
+        if constexpr (kOp == Op::kTN && kSwap) {  // Cᵀ = Bᵀ · A: M = n, N = m (shape.k), column-major Cᵀ is C
+            a.shapes[g] = typename G::Shape(rows > 0 ? n : 0, k, int(rows));
+            a.ptr_a[g] = B_ + r0 * n;
+            a.ptr_b[g] = A_ + r0 * k;
+            a.ptr_d[g] = group_block(D_, second, second_from, g, int64_t(k) * n);
+            a.ptr_c[g] = a.ptr_d[g];
+            a.stride_a[g] = leading<typename G::StrideA>(n);
+            a.stride_b[g] = leading<typename G::StrideB>(k);
+            a.stride_c[g] = leading<typename G::StrideC>(n);
+        } else if constexpr (kOp == Op::kTN) {
             a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
             a.ptr_a[g] = A_ + r0 * k;
             a.ptr_b[g] = B_ + r0 * n;
@@ -298,7 +321,10 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
             r.epilogue.thread = fused ? *fused : decltype(r.epilogue.thread){};
         }
         r.hw_info = hw;
-        r.scheduler.raster_order = raster_along_n(kOp == Op::kTN, s.k, s.n, groups > 0 ? s.max_rows / groups : 0)
+        // CUTLASS's M x N: a transposed wgrad's is n x m.
+        constexpr bool kTnTransposed = kOp == Op::kTN && swapped<Config>();
+        r.scheduler.raster_order = raster_along_n(kOp == Op::kTN, kTnTransposed ? s.n : s.k, kTnTransposed ? s.k : s.n,
+                                                  groups > 0 ? s.max_rows / groups : 0)
                                        ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                        : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
         r.scheduler.max_swizzle_size = swizzle_size();
@@ -348,13 +374,15 @@ void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
         run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
 
-// wgrad (tn) on ping-pong: 128x192 tiles where wgrad_pingpong_wide(n) says (also forced: kPingpongWide), else
-// 128x128.
+// wgrad (tn) on ping-pong, its tile as wgrad_pingpong_tile says (or forced: kPingpongWide, kPingpongWideTransposed).
 template <Stores kStores>
 void run_tn_pingpong(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                     const int32_t* d_offsets, WgradWrite write, bool wide, cudaStream_t stream, Share share) {
-    if (wide)
+                     const int32_t* d_offsets, WgradWrite write, WgradPingpongTile tile, cudaStream_t stream,
+                     Share share) {
+    if (tile == WgradPingpongTile::kWide)
         run_grouped<Op::kTN, PingpongWide, kStores>(s, A, B, C, d_offsets, write, stream, share);
+    else if (tile == WgradPingpongTile::kWideTransposed)
+        run_grouped<Op::kTN, PingpongWideTransposed, kStores>(s, A, B, C, d_offsets, write, stream, share);
     else
         run_grouped<Op::kTN, Pingpong, kStores>(s, A, B, C, d_offsets, write, stream, share);
 }
@@ -363,19 +391,22 @@ void run_tn_pingpong(const GroupedGemmShape& s, const __nv_bfloat16* A, const __
 template <Stores kStores>
 void run_tn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
             const int32_t* d_offsets, WgradWrite write, CutlassConfig config, cudaStream_t stream) {
-    const bool wide = wgrad_pingpong_wide(s.n);
+    const WgradPingpongTile tile = config == CutlassConfig::kPingpongWide ? WgradPingpongTile::kWide
+                                   : config == CutlassConfig::kPingpongWideTransposed
+                                       ? WgradPingpongTile::kWideTransposed
+                                       : wgrad_pingpong_tile(s.k, s.n);
     switch (config) {
         case CutlassConfig::kSplitBySize:
             // Same stream, one after the other: the second's argument fill waits for the first GEMM, so the two
             // share the stream's argument buffer; each launch's groups are outputs the other does not touch.
             run_grouped<Op::kTN, Cooperative, kStores>(s, A, B, C, d_offsets, write, stream, Share::kCooperative);
-            return run_tn_pingpong<kStores>(s, A, B, C, d_offsets, write, wide, stream, Share::kPingpong);
+            return run_tn_pingpong<kStores>(s, A, B, C, d_offsets, write, tile, stream, Share::kPingpong);
         case CutlassConfig::kCooperative2x2:
             return run_grouped<Op::kTN, Cooperative2x2, kStores>(s, A, B, C, d_offsets, write, stream);
         case CutlassConfig::kPingpong:
         case CutlassConfig::kPingpongWide:
-            return run_tn_pingpong<kStores>(s, A, B, C, d_offsets, write,
-                                            wide || config == CutlassConfig::kPingpongWide, stream, Share::kAll);
+        case CutlassConfig::kPingpongWideTransposed:
+            return run_tn_pingpong<kStores>(s, A, B, C, d_offsets, write, tile, stream, Share::kAll);
         case CutlassConfig::kCooperativeTall:
             return run_grouped<Op::kTN, CooperativeTall, kStores>(s, A, B, C, d_offsets, write, stream);
         default:
