@@ -130,7 +130,8 @@ bool pingpong_wide() {
 Switch g_wgrad_wide;
 
 // Where n pads in 192-column tiles but m does not (qwen3-30b fc1, dsv3-ep8 fc2: n = 2048), the wgrad computed
-// transposed on them (kPingpongWideTransposed; set_wgrad_wide_transposed). Off by default until measured in the layer.
+// transposed on them (kPingpongWideTransposed; set_wgrad_wide_transposed): on by default. H200, 2026-11-28, `moekit
+// bench --variant wgrad-192t` on / off: qwen3-30b 0.985, dsv3-ep8 0.991, mixtral 0.999 (its fc1 wgrad, m = 28672).
 Switch g_wgrad_wide_t;
 
 // The wgrad's split by group size (kSplitBySize) on or off for A/B (set_wgrad_split); unset, MOEKIT_WGRAD_SPLIT_ROWS
@@ -165,7 +166,7 @@ bool wgrad_own_kernel() {
 //    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
 //    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h); every
 //    wgrad's ping-pong on 128x192 tiles where n pads little (g_wgrad_wide: the layer 1.6-1.8 % faster on qwen3-30b
-//    and dsv3-ep8);
+//    and dsv3-ep8), else computed transposed on them where m does (g_wgrad_wide_t: 0.9-1.5 % more);
 //  - wgrad of large groups: CUTLASS ping-pong (H200, 2026-11-26: mixtral fc2 wgrad 2.75-2.95 ms vs 3.14-3.17
 //    cooperative and 3.43-3.48 own TMA). Mixtral's fc1 wgrad (28672 x 4096) took cooperative until its tiles were
 //    walked along N (CutlassRaster, grouped_gemm_cutlass.cu): walking M, ping-pong re-read the gradient rows from
@@ -311,7 +312,7 @@ bool wgrad_split_on() { return g_wgrad_split.on(wgrad_split().small_below > 0 ||
 
 WgradPingpongTile wgrad_pingpong_tile(int64_t m, int64_t n) {
     static const bool env = choice_from_env("MOEKIT_WGRAD_TILE", "192", true, "128", false);
-    static const bool env_t = choice_from_env("MOEKIT_WGRAD_TRANSPOSED", "0", false, "1", true);
+    static const bool env_t = choice_from_env("MOEKIT_WGRAD_TRANSPOSED", "1", true, "0", false);
     if (!g_wgrad_wide.on(env)) return WgradPingpongTile::kSquare;
     if (wide_pingpong_pads_little(n)) return WgradPingpongTile::kWide;
     if (g_wgrad_wide_t.on(env_t) && wide_pingpong_pads_little(m)) return WgradPingpongTile::kWideTransposed;

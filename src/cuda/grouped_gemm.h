@@ -146,7 +146,7 @@ void set_pingpong_wide(int on);
 void set_wgrad_wide(int on);
 
 // With set_wgrad_wide on: a wgrad whose n pads in 128x192 tiles but whose m does not computed transposed on them
-// (kPingpongWideTransposed); 1 = on, 0 = off, -1 (default) = MOEKIT_WGRAD_TRANSPOSED=0|1, else 0.
+// (kPingpongWideTransposed); 1 = on, 0 = off, -1 (default) = MOEKIT_WGRAD_TRANSPOSED=1|0, else 1.
 void set_wgrad_wide_transposed(int on);
 
 // wgrads of mid-sized groups: 1 = split by group size between CUTLASS's cooperative and ping-pong launches
