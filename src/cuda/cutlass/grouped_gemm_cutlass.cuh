@@ -49,71 +49,48 @@ struct OpTraits {
     using ElementD = std::conditional_t<kOp == Op::kTN, float, cutlass::bfloat16_t>;
 };
 
-struct Cooperative {
+// A tile configuration: the schedule (two consumer warpgroups on one tile, or taking tiles in turn), the tile
+// M x N (k-steps of 64), the cluster, and whether the product is computed transposed (OpTraits' kSwap).
+struct CooperativeSchedule {
     using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-    using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
-struct CooperativeTall {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-    using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
-    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+struct PingpongSchedule {
+    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+template <class Schedule, int kM, int kN, int kClusterM, int kClusterN, bool kTransposed = false>
+struct TileConfig {
+    using Kernel = typename Schedule::Kernel;
+    using Epilogue = typename Schedule::Epilogue;
+    using Tile = cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::_64>;
+    using Cluster = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+    static constexpr bool transposed = kTransposed;
+};
+using Cooperative = TileConfig<CooperativeSchedule, 128, 256, 1, 2>;
+using CooperativeTall = TileConfig<CooperativeSchedule, 256, 128, 1, 2>;
 // wgrad (tn) on a 2x2 cluster: both operand tiles multicast (a small group's tile loads half its B rows).
-struct Cooperative2x2 {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-    using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-    using Cluster = cute::Shape<cute::_2, cute::_2, cute::_1>;
-};
-struct Pingpong {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-    using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
-    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-};
+using Cooperative2x2 = TileConfig<CooperativeSchedule, 128, 256, 2, 2>;
+using Pingpong = TileConfig<PingpongSchedule, 128, 128, 1, 2>;
 // 128x192 tiles on ping-pong (kPingpongWide): each warpgroup computes a whole tile, 192 accumulators a thread.
-struct PingpongWide {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-    using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
-    using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-};
+using PingpongWide = TileConfig<PingpongSchedule, 128, 192, 1, 2>;
 // A wgrad computed transposed (kPingpongWideTransposed, OpTraits' kSwap for tn): PingpongWide's tile with its 192
 // columns along the gradient's m, for a gradient whose m pads little in them and whose n does not (qwen3-30b fc1:
 // 1536 x 2048). 192 rows of the gradient a tile instead (a 192x128 tile, three m64 wgmmas where this one issues two
 // n192 ones) was slower than 128x128 (H200, 2026-11-28).
-struct PingpongWideTransposed {
-    using Kernel = PingpongWide::Kernel;
-    using Epilogue = PingpongWide::Epilogue;
-    using Tile = PingpongWide::Tile;
-    using Cluster = PingpongWide::Cluster;
-};
+using PingpongWideTransposed = TileConfig<PingpongSchedule, 128, 192, 1, 2, true>;
 // Small groups computed transposed (OpTraits' kSwap): 128 weight rows by 192 token rows a tile. A group of ~128
 // rows (dsv3-e256: 100..156) then fills one tile whose 128-row side holds weights, and each weight tile is read
 // once; the 256x128 tile spent half its math on padding rows and was compute-bound where the weights' bytes should
 // bound it. Measured on an H200 (docs/perf.md, 2026-11-27): 192 token rows beat 128 / 160 / 224 / 256 (dsv3-e256
 // layer 30.4-30.6 ms vs 35.4 / 32.4 / 37.3 / 33.7; the 256x128 tile 33.7-34.1). The 2x1 cluster multicasts the
 // token tile to the CTA of the next 128 weight rows (single CTAs: 31.7 ms).
-struct SwapAB {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-    using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
-    using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-};
+using SwapAB = TileConfig<CooperativeSchedule, 128, 192, 2, 1, true>;
 // kSwapAB's product and tile on ping-pong (kSwapPingpong): each warpgroup a whole tile, 192 accumulators a thread.
-struct SwapABPingpong {
-    using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-    using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-    using Tile = SwapAB::Tile;
-    using Cluster = SwapAB::Cluster;
-};
+using SwapABPingpong = TileConfig<PingpongSchedule, 128, 192, 2, 1, true>;
 template <class Config>
 constexpr bool swapped() {
-    return std::is_same_v<Config, SwapAB> || std::is_same_v<Config, SwapABPingpong> ||
-           std::is_same_v<Config, PingpongWideTransposed>;
+    return Config::transposed;
 }
 
 // The collective epilogue `Epi` (as CUTLASS's builder made it) with its shared-to-global TMA copy replaced by
