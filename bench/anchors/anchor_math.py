@@ -153,6 +153,9 @@ def build_rows(config, moekit, peers, scopes=("layer", "mlp")):
             row(name, scope, None, None, note="%s: failed: %s" % (name.split()[0], res["error"]))
             continue
         row(name, scope, res.get("fwd_ms"), res.get("fwd_bwd_ms"), vs=ref.get(scope), note=res.get("note", ""))
+        if res.get("fwd_bwd_main_grad_ms") is not None:  # peer_sonic.run_layer's second figure
+            row(name + " +main grad", scope, res.get("fwd_ms"), res["fwd_bwd_main_grad_ms"], vs=ref.get(scope),
+                note="its bf16 weight grads then added into fp32 main grads (Megatron's bf16 default)")
     return rows
 
 

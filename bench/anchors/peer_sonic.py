@@ -95,9 +95,20 @@ def run_layer(p, zipf_s, iters, warmup, seed):
     fwd_ms = time_ms(step, warmup, iters)
     fb_ms = time_ms(fb, warmup, iters)
     counts = last["freq"].tolist()
-    del x, router_w, w1, w2, dy
+    # Its weight gradients are bf16 (autograd's .grad of bf16 weights). Megatron trains bf16 with fp32 main grads,
+    # and a wgrad without gradient-accumulation fusion reaches them by main_grad += grad after the backward;
+    # moekit's wgrads write the fp32 main grad themselves. Timed as a second figure, the plain one stays the anchor.
+    params = (router_w, w1, w2)
+    mains = [torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in params]
+
+    def fb_main_grad():
+        fb()
+        for m, t in zip(mains, params):
+            m.add_(t.grad)
+    fb_main_ms = time_ms(fb_main_grad, warmup, iters)
+    del x, router_w, w1, w2, dy, params, mains
     free()
-    return dict(scope="layer", fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+    return dict(scope="layer", fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms, fwd_bwd_main_grad_ms=fb_main_ms,
                 note="own router (top-k, softmax); tokens/expert %d..%d; %s" % (min(counts), max(counts), tune_note()))
 
 

@@ -76,7 +76,7 @@ def test_report(rng):
     # ones computed from them.
     d = tempfile.mkdtemp()
     T, k, H, F = 8192, 2, 4096, 14336
-    t = {n: rng.uniform(5, 60) for n in ("g", "s", "f", "gm", "tf", "tfb", "sl")}
+    t = {n: rng.uniform(5, 60) for n in ("g", "s", "f", "gm", "tf", "tfb", "sl", "sm")}
     layer = dict(grouped=dict(fwd_ms=t["g"] / 3, fwd_bwd_ms=t["g"]), sync=dict(fwd_ms=1, fwd_bwd_ms=t["s"],
                  host_syncs_per_step=6), floor=dict(fwd_ms=t["f"] / 3, fwd_bwd_ms=t["f"]), counts=[2048] * 8,
                  roofline=dict(roofline_ms=t["f"], bound="compute", memory_floor_ms=1.0))
@@ -86,7 +86,8 @@ def test_report(rng):
     json.dump(mlp, open(os.path.join(d, "mixtral_mlp.json"), "w"))
     json.dump(dict(configs={"mixtral": {"torch._grouped_mm": dict(scope="mlp", fwd_ms=t["tf"], fwd_bwd_ms=t["tfb"])}},
                    device="H"), open(os.path.join(d, "torch.json"), "w"))
-    json.dump(dict(configs={"mixtral": {"sonic layer": dict(scope="layer", fwd_ms=1.0, fwd_bwd_ms=t["sl"]),
+    json.dump(dict(configs={"mixtral": {"sonic layer": dict(scope="layer", fwd_ms=1.0, fwd_bwd_ms=t["sl"],
+                                                            fwd_bwd_main_grad_ms=t["sm"]),
                                         "sonic experts": dict(scope="layer", error="RuntimeError: refused")}},
                    labels=["sonic layer", "sonic experts"], in_progress=["sonic layer", "mixtral@zipf1.2"]),
               open(os.path.join(d, "sonic.json"), "w"))
@@ -102,6 +103,9 @@ def test_report(rng):
     check(close(r["moekit_over_fwd_bwd"], t["tfb"] / t["gm"]), "torch compared with moekit's mlp scope")
     r = rows[("mixtral", "sonic layer", "layer")]
     check(close(r["moekit_over_fwd_bwd"], t["sl"] / t["g"]), "sonic layer compared with moekit's layer")
+    r = rows[("mixtral", "sonic layer +main grad", "layer")]
+    check(close(r["moekit_over_fwd_bwd"], t["sm"] / t["g"]), "sonic layer with fp32 main grads: a row of its own")
+    check(("mixtral@zipf1.2", "sonic layer +main grad", "layer") not in rows, "no main-grad row without the figure")
     check(close(rows[("mixtral", "sync cuBLAS/expert", "layer")]["moekit_over_fwd_bwd"], t["s"] / t["g"]), "sync ratio")
     table = open(d + "/a.txt").read()
     check("sonic: failed: RuntimeError: refused" in table, "a refused SonicMoE call is a line of the table")

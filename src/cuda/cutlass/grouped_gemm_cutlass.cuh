@@ -190,23 +190,17 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
         const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kCooperative);
-        if constexpr (kOp == Op::kTN && kSwap) {  // Cᵀ = Bᵀ · A: M = n, N = m (shape.k), column-major Cᵀ is C
-            a.shapes[g] = typename G::Shape(rows > 0 ? n : 0, k, int(rows));
-            a.ptr_a[g] = B_ + r0 * n;
-            a.ptr_b[g] = A_ + r0 * k;
+        if constexpr (kOp == Op::kTN) {
+            // CUTLASS's M x N is the gradient's m x n (m = shape.k), or n x m transposed (kSwap: Cᵀ = Bᵀ · A, whose
+            // column-major Cᵀ is C): either way C's rows are n elements apart.
+            const int M = kSwap ? n : k, N = kSwap ? k : n;
+            a.shapes[g] = typename G::Shape(rows > 0 ? M : 0, N, int(rows));
+            a.ptr_a[g] = kSwap ? B_ + r0 * n : A_ + r0 * k;
+            a.ptr_b[g] = kSwap ? A_ + r0 * k : B_ + r0 * n;
             a.ptr_d[g] = group_block(D_, second, second_from, g, int64_t(k) * n);
             a.ptr_c[g] = a.ptr_d[g];
-            a.stride_a[g] = leading<typename G::StrideA>(n);
-            a.stride_b[g] = leading<typename G::StrideB>(k);
-            a.stride_c[g] = leading<typename G::StrideC>(n);
-        } else if constexpr (kOp == Op::kTN) {
-            a.shapes[g] = typename G::Shape(rows > 0 ? k : 0, n, int(rows));
-            a.ptr_a[g] = A_ + r0 * k;
-            a.ptr_b[g] = B_ + r0 * n;
-            a.ptr_d[g] = group_block(D_, second, second_from, g, int64_t(k) * n);
-            a.ptr_c[g] = a.ptr_d[g];
-            a.stride_a[g] = leading<typename G::StrideA>(k);
-            a.stride_b[g] = leading<typename G::StrideB>(n);
+            a.stride_a[g] = leading<typename G::StrideA>(M);
+            a.stride_b[g] = leading<typename G::StrideB>(N);
             a.stride_c[g] = leading<typename G::StrideC>(n);
         } else if constexpr (kSwap) {  // Cᵀ = W · Aᵀ: M = n (weights), N = the group's rows
             a.shapes[g] = typename G::Shape(rows > 0 ? n : 0, int(rows), k);
