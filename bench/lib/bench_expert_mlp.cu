@@ -313,6 +313,11 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                                return graph_time_ms([&] { dense_gemm(c.op, q.rows, c.n, c.k, c.A, c.B, c.C, s); }, s,
                                                     o.warmup, o.iters);
                            }});
+        if (o.acceptance_only)
+            std::erase_if(columns, [](const Column& col) {
+                const std::string key = col.key;
+                return key != "auto_ms" && key != "sync_ms" && key != "dense_ms";
+            });
         const int rounds = std::max(o.rounds, 1), n = int(columns.size());
         std::vector<std::vector<double>> ms(n);
         int device = 0;

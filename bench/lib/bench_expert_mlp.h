@@ -29,6 +29,9 @@ struct Options {
     // grouped GEMM against the dense one of the same total shape shows what the grouping costs beyond padding.
     bool even = false;
     std::string only_gemm;  // bench_gemms: this one GEMM (fc1_fwd ... fc1_wgrad) only, e.g. to profile it; empty: all
+    // bench_gemms: time only the acceptance pair (the per-shape choice and dense cuBLAS) and the sync baseline, so a
+    // round is three measurements within a few tens of milliseconds and a full balanced design (6 rounds) is cheap.
+    bool acceptance_only = false;
     // bench_layer: a second graph of the step captured with this switch on, replayed in the same balanced rounds as
     // the graph with it off: "glu-forward" (the gated activation in fc1's epilogue), "glu-backward" (its backward in
     // fc2's dgrad epilogue), "gather-fc1" (fc1's loads gathering the token rows: no permute pass); empty: none.
