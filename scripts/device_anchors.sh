@@ -11,6 +11,9 @@
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
 #                                     SKIP_MOEKIT=1 (peers only: no moekit rows, no report)
+#                                     GEMM_PRESETS="dsv3-ep8 mixtral" (per GEMM, issue 10's acceptance ratio, in the
+#                                     same call: bench_grouped_gemm --acceptance-only --rounds GEMM_ROUNDS, default 12,
+#                                     after moekit's rows; carried prebuilt/ then needs bench_grouped_gemm too)
 # SonicMoE's compiled kernels: its persistent object cache (QUACK_CACHE_DIR) starts from SONIC_CACHE (default
 # .anchors/quack_cache.tar.xz, carried: copy an earlier call's $OUT/quack_cache.tar.xz there) where that exists, and
 # SAVE_SONIC_CACHE=1 packs it into $OUT afterwards (objects only: autotuning results and locks stay behind). A call
@@ -61,7 +64,8 @@ if [ -x prebuilt/moekit ]; then
 else
   log "build moekit ($B)"
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a $TESTS >"$OUT/build.log" 2>&1 &&
-    timeout $((LIMIT - SECONDS - PEER_RESERVE - 60)) cmake --build $B --target moekit >>"$OUT/build.log" 2>&1
+    timeout $((LIMIT - SECONDS - PEER_RESERVE - 60)) cmake --build $B --target moekit \
+      ${GEMM_PRESETS:+bench_grouped_gemm} >>"$OUT/build.log" 2>&1
   BUILD_RC=$?
 fi
 [ $BUILD_RC = 0 ] || { log "build failed or timed out (rc $BUILD_RC): no moekit rows"; grep -E "error" "$OUT/build.log" | head -10 | tee -a "$OUT/summary.txt"; }
@@ -81,6 +85,18 @@ if [ $BUILD_RC = 0 ]; then
         | tee -a "$OUT/summary.txt"
       [ $rc = 0 ] || rm -f "$f.json"
     done
+  done
+fi
+
+# Per GEMM on GEMM_PRESETS: the per-shape choice against dense cuBLAS of the same total shape, rounds interleaved.
+if [ $BUILD_RC = 0 ]; then
+  for p in ${GEMM_PRESETS:-}; do
+    [ -x $B/bench_grouped_gemm ] || { log "no $B/bench_grouped_gemm: per-GEMM rows skipped"; break; }
+    left $((PEER_RESERVE + 45)) "bench_grouped_gemm $p" || break
+    timeout $((LIMIT - SECONDS - PEER_RESERVE)) $B/bench_grouped_gemm --preset $p --acceptance-only \
+      --rounds ${GEMM_ROUNDS:-12} --json "$M/gemm_$p.json" >"$M/gemm_$p.txt" 2>&1
+    echo "bench_grouped_gemm $p --acceptance-only: rc $?, t=${SECONDS}s" | tee -a "$OUT/summary.txt"
+    grep -E "^  (gemm|fc)" "$M/gemm_$p.txt" | tee -a "$OUT/summary.txt"
   done
 fi
 
