@@ -376,10 +376,10 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
     // weight rows x 192 token rows (nt/nn); cl-pp192 = CUTLASS ping-pong on 128x192 tiles (cl-pp192t: a wgrad
     // computed transposed on them, the 192 along its m); cl-swpp = cl-swap's product and tile on ping-pong (nt/nn);
-    // cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other GPUs); best = the fastest grouped (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's
-    // (the per-GEMM acceptance ratio), and the same ratio taken in each round (median, least and greatest); fill
-    // (wgrad only) = cudaMemsetAsync of the fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what
-    // else bounds it).
+    // cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other GPUs); best = the fastest grouped
+    // (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's (the per-GEMM acceptance ratio),
+    // and the same ratio taken in each round (median, least and greatest); fill (wgrad only) = cudaMemsetAsync of the
+    // fp32 gradients, a write-bound wgrad's floor (bench_wgrad_stores says what else bounds it).
     struct Col {
         const char *key, *head;
     };
