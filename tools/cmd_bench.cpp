@@ -51,8 +51,7 @@ int run_bench(const std::vector<std::string>& args) {
           "pingpong-192 (CUTLASS's ping-pong nt / nn on 128x192 tiles where they pad little) | swap-pingpong "
           "(small groups' swapped nt / nn on ping-pong) | wgrad-192 (CUTLASS's ping-pong wgrads on 128x192 tiles where "
           "they pad little) | wgrad-192t (where only the gradient's m does: the wgrad computed transposed) | "
-          "wgrad-split (mid-sized groups' wgrads split by size) | pingpong-64 (CUTLASS's ping-pong nt / nn on 64x256 "
-          "tiles) | row-tail (the same on 128-row tiles but for each group's last 1..64 rows): also "
+          "wgrad-split (mid-sized groups' wgrads split by size): also "
           "time the step's graph with that switch on, in the same rounds as with it off (--scope layer, EP=1)");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");

@@ -284,9 +284,6 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                         {"cutlass_pp192_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongWide)});
                     columns.push_back(
                         {"cutlass_swap_pp_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong)});
-                    columns.push_back(
-                        {"cutlass_pp64_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongShort)});
-                    columns.push_back({"cutlass_tail_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kRowTail)});
                 }
                 if (c.op == Op::kTN) {  // on a 2x2 cluster; ping-pong 128x192
                     columns.push_back(

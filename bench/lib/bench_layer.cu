@@ -69,9 +69,7 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"swap-pingpong", &set_swap_pingpong},
                                            {"wgrad-192", &set_wgrad_wide},
                                            {"wgrad-192t", &set_wgrad_wide_transposed},
-                                           {"wgrad-split", &set_wgrad_split},
-                                           {"pingpong-64", &set_pingpong_short},
-                                           {"row-tail", &set_row_tail}};
+                                           {"wgrad-split", &set_wgrad_split}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
                   sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),

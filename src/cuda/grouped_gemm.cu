@@ -122,22 +122,6 @@ bool pingpong_wide() {
     return g_pingpong_wide.on(env);
 }
 
-// The other nt / nn on ping-pong's 64x256 tiles instead of 128-row ones (set_pingpong_short; MOEKIT_PINGPONG_ROWS=64)
-// or each group's last 1..64 rows only, in a second launch (set_row_tail, kRowTail; MOEKIT_PINGPONG_ROWS=tail): a
-// group's last row tile then pads at most 63 rows instead of 127. Off by default until measured in the layer.
-Switch g_pingpong_short, g_row_tail;
-const char* pingpong_rows_env() {
-    static const char* env = [] {
-        const char* e = std::getenv("MOEKIT_PINGPONG_ROWS");
-        MOEKIT_REQUIRE(!e || std::strcmp(e, "128") == 0 || std::strcmp(e, "64") == 0 || std::strcmp(e, "tail") == 0,
-                       "MOEKIT_PINGPONG_ROWS=", e, ": expected 128, 64 or tail");
-        return e ? e : "128";
-    }();
-    return env;
-}
-bool pingpong_short() { return g_pingpong_short.on(std::strcmp(pingpong_rows_env(), "64") == 0); }
-bool row_tail_on() { return g_row_tail.on(std::strcmp(pingpong_rows_env(), "tail") == 0); }
-
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
 // default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
 // 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
@@ -212,8 +196,6 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    if (pingpong_short()) return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongShort};
-    if (row_tail_on()) return {GroupedGemmKernel::kCutlass, CutlassConfig::kRowTail};
     const bool wide = pingpong_wide() && wide_pingpong_pads_little(s.n);
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
 }
@@ -752,8 +734,6 @@ void set_tn_pingpong_buffers(int buffers) {
 }
 void set_wgrad_own_kernel(int on) { g_wgrad_own.set(on); }
 void set_pingpong_wide(int on) { g_pingpong_wide.set(on); }
-void set_pingpong_short(int on) { g_pingpong_short.set(on); }
-void set_row_tail(int on) { g_row_tail.set(on); }
 void set_wgrad_wide(int on) { g_wgrad_wide.set(on); }
 void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }

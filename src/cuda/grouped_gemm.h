@@ -140,13 +140,6 @@ void set_wgrad_own_kernel(int on);
 // (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
 void set_pingpong_wide(int on);
 
-// nt / nn that the per-shape choice gives CUTLASS's ping-pong: 1 = on its 64x256 tiles (kPingpongShort), 0 = as
-// set_pingpong_wide says; -1 (default) = MOEKIT_PINGPONG_ROWS=64, else 128.
-void set_pingpong_short(int on);
-// The same on 128-row tiles but for each group's last 1..64 rows, computed on 64x256 tiles in a second launch
-// (kRowTail); with set_pingpong_short on, that wins. -1 (default) = MOEKIT_PINGPONG_ROWS=tail.
-void set_row_tail(int on);
-
 // wgrads (tn) that take CUTLASS's ping-pong (alone or as kSplitBySize's ping-pong share): 1 = on 128x192 tiles
 // (kPingpongWide) where those pad at most 2 % of the gradient's n columns (core/tile_padding_math.h), 0 = 128x128;
 // -1 (default) = MOEKIT_WGRAD_TILE=192|128, else 192.

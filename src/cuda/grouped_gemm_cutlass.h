@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|pp64|tail|split|swap|swap-pp|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|split|swap|swap-pp|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -39,10 +39,6 @@ bool cutlass_grouped_gemm_built();
 //                     it where wgrad_pingpong_tile says.
 //   kPingpongWideTransposed (tn only; nt/nn take kPingpongWide): the wgrad computed transposed, Cᵀ = Bᵀ·A, on
 //                     kPingpongWide's tiles: their 192 columns along the gradient's m.
-//   kPingpongShort (nt/nn only; tn takes kPingpong): ping-pong on 64x256x64 tiles, 1x2 cluster: a group's last
-//                     row tile pads at most 63 rows (kPingpong's up to 127).
-//   kRowTail (nt/nn only; tn takes kPingpong): kPingpong on each group's rows but a last 1..64, then kPingpongShort
-//                     on those (core/row_tail_math.h): two launches, each group padding under 64 rows.
 enum class CutlassConfig {
     kAuto,
     kCooperative,
@@ -53,9 +49,7 @@ enum class CutlassConfig {
     kCooperative2x2,
     kPingpongWide,
     kSwapPingpong,
-    kPingpongWideTransposed,
-    kPingpongShort,
-    kRowTail
+    kPingpongWideTransposed
 };
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no

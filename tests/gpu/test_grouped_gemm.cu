@@ -122,7 +122,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
     kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongWideT,
-    kCutlassPingpongShort, kCutlassRowTail, kAuto, kSync
+    kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -141,8 +141,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192"
            : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
            : b == Backend::kCutlassPingpongWideT ? "cutlass-pingpong-128x192-transposed (nt/nn: 128x192)"
-           : b == Backend::kCutlassPingpongShort ? "cutlass-pingpong-64x256 (tn: 128x128)"
-           : b == Backend::kCutlassRowTail ? "cutlass-pingpong-row-tail (tn: 128x128)"
                                            : "sync-cublas";
 }
 
@@ -186,8 +184,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kCutlassSwapPingpong);
             out.push_back(Backend::kCutlassPingpongWideT);
-            out.push_back(Backend::kCutlassPingpongShort);
-            out.push_back(Backend::kCutlassRowTail);
             out.push_back(Backend::kAuto);
         }
     }
@@ -204,8 +200,7 @@ void select(Backend b) {
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
         b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong ||
-        b == Backend::kCutlassPingpongWideT || b == Backend::kCutlassPingpongShort ||
-        b == Backend::kCutlassRowTail) {
+        b == Backend::kCutlassPingpongWideT) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -215,8 +210,6 @@ void select(Backend b) {
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
                            : b == Backend::kCutlassPingpongWideT ? CutlassConfig::kPingpongWideTransposed
-                           : b == Backend::kCutlassPingpongShort ? CutlassConfig::kPingpongShort
-                           : b == Backend::kCutlassRowTail ? CutlassConfig::kRowTail
                                                             : CutlassConfig::kPingpong);
     }
     // The named ping-pong and split backends on 128x128 tiles everywhere (a wgrad's ping-pong takes 128x192 where it
@@ -447,16 +440,6 @@ TEST(GroupedGemm, SizesOffTheTileGrid) {
     check_row_gemm(Op::kNN, counts, 9, 136, 264, 42);
     check_tn(counts, 9, 200, 136, false, 43);
     check_tn(counts, 9, 72, 264, true, 44);
-}
-
-TEST(GroupedGemm, RowTailsOnShortTiles) {
-    SKIP_WITHOUT_GPU();
-    // Groups whose last 128-row tile holds 1..64 rows (the tail launch of kRowTail takes them: 1, 64, 129, 192,
-    // 1088, 1030), 65..127 rows (the body alone: 65, 127, 193, 200), none (128) or no group at all (0); every
-    // backend, the 64x256 ping-pong and the body / tail pair among them.
-    const std::vector<int> counts{1, 64, 65, 127, 128, 129, 192, 193, 0, 1088, 1030, 200};
-    check_row_gemm(Op::kNT, counts, 7, 512, 192, 301);
-    check_row_gemm(Op::kNN, counts, 7, 520, 136, 302);
 }
 
 TEST(GroupedGemm, ManyGroupsSmallCounts) {

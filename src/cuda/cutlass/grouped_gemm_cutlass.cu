@@ -70,15 +70,11 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
     if (requested == CutlassConfig::kSwapPingpong && wgrad) requested = CutlassConfig::kAuto;  // nt / nn only
     if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
     if (requested == CutlassConfig::kPingpongWideTransposed && !wgrad) requested = CutlassConfig::kPingpongWide;
-    if ((requested == CutlassConfig::kPingpongShort || requested == CutlassConfig::kRowTail) && wgrad)
-        requested = CutlassConfig::kPingpong;
     if (requested == CutlassConfig::kAuto) {
         if (const char* env = std::getenv("MOEKIT_CUTLASS_CONFIG")) {
             if (std::strcmp(env, "coop") == 0) return CutlassConfig::kCooperative;
             if (std::strcmp(env, "pingpong") == 0) return CutlassConfig::kPingpong;
             if (std::strcmp(env, "pp192") == 0) return CutlassConfig::kPingpongWide;
-            if (std::strcmp(env, "pp64") == 0 && !wgrad) return CutlassConfig::kPingpongShort;
-            if (std::strcmp(env, "tail") == 0 && !wgrad) return CutlassConfig::kRowTail;
             if (std::strcmp(env, "pp192t") == 0 && wgrad) return CutlassConfig::kPingpongWideTransposed;
             if (std::strcmp(env, "tall") == 0) return CutlassConfig::kCooperativeTall;
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;

@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/row_tail_math.h"
 #include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_cutlass.h"
@@ -75,10 +74,6 @@ using Cooperative2x2 = TileConfig<CooperativeSchedule, 128, 256, 2, 2>;
 using Pingpong = TileConfig<PingpongSchedule, 128, 128, 1, 2>;
 // 128x192 tiles on ping-pong (kPingpongWide): each warpgroup computes a whole tile, 192 accumulators a thread.
 using PingpongWide = TileConfig<PingpongSchedule, 128, 192, 1, 2>;
-// 64x256 tiles on ping-pong (kPingpongShort, nt / nn): each warpgroup one m64n256 wgmma a k-step (the same 128
-// accumulators a thread as 128x128, and fewer shared-memory bytes per MAC), and a group's last tile pads at most 63
-// rows instead of 127: groups of ~1000 rows (dsv3-ep8) spend ~6 % of 128-row tiles' math on padding rows.
-using PingpongShort = TileConfig<PingpongSchedule, 64, 256, 1, 2>;
 // A wgrad computed transposed (kPingpongWideTransposed, OpTraits' kSwap for tn): PingpongWide's tile with its 192
 // columns along the gradient's m, for a gradient whose m pads little in them and whose n does not (qwen3-30b fc1:
 // 1536 x 2048). 192 rows of the gradient a tile instead (a 192x128 tile, three m64 wgmmas where this one issues two
@@ -180,9 +175,8 @@ __device__ Stride leading(int64_t ld) {
 }
 
 // Which groups a launch computes: all (kAll), or one half of a kSplitBySize pair: the cooperative launch's
-// (kCooperative) or the ping-pong launch's (kPingpong); core/wgrad_split_math.h. Or which rows of every group (nt /
-// nn, kRowTail): those on 128-row tiles (kBody) or a last 1..64 rows on 64-row tiles (kTail); core/row_tail_math.h.
-enum class Share { kAll, kCooperative, kPingpong, kBody, kTail };
+// (kCooperative) or the ping-pong launch's (kPingpong); core/wgrad_split_math.h.
+enum class Share { kAll, kCooperative, kPingpong };
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
 template <Op kOp, class G, bool kSwap>
@@ -194,14 +188,8 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     const auto* B_ = reinterpret_cast<const AB*>(B);
     auto* D_ = static_cast<typename G::ElementD*>(C);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
-        if (share == Share::kBody || share == Share::kTail) {
-            const RowRange mine = row_tail_share(rows, share == Share::kTail);
-            r0 += mine.first;
-            rows = mine.rows;
-        } else if (share != Share::kAll) {
-            rows = wgrad_split_rows(rows, split, share == Share::kCooperative);
-        }
+        const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
+        const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kCooperative);
         if constexpr (kOp == Op::kTN) {
             // CUTLASS's M x N is the gradient's m x n (m = shape.k), or n x m transposed (kSwap: Cᵀ = Bᵀ · A, whose
             // column-major Cᵀ is C): either way C's rows are n elements apart.
@@ -414,28 +402,21 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
         return;
-    } else {
-        if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
-            if constexpr (kOp == Op::kNT)
-                run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
-            else
-                run_swapped_nn(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
-        } else if (config == CutlassConfig::kPingpong) {
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
-        } else if (config == CutlassConfig::kPingpongShort) {
-            run_grouped<kOp, PingpongShort>(s, A, B, C, d_offsets, write, stream);
-        } else if (config == CutlassConfig::kRowTail) {
-            // Same stream, one after the other (they share the stream's argument buffer); each writes its own rows.
-            run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream, Share::kBody);
-            run_grouped<kOp, PingpongShort>(s, A, B, C, d_offsets, write, stream, Share::kTail);
-        } else if (config == CutlassConfig::kPingpongWide) {
-            run_grouped<kOp, PingpongWide>(s, A, B, C, d_offsets, write, stream);
-        } else if (config == CutlassConfig::kCooperativeTall) {
-            run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);
-        } else {
-            run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream);
-        }
+    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
+        if constexpr (kOp == Op::kNT)
+            run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
+        else
+            run_swapped_nn(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
+        return;
     }
+    if (config == CutlassConfig::kPingpong)
+        run_grouped<kOp, Pingpong>(s, A, B, C, d_offsets, write, stream);
+    else if (config == CutlassConfig::kPingpongWide)
+        run_grouped<kOp, PingpongWide>(s, A, B, C, d_offsets, write, stream);
+    else if (config == CutlassConfig::kCooperativeTall)
+        run_grouped<kOp, CooperativeTall>(s, A, B, C, d_offsets, write, stream);
+    else
+        run_grouped<kOp, Cooperative>(s, A, B, C, d_offsets, write, stream);
 }
 
 }  // namespace moekit::cuda::cutlass_detail
