@@ -112,13 +112,13 @@ CutlassConfig small_group_wgrad_config() {
     return c;
 }
 
-// The other nt / nn on ping-pong's 128x192 tiles instead of 128x128 where those pad under 2 % of the output columns
-// (set_pingpong_wide; core/tile_padding_math.h says what was measured). Off by default: all such GEMMs on 128x192
-// made the layer 0.6-3.2 % slower (H200, 2026-11-28, the n = 2048 ones among them); the rule is not yet measured in
-// the layer.
+// The other nt / nn on ping-pong's 128x192 tiles instead of 128x128 where those pad at most 4 % of the output
+// columns (set_pingpong_wide; wide_pingpong_pays_nt, core/tile_padding_math.h, says what was measured per GEMM).
+// Every such GEMM on 128x192, the n = 2048 ones (12.5 % padding) among them, made the layer 0.6-3.2 % slower (H200,
+// 2026-11-28); the rule leaves those out.
 Switch g_pingpong_wide;
 bool pingpong_wide() {
-    static const bool env = choice_from_env("MOEKIT_PINGPONG_TILE", "128", false, "192", true);
+    static const bool env = choice_from_env("MOEKIT_PINGPONG_TILE", "192", true, "128", false);
     return g_pingpong_wide.on(env);
 }
 
@@ -196,7 +196,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    const bool wide = pingpong_wide() && wide_pingpong_pads_little(s.n);
+    const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
 }
 

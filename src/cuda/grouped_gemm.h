@@ -136,8 +136,8 @@ bool grouped_gemm_nt_glu_forward(const GroupedGemmShape& shape, const __nv_bfloa
 void set_wgrad_own_kernel(int on);
 
 // nt / nn that the per-shape choice gives CUTLASS's ping-pong: 1 = on its 128x192 tiles (kPingpongWide) where
-// those pad under 2 % of the output columns (core/tile_padding_math.h), else 128x128; 0 = 128x128 always; -1
-// (default) = MOEKIT_PINGPONG_TILE=128|192, else 128.
+// those pad at most 4 % of the output columns (wide_pingpong_pays_nt, core/tile_padding_math.h), else 128x128;
+// 0 = 128x128 always; -1 (default) = MOEKIT_PINGPONG_TILE=192|128, else 192.
 void set_pingpong_wide(int on);
 
 // wgrads (tn) that take CUTLASS's ping-pong (alone or as kSplitBySize's ping-pong share): 1 = on 128x192 tiles

@@ -10,6 +10,8 @@ namespace {
 
 using moekit::padded_columns;
 using moekit::wide_pingpong_pads_little;
+using moekit::wide_pingpong_pads_under;
+using moekit::wide_pingpong_pays_nt;
 
 TEST(TilePadding, ColumnsPastTheEndRoundedToTheCluster) {
     EXPECT_EQ(padded_columns(2048, 128, 2), 0);
@@ -45,6 +47,21 @@ TEST(TilePadding, TwoPercentIsTheBound) {
     EXPECT_FALSE(wide_pingpong_pads_little(17 * 192 - 64)) << "17 tiles round to 18: 256 columns, not 64";
     EXPECT_FALSE(wide_pingpong_pads_little(0));
     EXPECT_FALSE(wide_pingpong_pads_little(-5));
+}
+
+TEST(TilePadding, NtNnTakeTheWideTileUnderFourPercent) {
+    EXPECT_TRUE(wide_pingpong_pays_nt(4096));    // dsv3-ep8 fc1 forward: 3.1 %
+    EXPECT_TRUE(wide_pingpong_pays_nt(7168));    // 1.8 %
+    EXPECT_TRUE(wide_pingpong_pays_nt(1536));    // none
+    EXPECT_TRUE(wide_pingpong_pays_nt(768));     // none
+    EXPECT_FALSE(wide_pingpong_pays_nt(2048));   // 12.5 %
+    EXPECT_FALSE(wide_pingpong_pays_nt(192));    // one tile rounded to a cluster of two: 100 %
+    // 25 tiles round to 26 = 4992 columns: n = 4800 pads 192, exactly 4 %; 4801 pads 191.
+    EXPECT_EQ(padded_columns(4800, 192, 2), 192);
+    EXPECT_TRUE(wide_pingpong_pays_nt(4800));
+    EXPECT_FALSE(wide_pingpong_pays_nt(4799));
+    EXPECT_FALSE(wide_pingpong_pads_under(4096, 3));  // the bound is the caller's
+    EXPECT_FALSE(wide_pingpong_pads_under(4096, -1));
 }
 
 }  // namespace

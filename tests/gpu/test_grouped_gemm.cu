@@ -442,6 +442,15 @@ TEST(GroupedGemm, SizesOffTheTileGrid) {
     check_tn(counts, 9, 72, 264, true, 44);
 }
 
+TEST(GroupedGemm, LastRowTilesOfEverySize) {
+    SKIP_WITHOUT_GPU();
+    // Groups whose last 128-row tile holds 1..64 rows (1, 64, 129, 192, 1088, 1030), 65..127 rows (65, 127, 193,
+    // 200), exactly 128 (128) or no group at all (0): every backend's row tiles cut at each group's end.
+    const std::vector<int> counts{1, 64, 65, 127, 128, 129, 192, 193, 0, 1088, 1030, 200};
+    check_row_gemm(Op::kNT, counts, 7, 512, 192, 301);
+    check_row_gemm(Op::kNN, counts, 7, 520, 136, 302);
+}
+
 TEST(GroupedGemm, ManyGroupsSmallCounts) {
     SKIP_WITHOUT_GPU();
     auto counts = random_counts(64, 700, 51, 0.3);
