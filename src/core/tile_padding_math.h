@@ -28,7 +28,7 @@ inline bool wide_pingpong_pads_under(int64_t n, int64_t percent) {
 inline bool wide_pingpong_pads_little(int64_t n) { return wide_pingpong_pads_under(n, 2); }
 // The nt / nn rule (their output's n): at most 4 %. Per GEMM on an H200 (2026-11-28, bench_grouped_gemm, three
 // rounds, 1365-1500 MHz): 128x192 against 128x128 took 0.966 of the time at n = 4096 (3.1 % padding: dsv3-ep8 fc1
-// forward, 3.032 vs 3.138 ms), 0.974-0.988 at n = 7168 (1.8 %), 0.93 / 0.915 at n = 1536 / 768 (none); 1.08-1.13 at
+// forward, 3.032 vs 3.138 ms), 0.974-0.988 at n = 7168 (1.8 %), 0.93 / 0.915 at n = 1536 / 768 (none); 1.00-1.13 at
 // n = 2048 (12.5 %).
 inline bool wide_pingpong_pays_nt(int64_t n) { return wide_pingpong_pads_under(n, 4); }
 

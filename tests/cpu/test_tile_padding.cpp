@@ -56,9 +56,10 @@ TEST(TilePadding, NtNnTakeTheWideTileUnderFourPercent) {
     EXPECT_TRUE(wide_pingpong_pays_nt(768));     // none
     EXPECT_FALSE(wide_pingpong_pays_nt(2048));   // 12.5 %
     EXPECT_FALSE(wide_pingpong_pays_nt(192));    // one tile rounded to a cluster of two: 100 %
-    // 25 tiles round to 26 = 4992 columns: n = 4800 pads 192, exactly 4 %; 4801 pads 191.
+    // 25 tiles round to 26 = 4992 columns: n = 4800 pads 192, exactly 4 %; 4801 pads 191, 4799 pads 193.
     EXPECT_EQ(padded_columns(4800, 192, 2), 192);
     EXPECT_TRUE(wide_pingpong_pays_nt(4800));
+    EXPECT_TRUE(wide_pingpong_pays_nt(4801));
     EXPECT_FALSE(wide_pingpong_pays_nt(4799));
     EXPECT_FALSE(wide_pingpong_pads_under(4096, 3));  // the bound is the caller's
     EXPECT_FALSE(wide_pingpong_pads_under(4096, -1));
