@@ -69,7 +69,8 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"swap-pingpong", &set_swap_pingpong},
                                            {"wgrad-192", &set_wgrad_wide},
                                            {"wgrad-192t", &set_wgrad_wide_transposed},
-                                           {"wgrad-split", &set_wgrad_split}};
+                                           {"wgrad-split", &set_wgrad_split},
+                                           {"wgrad-overlap", &set_wgrad_overlap}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
                   sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),
@@ -89,7 +90,7 @@ cudaGraphExec_t capture_step(CudaMoeLayer& layer, cudaStream_t s) {
     layer.forward(s, true);
     layer.backward(s);
     MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
     MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
     return exec;
 }
@@ -117,7 +118,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     const MoeConfig config = preset_config(p);
     const LayerVariant* variant = find_variant(o.variant);
     MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant,
-                   ": expected glu-forward, glu-backward or gather-fc1");
+                   ": expected ", ::moekit::bench::layer_variant_list());
     // The fused activation backward's buffers are allocated at construction where the fusion may run.
     if (variant) variant->set(1);
     auto layer = CudaMoeLayer::create(config, p.tokens, 1);

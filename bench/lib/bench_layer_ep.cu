@@ -183,7 +183,7 @@ nlohmann::json bench_layer_ep(const Preset& p, const Options& o, int ep, const s
             layer->forward(s, true);
             layer->backward(s);
             MOEKIT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+            MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, cudaGraphInstantiateFlagUseNodePriority));
             world.barrier();  // no rank replays (and spins) while another still instantiates (loads kernels)
             for (int it = 0; it < o.warmup + o.iters; ++it) {
                 world.barrier();

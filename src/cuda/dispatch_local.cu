@@ -42,6 +42,7 @@ public:
         cuda::combine_backward<R>(plan, shape_.router.hidden, grad_out, scratch, stream);
         return scratch;
     }
+    bool backward_leaves_expert_rows() const override { return true; }  // it reads only its arguments
     void dispatch_backward(const RoutingPlan<R>& plan, const uint8_t* map, const bf16* grad_rows,
                            const R* grad_row_probs, float* grad_input, bool accumulate, R* grad_probs,
                            cudaStream_t stream) override {

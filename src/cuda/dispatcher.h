@@ -100,6 +100,10 @@ public:
                                    const __nv_bfloat16* grad_rows, const R* grad_row_probs, float* grad_input,
                                    bool accumulate, R* grad_probs, cudaStream_t stream) = 0;
 
+    // Whether dispatch_backward leaves the experts' rows (ExpertInput::rows) and combine_backward's result alone, so
+    // that a wgrad reading them may still run beside it (the layer's wgrad overlap, moe_layer.h).
+    virtual bool backward_leaves_expert_rows() const { return false; }
+
     // EP = 1 (the rows are a permutation of this rank's tokens): while on, dispatch leaves the rows unwritten and
     // says so (ExpertInput::rows_pending), for fc1's loads to gather; returns whether this dispatcher defers.
     virtual bool set_rows_deferred(bool) { return false; }

@@ -55,7 +55,7 @@ double graph_time_ms(Fn&& fn, cudaStream_t stream, int warmup, int iters) {
     MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
     fn();
     MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
     cudaGraphDestroy(graph);
     MOEKIT_CUDA_CHECK(inst);
     const double ms = time_ms([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream, warmup, iters);

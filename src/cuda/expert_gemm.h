@@ -22,6 +22,9 @@ struct ExpertGemm {
     NtGlu nt_glu_forward = nullptr;   // fc1 forward + the gated activation (and the gathered rows), where fused
     bool (*gathers)(const GroupedGemmShape&) = nullptr;  // whether nt_glu_forward would gather this shape's rows
     const char* name = "";
+    // Whether a wgrad may run on a second stream while the other calls run on the first (no handle or workspace
+    // shared between streams): the layer's wgrad overlap (moe_layer.h set_wgrad_overlap) needs it.
+    bool concurrent_wgrad = false;
 };
 
 enum class ExpertGemmKind { grouped, sync_baseline };

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/sm_share_math.h"
 #include "core/tile_padding_math.h"
 #include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
@@ -26,6 +27,7 @@ namespace {
 
 std::atomic<int> g_kernel{int(GroupedGemmKernel::kAuto)};
 thread_local int t_own_kernel_only = 0;  // OwnGemmKernelScope nesting depth on this thread
+thread_local int t_sms_left = 0;         // GemmSmsLeftScope's SMs left to other kernels (0 = none)
 
 GroupedGemmKernel resolve_kernel() {
     auto chosen = GroupedGemmKernel(g_kernel.load());
@@ -465,10 +467,11 @@ void launch_tma_kernel(int kSmem, int64_t jobs, const gemm_detail::Params& q, co
                        const CUtensorMap& b, const CUtensorMap& c, const CUtensorMap& second, cudaStream_t stream) {
     ensure_smem<kKernel>(kSmem);
     if constexpr (kCluster == 1) {
-        const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_sm_count());
+        const int64_t ctas = std::min<int64_t>(jobs, grouped_gemm_grid_sms(1));
         kKernel<<<unsigned(ctas), 384, kSmem, stream>>>(q, a, b, c, second);
     } else {
-        const int64_t clusters = std::min<int64_t>(jobs, max_clusters<kKernel, kCluster>(kSmem));
+        const int64_t clusters = std::min<int64_t>(
+            {jobs, int64_t(max_clusters<kKernel, kCluster>(kSmem)), int64_t(grouped_gemm_grid_sms(kCluster) / kCluster)});
         cudaLaunchConfig_t cfg{};
         cudaLaunchAttribute attr{};
         attr.id = cudaLaunchAttributeClusterDimension;
@@ -711,6 +714,10 @@ OwnGemmKernelScope::OwnGemmKernelScope(bool on) : on_(on) {
 OwnGemmKernelScope::~OwnGemmKernelScope() {
     if (on_) --t_own_kernel_only;
 }
+
+GemmSmsLeftScope::GemmSmsLeftScope(int sms_left) : previous_(t_sms_left) { t_sms_left = sms_left; }
+GemmSmsLeftScope::~GemmSmsLeftScope() { t_sms_left = previous_; }
+int grouped_gemm_grid_sms(int cluster) { return grid_sms_leaving(grouped_gemm_sm_count(), t_sms_left, cluster); }
 
 int grouped_gemm_sm_count() {
     static std::atomic<int> cached[64] = {};

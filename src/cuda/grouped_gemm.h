@@ -158,8 +158,25 @@ void set_wgrad_split(int on);
 // cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.
 void set_swap_pingpong(int on);
 
-// Multiprocessors of the current device (cached per device): the size of every backend's persistent grid.
+// Multiprocessors of the current device (cached per device): the size of every backend's persistent grid, unless
+// a GemmSmsLeftScope lives on the launching thread.
 int grouped_gemm_sm_count();
+
+// While a GemmSmsLeftScope(n) lives on a thread, the persistent grouped GEMMs it launches leave n SMs to kernels
+// running beside them (their grid: core/sm_share_math.h grid_sms_leaving); 0 = the whole device. The layer's wgrad
+// on a stream of its own takes it, so that the dgrad chain's memory passes get SMs while it runs (moe_layer.cu).
+class GemmSmsLeftScope {
+public:
+    explicit GemmSmsLeftScope(int sms_left);
+    ~GemmSmsLeftScope();
+    GemmSmsLeftScope(const GemmSmsLeftScope&) = delete;
+    GemmSmsLeftScope& operator=(const GemmSmsLeftScope&) = delete;
+
+private:
+    int previous_;
+};
+// The SMs a persistent grid of `cluster`-CTA clusters launched from this thread takes now.
+int grouped_gemm_grid_sms(int cluster);
 
 // Several EP ranks on one GPU (virtual ranks) spin in device barriers while a peer still runs its GEMMs. CUTLASS's
 // kernels hold a whole SM per CTA (their register budget), so they cannot be scheduled beside the spinning blocks

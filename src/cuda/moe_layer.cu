@@ -2,6 +2,7 @@
 // enqueues the stage kernels; nothing here allocates, copies to the host or waits inside
 // forward()/backward().
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -31,6 +32,8 @@ ExpertGemmKind default_gemm_kind() {
     const char* env = std::getenv("MOEKIT_EXPERT_GEMM");
     return env && std::string(env) == "sync_baseline" ? ExpertGemmKind::sync_baseline : ExpertGemmKind::grouped;
 }
+
+std::atomic<int> g_wgrad_overlap{-1};
 
 // An expert GEMM over the L home groups and (ECHO) the S spare-slot groups after them in one launch: the slots take
 // their weights / gradients from slot_base (GroupedGemmShape::second_from). Two launches cost an ECHO rank 2-3 % of
@@ -106,12 +109,20 @@ public:
         MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
         MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
         MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+        int lowest = 0, highest = 0;
+        MOEKIT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+        MOEKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&wgrad_, cudaStreamNonBlocking, highest));
+        MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&wgrad_fork_, cudaEventDisableTiming));
+        MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&wgrad_done_, cudaEventDisableTiming));
         fill_buffers();
     }
     ~LayerImpl() override {
         if (fork_) cudaEventDestroy(fork_);
         if (join_) cudaEventDestroy(join_);
         if (side_) cudaStreamDestroy(side_);
+        if (wgrad_fork_) cudaEventDestroy(wgrad_fork_);
+        if (wgrad_done_) cudaEventDestroy(wgrad_done_);
+        if (wgrad_) cudaStreamDestroy(wgrad_);
         if (cublas_) cublasDestroy(cublas_);
         for (auto& e : events_)
             if (e) cudaEventDestroy(e);
@@ -228,6 +239,21 @@ public:
         const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
         const int64_t L = experts_.num_experts, S = experts_.num_slots, M = experts_.max_rows;
         const int32_t* offsets = experts_.offsets;
+        // The wgrads beside the dgrad chain (set_wgrad_overlap): forked from `stream` onto wgrad_, joined at the end.
+        const int sms_left = S == 0 && gemm_.concurrent_wgrad && dispatcher_->backward_leaves_expert_rows() &&
+                                     wgrad_overlap_enabled()
+                                 ? wgrad_overlap_sms_left()
+                                 : 0;
+        const auto wgrad = [&](const GroupedGemmShape& g, const bf16* A, const bf16* B, float* grad) {
+            if (sms_left == 0) return gemm_.tn(g, A, B, grad, offsets, wgrad_write(acc), stream);
+            MOEKIT_CUDA_CHECK(cudaEventRecord(wgrad_fork_, stream));
+            MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(wgrad_, wgrad_fork_, 0));
+            {
+                const GemmSmsLeftScope left(sms_left);
+                gemm_.tn(g, A, B, grad, offsets, wgrad_write(acc), wgrad_);
+            }
+            MOEKIT_CUDA_CHECK(cudaEventRecord(wgrad_done_, wgrad_));
+        };
         mark(stream, 1, LayerStage::combine, true);
         const bf16* grad_rows = dispatcher_->combine_backward(plan(), buf_.grad_output, grad_rows_.get(), stream);
         mark(stream, 1, LayerStage::combine, false);
@@ -248,8 +274,7 @@ public:
         if (!fused_act)
             gemm_.nn(home_and_slots(L, S, M, F, H, experts_.slot_fc2), grad_rows, buf_.fc2, grad_act_.get(), offsets,
                      stream);
-        gemm_.tn(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2,
-                 offsets, wgrad_write(acc), stream);
+        wgrad(home_and_slots(L, S, M, F, H, experts_.slot_grad_fc2), grad_rows, act_out_.get(), buf_.grad_fc2);
         mark(stream, 1, LayerStage::fc2, false);
         mark(stream, 1, LayerStage::activation, true);
         if (fused_act) {
@@ -264,8 +289,8 @@ public:
         mark(stream, 1, LayerStage::fc1, true);
         gemm_.nn(home_and_slots(L, S, M, H, F1, experts_.slot_fc1), grad_fc1_out_.get(), buf_.fc1, grad_x_rows_.get(),
                  offsets, stream);
-        gemm_.tn(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
-                 buf_.grad_fc1, offsets, wgrad_write(acc), stream);
+        wgrad(home_and_slots(L, S, M, H, F1, experts_.slot_grad_fc1), grad_fc1_out_.get(), experts_.rows,
+              buf_.grad_fc1);
         mark(stream, 1, LayerStage::fc1, false);
         mark(stream, 1, LayerStage::permute, true);
         dispatcher_->dispatch_backward(plan(), map_.get(), grad_x_rows_.get(), grad_row_probs_.get(), buf_.grad_input,
@@ -283,6 +308,7 @@ public:
         router_backward_linear<R>(r, router_tensors(), grad_logits_.get(), buf_.grad_router_weight, buf_.grad_input,
                                   hidden_r_.get(), cublas_, stream, acc);
         mark(stream, 1, LayerStage::router, false);
+        if (sms_left > 0) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, wgrad_done_, 0));
     }
 
     LossValues read_losses() const override {
@@ -433,6 +459,8 @@ private:
     cublasHandle_t cublas_ = nullptr;
     cudaStream_t side_ = nullptr;  // forward's loss branch
     cudaEvent_t fork_ = nullptr, join_ = nullptr;
+    cudaStream_t wgrad_ = nullptr;  // backward's wgrad branch (set_wgrad_overlap), at the highest priority
+    cudaEvent_t wgrad_fork_ = nullptr, wgrad_done_ = nullptr;
     bool training_ = true, timing_ = false;
     std::array<cudaEvent_t, size_t(LayerStage::count) * 4> events_{};
     std::array<std::array<bool, size_t(LayerStage::count)>, 2> recorded_{};
@@ -459,6 +487,33 @@ private:
 };
 
 }  // namespace
+
+void set_wgrad_overlap(int on) { g_wgrad_overlap = on; }
+bool wgrad_overlap_enabled() {
+    const int set = g_wgrad_overlap.load();
+    if (set >= 0) return set > 0;
+    static const bool env = [] {
+        const char* v = std::getenv("MOEKIT_WGRAD_OVERLAP");
+        if (!v) return true;
+        MOEKIT_REQUIRE(std::string(v) == "0" || std::string(v) == "1", "MOEKIT_WGRAD_OVERLAP=", v,
+                       ": expected 0 (the wgrads in line) or 1 (beside the dgrad chain)");
+        return std::string(v) == "1";
+    }();
+    return env;
+}
+int wgrad_overlap_sms_left() {
+    static const int sms = [] {
+        const char* env = std::getenv("MOEKIT_WGRAD_OVERLAP_SMS");
+        if (!env) return kWgradOverlapSmsLeft;
+        char* end = nullptr;
+        const long v = std::strtol(env, &end, 10);
+        const int half = grouped_gemm_sm_count() / 2;
+        MOEKIT_REQUIRE(end != env && *end == '\0' && v >= 1 && v <= half, "MOEKIT_WGRAD_OVERLAP_SMS=", env,
+                       ": expected the SMs the overlapped wgrads leave, 1..", half, " (half this device)");
+        return int(v);
+    }();
+    return sms;
+}
 
 const char* layer_stage_name(LayerStage stage) {
     switch (stage) {

@@ -107,6 +107,20 @@ struct BackwardOptions {
     bool accumulate_grad_input = false;   // grad_input += (a residual stream) instead of =
 };
 
+// The expert wgrads beside the dgrad chain: each on a stream of its own (at the highest priority, so its CTAs are
+// placed first), its persistent grid leaving wgrad_overlap_sms_left() SMs (GemmSmsLeftScope) to the chain's memory
+// passes, which then run while it computes: fc2's wgrad beside the activation backward (and fc1's dgrad as SMs free
+// up), fc1's beside the dispatch and router backward; joined at the end of backward. Only with a backend that may
+// run GEMMs on two streams at once (ExpertGemm::concurrent_wgrad), a dispatcher whose backward leaves the experts'
+// rows alone (CudaDispatcher::backward_leaves_expert_rows) and no ECHO slots (whose grads dispatch_backward reads).
+// 1 = on, 0 = in line; -1 (default) = MOEKIT_WGRAD_OVERLAP=0|1, else on. A graph captured from backward keeps
+// the priority only where it is instantiated with cudaGraphInstantiateFlagUseNodePriority.
+void set_wgrad_overlap(int on);
+bool wgrad_overlap_enabled();
+// The SMs the overlapped wgrads leave: MOEKIT_WGRAD_OVERLAP_SMS (1..half the device), else kWgradOverlapSmsLeft.
+inline constexpr int kWgradOverlapSmsLeft = 16;
+int wgrad_overlap_sms_left();
+
 enum class LayerStage : int { router, permute, shared_expert, fc1, activation, fc2, combine, count };
 const char* layer_stage_name(LayerStage stage);
 using StageTimesMs = std::array<float, size_t(LayerStage::count)>;

@@ -279,7 +279,7 @@ private:
         }
         MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
         cudaGraphExec_t exec = nullptr;
-        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
         MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
         return exec;
     }

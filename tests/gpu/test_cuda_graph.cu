@@ -155,6 +155,64 @@ TEST(CudaGraph, SinkhornWithJitterIsCapturable) {
     run_graph_case(c);
 }
 
+// The wgrads beside the dgrad chain (cuda::set_wgrad_overlap: a stream of their own at the highest priority, a grid
+// leaving SMs to the chain's memory passes) compute what in-line wgrads do: a graph captured with the overlap on
+// (instantiated with its node priorities) and eager steps with it on and off, on fresh inputs, bitwise equal; with a
+// shared expert, whose backward runs beside fc1's wgrad too; and two steps accumulating into the grads.
+TEST(CudaGraph, WgradOverlapEqualsInLineWgrads) {
+    SKIP_WITHOUT_GPU();
+    MoeConfig c = small_config();
+    c.deterministic_mode = true;
+    c.moe_shared_expert_intermediate_size = 32;
+    auto layer = cuda::CudaMoeLayer::create(c, c.seq_length, c.micro_batch_size);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const auto step = [&](int overlap, bool accumulate = false) {
+        cuda::set_wgrad_overlap(overlap);
+        layer->forward(stream, true);
+        layer->backward(stream, cuda::BackwardOptions{accumulate, false});
+    };
+    upload_inputs(*layer, c, 1);
+    step(1);  // warm-up outside the capture
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    step(1);
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
+    for (uint64_t seed : {4u, 5u}) {
+        SCOPED_TRACE("fresh inputs seed=" + std::to_string(seed));
+        upload_inputs(*layer, c, seed);
+        MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const Results replay = read(*layer, c);
+        step(1);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const Results beside = read(*layer, c);
+        step(0);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const Results in_line = read(*layer, c);
+        ASSERT_GT(norm(in_line.grad_fc1), 0.0);
+        ASSERT_GT(norm(in_line.grad_shared_fc1), 0.0);
+        EXPECT_TRUE(bitwise_equal(replay, in_line)) << "graph with the wgrads beside vs in line";
+        EXPECT_TRUE(bitwise_equal(beside, in_line)) << "eager with the wgrads beside vs in line";
+    }
+    Results accumulated[2];
+    for (int overlap : {0, 1}) {
+        upload_inputs(*layer, c, 6);
+        step(overlap);
+        step(overlap, /*accumulate=*/true);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        accumulated[overlap] = read(*layer, c);
+    }
+    EXPECT_TRUE(bitwise_equal(accumulated[1], accumulated[0])) << "accumulated grads";
+    cuda::set_wgrad_overlap(-1);
+    MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Stage timings of the issue-3 presets (not a correctness test: run with
 // --gtest_also_run_disabled_tests). Weights and inputs are random bf16 filled on the device.
 __global__ void fill_random_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float scale) {

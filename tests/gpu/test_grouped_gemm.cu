@@ -469,6 +469,25 @@ TEST(GroupedGemm, MoreTilesThanMultiprocessors) {
     check_tn(counts, 5, 384, 768, true, 74);
 }
 
+TEST(GroupedGemm, GridLeavingSmsToOtherKernels) {
+    SKIP_WITHOUT_GPU();
+    // Under a GemmSmsLeftScope (the layer's wgrads beside the dgrad chain, moe_layer.h set_wgrad_overlap) every
+    // backend's persistent grid is smaller: 16 SMs and half the device left, more tiles than CTAs, against the CPU
+    // oracle; the scope restores the whole grid when it ends.
+    const int sms = grouped_gemm_sm_count();
+    const auto counts = random_counts(16, 6000, 191, 0.2);
+    for (const int left : {16, sms / 2}) {
+        SCOPED_TRACE(std::to_string(left) + " SMs left");
+        const GemmSmsLeftScope scope(left);
+        EXPECT_EQ(grouped_gemm_grid_sms(2), (sms - left) / 2 * 2);
+        check_row_gemm(Op::kNT, counts, 5, 768, 64, 192);
+        check_row_gemm(Op::kNN, counts, 5, 768, 64, 193);
+        check_tn(counts, 5, 384, 768, true, 194);
+        check_tn(counts, 5, 384, 768, false, 195);
+    }
+    EXPECT_EQ(grouped_gemm_grid_sms(2), sms);
+}
+
 TEST(GroupedGemm, WgradPingpongManyLongJobsPerWarpgroup) {
     SKIP_WITHOUT_GPU();
     // The ping-pong wgrad (tma_wgrad_pingpong_kernel) hands a CTA's jobs to its two consumer warpgroups in turn: 400

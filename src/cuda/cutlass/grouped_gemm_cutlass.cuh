@@ -66,6 +66,7 @@ struct TileConfig {
     using Tile = cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::_64>;
     using Cluster = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
     static constexpr bool transposed = kTransposed;
+    static constexpr int cluster_ctas = kClusterM * kClusterN;
 };
 using Cooperative = TileConfig<CooperativeSchedule, 128, 256, 1, 2>;
 using CooperativeTall = TileConfig<CooperativeSchedule, 256, 128, 1, 2>;
@@ -273,7 +274,7 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
     const int64_t groups = s.num_groups;
     cutlass::KernelHardwareInfo hw;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-    hw.sm_count = grouped_gemm_sm_count();
+    hw.sm_count = grouped_gemm_grid_sms(Config::cluster_ctas);
     size_t args_bytes = 0;
     carve_group_args<G>(nullptr, groups, &args_bytes);
     auto make_args = [&](const GroupArgs<G>& a) {
