@@ -124,6 +124,15 @@ bool pingpong_wide() {
     return g_pingpong_wide.on(env);
 }
 
+// The other nt / nn where 128x192 tiles would pad more than 4 % of n (n = 2048: qwen3-30b's fc2 forward and fc1
+// dgrad, dsv3-ep8's fc2 dgrad) computed transposed on ping-pong (kSwapPingpong: 128 weight rows by 192 token rows,
+// n along the 128) instead of on 128x128 ping-pong (set_pingpong_swapped, else MOEKIT_PINGPONG_SWAPPED=0|1): off.
+Switch g_pingpong_swapped;
+bool pingpong_swapped() {
+    static const bool env = choice_from_env("MOEKIT_PINGPONG_SWAPPED", "0", false, "1", true);
+    return g_pingpong_swapped.on(env);
+}
+
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
 // default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
 // 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
@@ -200,6 +209,8 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
+    if (!wide && pingpong_swapped() && !wide_pingpong_pays_nt(s.n))
+        return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
 }
 
@@ -746,6 +757,7 @@ void set_wgrad_wide(int on) { g_wgrad_wide.set(on); }
 void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
+void set_pingpong_swapped(int on) { g_pingpong_swapped.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }

@@ -158,6 +158,11 @@ void set_wgrad_split(int on);
 // cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.
 void set_swap_pingpong(int on);
 
+// nt / nn of mid-sized groups that the per-shape choice gives 128x128 ping-pong because 128x192 tiles would pad more
+// than 4 % of n: 1 = computed transposed on CUTLASS's ping-pong (kSwapPingpong), 0 = as chosen; -1 (default) =
+// MOEKIT_PINGPONG_SWAPPED=0|1, else 0.
+void set_pingpong_swapped(int on);
+
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid, unless
 // a GemmSmsLeftScope lives on the launching thread.
 int grouped_gemm_sm_count();
