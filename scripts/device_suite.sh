@@ -44,7 +44,7 @@ done
   log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
   MOEKIT_TEST_NO_CUBLAS=1 sanitize racecheck 90 $B/test_grouped_gemm '*EmptyFirst*:*LastRowTiles*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 }
-[ "${SANITIZE:-1}" = 1 ] && left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*LastRowTiles*:*WgradPingpong*:*WgradOnWide*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+[ "${SANITIZE:-1}" = 1 ] && left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*LastRowTiles*:*GridLeaving*:*MidGroupsTransposed*:*WgradPingpong*:*WgradOnWide*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \

@@ -31,5 +31,14 @@ inline bool wide_pingpong_pads_little(int64_t n) { return wide_pingpong_pads_und
 // forward, 3.032 vs 3.138 ms), 0.974-0.988 at n = 7168 (1.8 %), 0.93 / 0.915 at n = 1536 / 768 (none); 1.00-1.13 at
 // n = 2048 (12.5 %).
 inline bool wide_pingpong_pays_nt(int64_t n) { return wide_pingpong_pads_under(n, 4); }
+// Where the nt / nn rule above says no, the product computed transposed on ping-pong's 128 weight rows x 192 token
+// rows (CUTLASS kSwapPingpong, n along the 128-row side of a 2x1 cluster) where that side pads nothing and the
+// reduction is short (k <= 2048): each k step then loads 128 + 192 rows for a 128x192 tile instead of 256 for
+// 128x128, which pays where the tile's main loop is short. The layer step with it on / off on an H200
+// (2026-11-28, `moekit bench --variant pingpong-swapped`): qwen3-30b (fc2 forward k = 768, fc1 dgrad k = 1536)
+// 0.985, 0.991, 0.996; at k = 7168 (dsv3-ep8's fc2 dgrad) 1.011, its GEMM 7 % slower.
+inline bool swapped_pingpong_pays_nt(int64_t n, int64_t k) {
+    return n > 0 && !wide_pingpong_pays_nt(n) && padded_columns(n, 128, 2) == 0 && k <= 2048;
+}
 
 }  // namespace moekit

@@ -126,11 +126,22 @@ bool pingpong_wide() {
 
 // The other nt / nn where 128x192 tiles would pad more than 4 % of n (n = 2048: qwen3-30b's fc2 forward and fc1
 // dgrad, dsv3-ep8's fc2 dgrad) computed transposed on ping-pong (kSwapPingpong: 128 weight rows by 192 token rows,
-// n along the 128) instead of on 128x128 ping-pong (set_pingpong_swapped, else MOEKIT_PINGPONG_SWAPPED=0|1): off.
-Switch g_pingpong_swapped;
-bool pingpong_swapped() {
-    static const bool env = choice_from_env("MOEKIT_PINGPONG_SWAPPED", "0", false, "1", true);
-    return g_pingpong_swapped.on(env);
+// n along the 128) instead of on 128x128 ping-pong: per shape where the reduction is short
+// (swapped_pingpong_pays_nt, core/tile_padding_math.h, says what was measured); set_pingpong_swapped(1) or
+// MOEKIT_PINGPONG_SWAPPED=1 wherever 128x192 pads, 0 nowhere.
+std::atomic<int> g_pingpong_swapped{-1};
+bool pingpong_swapped(const GroupedGemmShape& s) {
+    static const int env = [] {
+        const char* v = std::getenv("MOEKIT_PINGPONG_SWAPPED");
+        if (!v) return -1;
+        MOEKIT_REQUIRE(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0, "MOEKIT_PINGPONG_SWAPPED=", v,
+                       ": expected 0 (never) or 1 (wherever 128x192 tiles pad over 4 %); unset: per shape");
+        return v[0] == '1' ? 1 : 0;
+    }();
+    const int set = g_pingpong_swapped.load();
+    const int mode = set >= 0 ? set : env;
+    if (mode >= 0) return mode > 0 && !wide_pingpong_pays_nt(s.n);
+    return swapped_pingpong_pays_nt(s.n, s.k);
 }
 
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
@@ -209,8 +220,7 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
-    if (!wide && pingpong_swapped() && !wide_pingpong_pays_nt(s.n))
-        return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
+    if (!wide && pingpong_swapped(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
 }
 
@@ -757,7 +767,7 @@ void set_wgrad_wide(int on) { g_wgrad_wide.set(on); }
 void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
-void set_pingpong_swapped(int on) { g_pingpong_swapped.set(on); }
+void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }

@@ -158,9 +158,10 @@ void set_wgrad_split(int on);
 // cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.
 void set_swap_pingpong(int on);
 
-// nt / nn of mid-sized groups that the per-shape choice gives 128x128 ping-pong because 128x192 tiles would pad more
-// than 4 % of n: 1 = computed transposed on CUTLASS's ping-pong (kSwapPingpong), 0 = as chosen; -1 (default) =
-// MOEKIT_PINGPONG_SWAPPED=0|1, else 0.
+// nt / nn of mid-sized groups whose 128x192 tiles would pad more than 4 % of n: computed transposed on CUTLASS's
+// ping-pong (kSwapPingpong) instead of on 128x128 tiles. 1 = always, 0 = never; -1 (default) =
+// MOEKIT_PINGPONG_SWAPPED=0|1, else per shape: where the reduction is short (swapped_pingpong_pays_nt,
+// core/tile_padding_math.h).
 void set_pingpong_swapped(int on);
 
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid, unless

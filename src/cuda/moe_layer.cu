@@ -494,7 +494,7 @@ bool wgrad_overlap_enabled() {
     if (set >= 0) return set > 0;
     static const bool env = [] {
         const char* v = std::getenv("MOEKIT_WGRAD_OVERLAP");
-        if (!v) return true;
+        if (!v) return false;
         MOEKIT_REQUIRE(std::string(v) == "0" || std::string(v) == "1", "MOEKIT_WGRAD_OVERLAP=", v,
                        ": expected 0 (the wgrads in line) or 1 (beside the dgrad chain)");
         return std::string(v) == "1";

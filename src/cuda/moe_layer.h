@@ -113,12 +113,16 @@ struct BackwardOptions {
 // up), fc1's beside the dispatch and router backward; joined at the end of backward. Only with a backend that may
 // run GEMMs on two streams at once (ExpertGemm::concurrent_wgrad), a dispatcher whose backward leaves the experts'
 // rows alone (CudaDispatcher::backward_leaves_expert_rows) and no ECHO slots (whose grads dispatch_backward reads).
-// 1 = on, 0 = in line; -1 (default) = MOEKIT_WGRAD_OVERLAP=0|1, else on. A graph captured from backward keeps
+// 1 = on, 0 = in line; -1 (default) = MOEKIT_WGRAD_OVERLAP=0|1, else in line. A graph captured from backward keeps
 // the priority only where it is instantiated with cudaGraphInstantiateFlagUseNodePriority.
+// Off by default: the step with it on / off (moekit bench --variant wgrad-overlap, H200, 2026-11-28), 4-16 SMs left,
+// read 0.985-1.004 on qwen3-30b (six runs) and 1.009-1.024 on dsv3-ep8 and mixtral: the wgrads are themselves
+// bound partly by their fp32 gradient stores, so the memory passes beside them gain about what the smaller grid
+// loses (docs/perf.md).
 void set_wgrad_overlap(int on);
 bool wgrad_overlap_enabled();
 // The SMs the overlapped wgrads leave: MOEKIT_WGRAD_OVERLAP_SMS (1..half the device), else kWgradOverlapSmsLeft.
-inline constexpr int kWgradOverlapSmsLeft = 16;
+inline constexpr int kWgradOverlapSmsLeft = 8;
 int wgrad_overlap_sms_left();
 
 enum class LayerStage : int { router, permute, shared_expert, fc1, activation, fc2, combine, count };

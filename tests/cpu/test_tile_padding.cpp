@@ -12,6 +12,7 @@ using moekit::padded_columns;
 using moekit::wide_pingpong_pads_little;
 using moekit::wide_pingpong_pads_under;
 using moekit::wide_pingpong_pays_nt;
+using moekit::swapped_pingpong_pays_nt;
 
 TEST(TilePadding, ColumnsPastTheEndRoundedToTheCluster) {
     EXPECT_EQ(padded_columns(2048, 128, 2), 0);
@@ -63,6 +64,19 @@ TEST(TilePadding, NtNnTakeTheWideTileUnderFourPercent) {
     EXPECT_FALSE(wide_pingpong_pays_nt(4799));
     EXPECT_FALSE(wide_pingpong_pads_under(4096, 3));  // the bound is the caller's
     EXPECT_FALSE(wide_pingpong_pads_under(4096, -1));
+}
+
+TEST(TilePadding, SwappedPingpongWhereWideTilesPadAndTheReductionIsShort) {
+    EXPECT_TRUE(swapped_pingpong_pays_nt(2048, 768));    // qwen3-30b fc2 forward
+    EXPECT_TRUE(swapped_pingpong_pays_nt(2048, 1536));   // qwen3-30b fc1 dgrad
+    EXPECT_TRUE(swapped_pingpong_pays_nt(2048, 2048)) << "the bound itself";
+    EXPECT_FALSE(swapped_pingpong_pays_nt(2048, 2049));
+    EXPECT_FALSE(swapped_pingpong_pays_nt(2048, 7168)) << "dsv3-ep8 fc2 dgrad: a long reduction";
+    EXPECT_FALSE(swapped_pingpong_pays_nt(1536, 768)) << "128x192 pays there (no padding)";
+    EXPECT_FALSE(swapped_pingpong_pays_nt(4096, 1024)) << "3.1 % padding: 128x192 pays";
+    EXPECT_FALSE(swapped_pingpong_pays_nt(2176, 1024)) << "17 weight tiles of 128 pad the 2x1 cluster";
+    EXPECT_TRUE(swapped_pingpong_pays_nt(2304 + 256, 1024)) << "20 weight tiles; 192-column tiles pad 5 %";
+    EXPECT_FALSE(swapped_pingpong_pays_nt(0, 768));
 }
 
 }  // namespace

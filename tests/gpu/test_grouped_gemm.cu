@@ -13,9 +13,11 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "core/tile_padding_math.h"
 #include "core/wgrad_split_math.h"
 #include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
+#include "core/tile_padding_math.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"
@@ -449,6 +451,19 @@ TEST(GroupedGemm, LastRowTilesOfEverySize) {
     const std::vector<int> counts{1, 64, 65, 127, 128, 129, 192, 193, 0, 1088, 1030, 200};
     check_row_gemm(Op::kNT, counts, 7, 512, 192, 301);
     check_row_gemm(Op::kNN, counts, 7, 520, 136, 302);
+}
+
+TEST(GroupedGemm, MidGroupsTransposedWhereWideTilesPad) {
+    SKIP_WITHOUT_GPU();
+    // Mid-sized groups (>= 256 rows a group) with n = 512, where 128x192 tiles would pad 50 % and 128-row weight tiles
+    // fill the 2x1 cluster, and a short reduction: the per-shape choice computes nt / nn transposed on ping-pong
+    // (swapped_pingpong_pays_nt); with k = 2304 it does not. Every backend, the choice among them, against the oracle.
+    ASSERT_TRUE(swapped_pingpong_pays_nt(512, 256));
+    ASSERT_FALSE(swapped_pingpong_pays_nt(512, 2304));
+    const std::vector<int> counts{300, 257, 0, 412, 380, 299, 256, 341};
+    check_row_gemm(Op::kNT, counts, 3, 512, 256, 311);
+    check_row_gemm(Op::kNN, counts, 3, 512, 256, 312);
+    check_row_gemm(Op::kNT, counts, 3, 512, 2304, 313);
 }
 
 TEST(GroupedGemm, ManyGroupsSmallCounts) {
