@@ -184,7 +184,8 @@ bool wgrad_own_kernel() {
 //    0.831, fc2 dgrad 0.657 vs 0.679, fc1 forward 1.315 vs 1.329, fc1 dgrad 1.328 vs 1.409; dsv3-ep8 1.495 vs
 //    1.614, 1.495 vs 1.565, 2.959 vs 2.997, 3.008 vs 3.148; mixtral fc1 forward 5.697 vs 6.007, fc2 dgrad 2.862
 //    vs 3.044 (the own kernel was the choice here before); on 128x192 tiles where those pad at most 4 % of n
-//    (pingpong_wide, above);
+//    (pingpong_wide, above), else, with a reduction of at most 2048, computed transposed on ping-pong
+//    (pingpong_swapped, above);
 //  - wgrad (tn) of mid-sized groups (256..1535 rows): CUTLASS ping-pong (its epilogue overlaps the other
 //    consumer's main loop: 10-13% faster on dsv3-ep8, equal on qwen3-30b), but its groups below 384 rows (an ECHO
 //    rank's cold experts) CUTLASS cooperative, split on the device (kSplitBySize, core/wgrad_split_math.h); every
