@@ -89,6 +89,10 @@ using PingpongWideTransposed = TileConfig<PingpongSchedule, 128, 192, 1, 2, true
 using SwapAB = TileConfig<CooperativeSchedule, 128, 192, 2, 1, true>;
 // kSwapAB's product and tile on ping-pong (kSwapPingpong): each warpgroup a whole tile, 192 accumulators a thread.
 using SwapABPingpong = TileConfig<PingpongSchedule, 128, 192, 2, 1, true>;
+// The transposed product on cooperative 256x128 tiles (kSwapTall): 256 weight rows (128 a consumer warpgroup) by 128
+// token rows, 2x1 cluster (the token tile multicast). A mid-sized group's last tile pads at most 127 token rows, as
+// on the 128x128 ping-pong, while each tile does the math per byte loaded of cuBLAS's 256x128 dense tiles.
+using SwapTall = TileConfig<CooperativeSchedule, 256, 128, 2, 1, true>;
 template <class Config>
 constexpr bool swapped() {
     return Config::transposed;
@@ -332,16 +336,18 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 
 // nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
 // instantiations compile in parallel).
-// `pingpong`: kSwapPingpong, else kSwapAB.
+// `config`: kSwapAB, kSwapPingpong or kSwapTall.
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
+                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
+                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config);
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, cudaStream_t stream, bool pingpong) {
-    if (pingpong)
+                 const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config) {
+    if (config == CutlassConfig::kSwapPingpong)
         run_grouped<kOp, SwapABPingpong>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
+    else if (config == CutlassConfig::kSwapTall)
+        run_grouped<kOp, SwapTall>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
     else
         run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
@@ -403,11 +409,11 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
         return;
-    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
+    } else if (is_swapped_config(config)) {
         if constexpr (kOp == Op::kNT)
-            run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
+            run_swapped_nt(s, A, B, C, d_offsets, stream, config);
         else
-            run_swapped_nn(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
+            run_swapped_nn(s, A, B, C, d_offsets, stream, config);
         return;
     }
     if (config == CutlassConfig::kPingpong)
