@@ -41,8 +41,4 @@ inline bool swapped_pingpong_pays_nt(int64_t n, int64_t k) {
     return n > 0 && !wide_pingpong_pays_nt(n) && padded_columns(n, 128, 2) == 0 && k <= 2048;
 }
 
-// Whether the transposed product on cooperative 256x128 tiles (CUTLASS kSwapTall: n along the 256 weight rows of a
-// 2x1 cluster) computes no padding columns: n a multiple of 512.
-inline bool swap_tall_pads_nothing(int64_t n) { return n > 0 && padded_columns(n, 256, 2) == 0; }
-
 }  // namespace moekit

@@ -144,15 +144,6 @@ bool pingpong_swapped(const GroupedGemmShape& s) {
     return swapped_pingpong_pays_nt(s.n, s.k);
 }
 
-// The nt / nn of mid-sized groups computed transposed on cooperative 256x128 tiles (kSwapTall: 256 weight rows by
-// 128 token rows) where n fills them (swap_tall_pads_nothing, core/tile_padding_math.h), instead of on ping-pong
-// (set_swap_tall, else MOEKIT_SWAP_TALL=0|1). Off by default: under measurement.
-Switch g_swap_tall;
-bool swap_tall(const GroupedGemmShape& s) {
-    static const bool env = choice_from_env("MOEKIT_SWAP_TALL", "0", false, "1", true);
-    return g_swap_tall.on(env) && swap_tall_pads_nothing(s.n);
-}
-
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
 // default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
 // 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
@@ -229,7 +220,6 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    if (swap_tall(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapTall};
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
     if (!wide && pingpong_swapped(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
@@ -779,7 +769,6 @@ void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
-void set_swap_tall(int on) { g_swap_tall.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }

@@ -164,11 +164,6 @@ void set_swap_pingpong(int on);
 // core/tile_padding_math.h).
 void set_pingpong_swapped(int on);
 
-// nt / nn of mid-sized groups (those the per-shape choice gives CUTLASS's ping-pong) whose n is a multiple of 512:
-// 1 = computed transposed on cooperative 256x128 tiles (kSwapTall), 0 = as above; -1 (default) =
-// MOEKIT_SWAP_TALL=0|1, else 0.
-void set_swap_tall(int on);
-
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid, unless
 // a GemmSmsLeftScope lives on the launching thread.
 int grouped_gemm_sm_count();

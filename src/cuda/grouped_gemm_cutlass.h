@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|split|swap|swap-pp|swap-tall|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|split|swap|swap-pp|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -39,9 +39,6 @@ bool cutlass_grouped_gemm_built();
 //                     it where wgrad_pingpong_tile says.
 //   kPingpongWideTransposed (tn only; nt/nn take kPingpongWide): the wgrad computed transposed, Cᵀ = Bᵀ·A, on
 //                     kPingpongWide's tiles: their 192 columns along the gradient's m.
-//   kSwapTall (nt/nn only; tn takes kAuto's choice): kSwapAB's product on cooperative 256x128 tiles, 256 weight
-//                     rows by 128 token rows, 2x1 cluster: a mid-sized group pads no more token rows than on
-//                     128-row tiles, at the math per byte loaded of a 256x128 tile.
 enum class CutlassConfig {
     kAuto,
     kCooperative,
@@ -52,13 +49,8 @@ enum class CutlassConfig {
     kCooperative2x2,
     kPingpongWide,
     kSwapPingpong,
-    kPingpongWideTransposed,
-    kSwapTall
+    kPingpongWideTransposed
 };
-// The configurations that compute an nt / nn transposed (Cᵀ = W·Aᵀ: weights along the tile's rows).
-constexpr bool is_swapped_config(CutlassConfig c) {
-    return c == CutlassConfig::kSwapAB || c == CutlassConfig::kSwapPingpong || c == CutlassConfig::kSwapTall;
-}
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no
 // split by size) and nt / nn with a long reduction cooperative.

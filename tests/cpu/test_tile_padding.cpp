@@ -12,7 +12,6 @@ using moekit::padded_columns;
 using moekit::wide_pingpong_pads_little;
 using moekit::wide_pingpong_pads_under;
 using moekit::wide_pingpong_pays_nt;
-using moekit::swap_tall_pads_nothing;
 using moekit::swapped_pingpong_pays_nt;
 
 TEST(TilePadding, ColumnsPastTheEndRoundedToTheCluster) {
@@ -78,17 +77,6 @@ TEST(TilePadding, SwappedPingpongWhereWideTilesPadAndTheReductionIsShort) {
     EXPECT_FALSE(swapped_pingpong_pays_nt(2176, 1024)) << "17 weight tiles of 128 pad the 2x1 cluster";
     EXPECT_TRUE(swapped_pingpong_pays_nt(2304 + 256, 1024)) << "20 weight tiles; 192-column tiles pad 5 %";
     EXPECT_FALSE(swapped_pingpong_pays_nt(0, 768));
-}
-
-TEST(TilePadding, SwapTallWhereTheWeightRowsFillTheClusters) {
-    EXPECT_TRUE(swap_tall_pads_nothing(4096));   // dsv3-ep8 fc1 forward
-    EXPECT_TRUE(swap_tall_pads_nothing(7168));   // dsv3-ep8 fc2 forward, fc1 dgrad: 14 clusters of 2 x 256
-    EXPECT_TRUE(swap_tall_pads_nothing(2048));   // dsv3-ep8 fc2 dgrad
-    EXPECT_TRUE(swap_tall_pads_nothing(1536));   // qwen3-30b fc1 forward
-    EXPECT_FALSE(swap_tall_pads_nothing(768)) << "three 256-row tiles round to a fourth on the 2x1 cluster";
-    EXPECT_FALSE(swap_tall_pads_nothing(4096 + 256));
-    EXPECT_FALSE(swap_tall_pads_nothing(4096 - 8));
-    EXPECT_FALSE(swap_tall_pads_nothing(0));
 }
 
 }  // namespace

@@ -124,7 +124,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
     kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongWideT,
-    kCutlassSwapTall, kAuto, kSync
+    kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -143,7 +143,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192"
            : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
            : b == Backend::kCutlassPingpongWideT ? "cutlass-pingpong-128x192-transposed (nt/nn: 128x192)"
-           : b == Backend::kCutlassSwapTall ? "cutlass-swap-ab-256x128 (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -187,7 +186,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kCutlassSwapPingpong);
             out.push_back(Backend::kCutlassPingpongWideT);
-            out.push_back(Backend::kCutlassSwapTall);
             out.push_back(Backend::kAuto);
         }
     }
@@ -204,7 +202,7 @@ void select(Backend b) {
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
         b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong ||
-        b == Backend::kCutlassPingpongWideT || b == Backend::kCutlassSwapTall) {
+        b == Backend::kCutlassPingpongWideT) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -214,7 +212,6 @@ void select(Backend b) {
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
                            : b == Backend::kCutlassPingpongWideT ? CutlassConfig::kPingpongWideTransposed
-                           : b == Backend::kCutlassSwapTall ? CutlassConfig::kSwapTall
                                                             : CutlassConfig::kPingpong);
     }
     // The named ping-pong and split backends on 128x128 tiles everywhere (a wgrad's ping-pong takes 128x192 where it

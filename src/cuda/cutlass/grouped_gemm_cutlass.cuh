@@ -89,10 +89,6 @@ using PingpongWideTransposed = TileConfig<PingpongSchedule, 128, 192, 1, 2, true
 using SwapAB = TileConfig<CooperativeSchedule, 128, 192, 2, 1, true>;
 // kSwapAB's product and tile on ping-pong (kSwapPingpong): each warpgroup a whole tile, 192 accumulators a thread.
 using SwapABPingpong = TileConfig<PingpongSchedule, 128, 192, 2, 1, true>;
-// The transposed product on cooperative 256x128 tiles (kSwapTall): 256 weight rows (128 a consumer warpgroup) by 128
-// token rows, 2x1 cluster (the token tile multicast). A mid-sized group's last tile pads at most 127 token rows, as
-// on the 128x128 ping-pong, while each tile does the math per byte loaded of cuBLAS's 256x128 dense tiles.
-using SwapTall = TileConfig<CooperativeSchedule, 256, 128, 2, 1, true>;
 template <class Config>
 constexpr bool swapped() {
     return Config::transposed;
@@ -336,18 +332,16 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 
 // nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
 // instantiations compile in parallel).
-// `config`: kSwapAB, kSwapPingpong or kSwapTall.
+// `pingpong`: kSwapPingpong, else kSwapAB.
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config) {
-    if (config == CutlassConfig::kSwapPingpong)
+                 const int32_t* d_offsets, cudaStream_t stream, bool pingpong) {
+    if (pingpong)
         run_grouped<kOp, SwapABPingpong>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    else if (config == CutlassConfig::kSwapTall)
-        run_grouped<kOp, SwapTall>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
     else
         run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
 }
@@ -409,11 +403,11 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
         return;
-    } else if (is_swapped_config(config)) {
+    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
         if constexpr (kOp == Op::kNT)
-            run_swapped_nt(s, A, B, C, d_offsets, stream, config);
+            run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         else
-            run_swapped_nn(s, A, B, C, d_offsets, stream, config);
+            run_swapped_nn(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         return;
     }
     if (config == CutlassConfig::kPingpong)
