@@ -284,8 +284,6 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                         {"cutlass_pp192_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kPingpongWide)});
                     columns.push_back(
                         {"cutlass_swap_pp_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong)});
-                    columns.push_back(
-                        {"cutlass_swap_split_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kSwapSplit)});
                 }
                 if (c.op == Op::kTN) {  // on a 2x2 cluster; ping-pong 128x192
                     columns.push_back(
@@ -378,7 +376,6 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // split between cooperative and ping-pong by size (wgrad_split()); cl-swap = CUTLASS computing Cᵀ = W·Aᵀ, 128
     // weight rows x 192 token rows (nt/nn); cl-pp192 = CUTLASS ping-pong on 128x192 tiles (cl-pp192t: a wgrad
     // computed transposed on them, the 192 along its m); cl-swpp = cl-swap's product and tile on ping-pong (nt/nn);
-    // cl-swsp = cl-swap split by group size, groups of at most 128 rows on 128 token rows a tile (nt/nn);
     // cl-2x2 (wgrad) = cooperative on a 2x2 cluster; mma = mma.sync (other GPUs); best = the fastest grouped
     // (sync-free) column; dense/auto = dense cuBLAS time over the chosen kernel's (the per-GEMM acceptance ratio),
     // and the same ratio taken in each round (median, least and greatest); fill (wgrad only) = cudaMemsetAsync of the
@@ -402,7 +399,6 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"cutlass_pp192_ms", "cl-pp192"},
                            {"cutlass_swap_pp_ms", "cl-swpp"},
                            {"cutlass_pp192t_ms", "cl-pp192t"},
-                           {"cutlass_swap_split_ms", "cl-swsp"},
                            {"cutlass_2x2_ms", "cl-2x2"},
                            {"mma_ms", "mma ms"}};
     char cell[64];

@@ -9,8 +9,6 @@
 #pragma once
 #include <cstdint>
 
-#include "core/hd.h"
-
 namespace moekit {
 
 // Columns past n that tiles of tile_n columns compute, their count rounded up to cluster_n CTAs.
@@ -41,14 +39,6 @@ inline bool wide_pingpong_pays_nt(int64_t n) { return wide_pingpong_pads_under(n
 // 0.985, 0.991, 0.996; at k = 7168 (dsv3-ep8's fc2 dgrad) 1.011, its GEMM 7 % slower.
 inline bool swapped_pingpong_pays_nt(int64_t n, int64_t k) {
     return n > 0 && !wide_pingpong_pays_nt(n) && padded_columns(n, 128, 2) == 0 && k <= 2048;
-}
-
-// The small groups' transposed product split by group size (CUTLASS kSwapSplit): a group of at most narrow_tile rows
-// (e.g. 128: half of dsv3-e256's groups of 100..156) fills one narrow token tile, whose math is two thirds of the
-// 192-row tile's; the larger ones take the 192-row tile, which still holds them whole. The rows the narrow
-// (narrow = true) or the wide launch gives a group of `rows` rows: all of them in exactly one, none in the other.
-MOEKIT_HD int64_t swap_split_rows(int64_t rows, int64_t narrow_tile, bool narrow) {
-    return (rows <= narrow_tile) == narrow ? rows : 0;
 }
 
 }  // namespace moekit

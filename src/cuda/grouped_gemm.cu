@@ -106,15 +106,6 @@ bool swap_pingpong() {
     return g_swap_pingpong.on(env);
 }
 
-// The small groups' swapped nt / nn split by group size (kSwapSplit: groups of at most 128 rows on 128 token rows a
-// tile, the others on 192) instead of all on 192 (set_swap_split, else MOEKIT_SWAP_SPLIT=0|1). Off by default: under
-// measurement.
-Switch g_swap_split;
-bool swap_split() {
-    static const bool env = choice_from_env("MOEKIT_SWAP_SPLIT", "0", false, "1", true);
-    return g_swap_split.on(env);
-}
-
 // wgrad of small groups: CUTLASS cooperative on a 2x2 cluster (choose_for_shape); MOEKIT_SMALL_GROUP_WGRAD=coop picks
 // the 1x2 cluster for measurements.
 CutlassConfig small_group_wgrad_config() {
@@ -217,10 +208,8 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     if (rows_per_group < kSmallGroupRows) {
         if (op == Op::kTN) return {GroupedGemmKernel::kCutlass, small_group_wgrad_config()};
         const CutlassConfig c = small_group_config();
-        if (c != CutlassConfig::kSwapAB) return {GroupedGemmKernel::kCutlass, c};
-        return {GroupedGemmKernel::kCutlass, swap_split()      ? CutlassConfig::kSwapSplit
-                                             : swap_pingpong() ? CutlassConfig::kSwapPingpong
-                                                               : c};
+        return {GroupedGemmKernel::kCutlass,
+                c == CutlassConfig::kSwapAB && swap_pingpong() ? CutlassConfig::kSwapPingpong : c};
     }
     if (op == Op::kTN) {  // wgrad: the gradient is [k, n] (k = output rows here)
         if (wgrad_own_kernel()) return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
@@ -780,7 +769,6 @@ void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
-void set_swap_split(int on) { g_swap_split.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }

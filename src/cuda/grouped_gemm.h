@@ -164,11 +164,6 @@ void set_swap_pingpong(int on);
 // core/tile_padding_math.h).
 void set_pingpong_swapped(int on);
 
-// nt / nn of small groups (computed transposed, kSwapAB): 1 = split by group size between two launches (kSwapSplit:
-// the groups of at most 128 rows on 128 token rows a tile), 0 = all on kSwapAB's 192; -1 (default) =
-// MOEKIT_SWAP_SPLIT=0|1, else 0.
-void set_swap_split(int on);
-
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid, unless
 // a GemmSmsLeftScope lives on the launching thread.
 int grouped_gemm_sm_count();

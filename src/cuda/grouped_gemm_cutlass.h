@@ -18,7 +18,7 @@ namespace moekit::cuda {
 bool cutlass_grouped_gemm_built();
 
 // Tile configurations, chosen per call from the mean rows per group (or forced: set_cutlass_config, or
-// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|split|swap|swap-pp|swap-split|coop22).
+// MOEKIT_CUTLASS_CONFIG=coop|tall|pingpong|pp192|pp192t|split|swap|swap-pp|coop22).
 //   kCooperative:     128x256x64 tiles, two consumer warpgroups on one tile, 1x2 cluster (row tile multicast).
 //   kCooperativeTall: 256x128x64 tiles, 1x2 cluster (a whole small group in one row tile: weights read once).
 //   kPingpong:        128x128x64 tiles, two consumer warpgroups alternating tiles (epilogue hidden), 1x2 cluster.
@@ -39,9 +39,6 @@ bool cutlass_grouped_gemm_built();
 //                     it where wgrad_pingpong_tile says.
 //   kPingpongWideTransposed (tn only; nt/nn take kPingpongWide): the wgrad computed transposed, Cᵀ = Bᵀ·A, on
 //                     kPingpongWide's tiles: their 192 columns along the gradient's m.
-//   kSwapSplit (nt/nn only; tn takes kAuto's choice): kSwapAB split by group size on the device, two launches: the
-//                     groups of at most 128 rows on 128 token rows a tile, the others on kSwapAB's 192
-//                     (core/tile_padding_math.h swap_split_rows).
 enum class CutlassConfig {
     kAuto,
     kCooperative,
@@ -52,13 +49,8 @@ enum class CutlassConfig {
     kCooperative2x2,
     kPingpongWide,
     kSwapPingpong,
-    kPingpongWideTransposed,
-    kSwapSplit
+    kPingpongWideTransposed
 };
-// The configurations that compute an nt / nn transposed (Cᵀ = W·Aᵀ: weights along the tile's rows).
-constexpr bool is_swapped_config(CutlassConfig c) {
-    return c == CutlassConfig::kSwapAB || c == CutlassConfig::kSwapPingpong || c == CutlassConfig::kSwapSplit;
-}
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no
 // split by size) and nt / nn with a long reduction cooperative.

@@ -12,7 +12,6 @@ using moekit::padded_columns;
 using moekit::wide_pingpong_pads_little;
 using moekit::wide_pingpong_pads_under;
 using moekit::wide_pingpong_pays_nt;
-using moekit::swap_split_rows;
 using moekit::swapped_pingpong_pays_nt;
 
 TEST(TilePadding, ColumnsPastTheEndRoundedToTheCluster) {
@@ -78,15 +77,6 @@ TEST(TilePadding, SwappedPingpongWhereWideTilesPadAndTheReductionIsShort) {
     EXPECT_FALSE(swapped_pingpong_pays_nt(2176, 1024)) << "17 weight tiles of 128 pad the 2x1 cluster";
     EXPECT_TRUE(swapped_pingpong_pays_nt(2304 + 256, 1024)) << "20 weight tiles; 192-column tiles pad 5 %";
     EXPECT_FALSE(swapped_pingpong_pays_nt(0, 768));
-}
-
-TEST(TilePadding, SwapSplitGivesEachGroupToExactlyOneLaunch) {
-    for (int64_t rows : {0, 1, 100, 127, 128, 129, 156, 192, 4096}) {
-        const int64_t narrow = swap_split_rows(rows, 128, true), wide = swap_split_rows(rows, 128, false);
-        EXPECT_EQ(narrow + wide, rows) << rows;
-        EXPECT_TRUE(narrow == 0 || wide == 0) << rows;
-        EXPECT_EQ(narrow, rows <= 128 ? rows : 0) << rows;
-    }
 }
 
 }  // namespace

@@ -124,7 +124,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
     kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongWideT,
-    kCutlassSwapSplit, kAuto, kSync
+    kAuto, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -143,7 +143,6 @@ const char* name(Backend b) {
            : b == Backend::kCutlassPingpongWide ? "cutlass-pingpong-128x192"
            : b == Backend::kCutlassSwapPingpong ? "cutlass-swap-ab-pingpong (tn: its default)"
            : b == Backend::kCutlassPingpongWideT ? "cutlass-pingpong-128x192-transposed (nt/nn: 128x192)"
-           : b == Backend::kCutlassSwapSplit ? "cutlass-swap-ab-split-by-rows (tn: its default)"
                                            : "sync-cublas";
 }
 
@@ -187,7 +186,6 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassPingpongWide);
             out.push_back(Backend::kCutlassSwapPingpong);
             out.push_back(Backend::kCutlassPingpongWideT);
-            out.push_back(Backend::kCutlassSwapSplit);
             out.push_back(Backend::kAuto);
         }
     }
@@ -204,7 +202,7 @@ void select(Backend b) {
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
         b == Backend::kCutlassSplit || b == Backend::kCutlassSwap || b == Backend::kCutlass2x2 ||
         b == Backend::kCutlassPingpongWide || b == Backend::kCutlassSwapPingpong ||
-        b == Backend::kCutlassPingpongWideT || b == Backend::kCutlassSwapSplit) {
+        b == Backend::kCutlassPingpongWideT) {
         set_grouped_gemm_kernel(GroupedGemmKernel::kCutlass);
         set_cutlass_config(b == Backend::kCutlassCoop       ? CutlassConfig::kCooperative
                            : b == Backend::kCutlassTall     ? CutlassConfig::kCooperativeTall
@@ -214,7 +212,6 @@ void select(Backend b) {
                            : b == Backend::kCutlassPingpongWide ? CutlassConfig::kPingpongWide
                            : b == Backend::kCutlassSwapPingpong ? CutlassConfig::kSwapPingpong
                            : b == Backend::kCutlassPingpongWideT ? CutlassConfig::kPingpongWideTransposed
-                           : b == Backend::kCutlassSwapSplit ? CutlassConfig::kSwapSplit
                                                             : CutlassConfig::kPingpong);
     }
     // The named ping-pong and split backends on 128x128 tiles everywhere (a wgrad's ping-pong takes 128x192 where it
@@ -467,18 +464,6 @@ TEST(GroupedGemm, MidGroupsTransposedWhereWideTilesPad) {
     check_row_gemm(Op::kNT, counts, 3, 512, 256, 311);
     check_row_gemm(Op::kNN, counts, 3, 512, 256, 312);
     check_row_gemm(Op::kNT, counts, 3, 512, 2304, 313);
-}
-
-TEST(GroupedGemm, SmallGroupsSplitByRowsBetweenTwoTileWidths) {
-    SKIP_WITHOUT_GPU();
-    // Small groups (< 256 rows a group, dsv3-e256's 100..156) with the split switched on: the per-shape choice then
-    // gives the groups of at most 128 rows (0, 1, 90, 128) to a launch on 128 token rows a tile and the others (129,
-    // 140, 156, 255) to one on 192, each leaving the other's rows untouched. Every backend, against the oracle.
-    set_swap_split(1);
-    const std::vector<int> counts{100, 156, 128, 129, 0, 1, 140, 90, 255};
-    check_row_gemm(Op::kNT, counts, 5, 512, 320, 321);
-    check_row_gemm(Op::kNN, counts, 5, 264, 512, 322);
-    set_swap_split(-1);
 }
 
 TEST(GroupedGemm, ManyGroupsSmallCounts) {

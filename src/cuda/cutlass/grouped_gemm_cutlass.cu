@@ -66,7 +66,8 @@ namespace cutlass_detail {
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
-    if (is_swapped_config(requested) && wgrad) requested = CutlassConfig::kAuto;  // nt / nn only
+    if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
+    if (requested == CutlassConfig::kSwapPingpong && wgrad) requested = CutlassConfig::kAuto;  // nt / nn only
     if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
     if (requested == CutlassConfig::kPingpongWideTransposed && !wgrad) requested = CutlassConfig::kPingpongWide;
     if (requested == CutlassConfig::kAuto) {
@@ -79,7 +80,6 @@ CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bo
             if (std::strcmp(env, "split") == 0 && wgrad) return CutlassConfig::kSplitBySize;
             if (std::strcmp(env, "swap") == 0 && !wgrad) return CutlassConfig::kSwapAB;
             if (std::strcmp(env, "swap-pp") == 0 && !wgrad) return CutlassConfig::kSwapPingpong;
-            if (std::strcmp(env, "swap-split") == 0 && !wgrad) return CutlassConfig::kSwapSplit;
             if (std::strcmp(env, "coop22") == 0 && wgrad) return CutlassConfig::kCooperative2x2;
         }
         // Where CUTLASS is forced without a configuration (grouped_gemm.cu's per-shape choice always passes one):

@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/tile_padding_math.h"
 #include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_cutlass.h"
@@ -90,9 +89,6 @@ using PingpongWideTransposed = TileConfig<PingpongSchedule, 128, 192, 1, 2, true
 using SwapAB = TileConfig<CooperativeSchedule, 128, 192, 2, 1, true>;
 // kSwapAB's product and tile on ping-pong (kSwapPingpong): each warpgroup a whole tile, 192 accumulators a thread.
 using SwapABPingpong = TileConfig<PingpongSchedule, 128, 192, 2, 1, true>;
-// kSwapSplit's launch for the groups of at most 128 rows: kSwapAB's product on 128 token rows a tile.
-using SwapABNarrow = TileConfig<CooperativeSchedule, 128, 128, 2, 1, true>;
-constexpr int kSwapNarrowRows = 128;
 template <class Config>
 constexpr bool swapped() {
     return Config::transposed;
@@ -180,9 +176,8 @@ __device__ Stride leading(int64_t ld) {
 }
 
 // Which groups a launch computes: all (kAll), or one half of a kSplitBySize pair: the cooperative launch's
-// (kCooperative) or the ping-pong launch's (kPingpong), core/wgrad_split_math.h; or one half of a kSwapSplit pair:
-// the groups of at most kSwapNarrowRows rows (kNarrowRows) or the others (kWideRows), core/tile_padding_math.h.
-enum class Share { kAll, kCooperative, kPingpong, kNarrowRows, kWideRows };
+// (kCooperative) or the ping-pong launch's (kPingpong); core/wgrad_split_math.h.
+enum class Share { kAll, kCooperative, kPingpong };
 
 // One thread per group. nt/nn: shape.k = reduction, n = output columns; tn: shape.k = m (output rows per group).
 template <Op kOp, class G, bool kSwap>
@@ -195,10 +190,7 @@ __global__ void fill_group_args(GroupArgs<G> a, const int32_t* offsets, int grou
     auto* D_ = static_cast<typename G::ElementD*>(C);
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         const int64_t r0 = offsets[g], all = offsets[g + 1] - r0;
-        const int64_t rows = share == Share::kAll ? all
-                             : share == Share::kNarrowRows || share == Share::kWideRows
-                                 ? swap_split_rows(all, kSwapNarrowRows, share == Share::kNarrowRows)
-                                 : wgrad_split_rows(all, split, share == Share::kCooperative);
+        const int64_t rows = share == Share::kAll ? all : wgrad_split_rows(all, split, share == Share::kCooperative);
         if constexpr (kOp == Op::kTN) {
             // CUTLASS's M x N is the gradient's m x n (m = shape.k), or n x m transposed (kSwap: Cᵀ = Bᵀ · A, whose
             // column-major Cᵀ is C): either way C's rows are n elements apart.
@@ -340,24 +332,18 @@ void run_grouped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_b
 
 // nt / nn in a SwapAB configuration (grouped_gemm_cutlass_swap_{nt,nn}.cu: their own translation units, so the
 // instantiations compile in parallel).
-// `config`: kSwapAB, kSwapPingpong or kSwapSplit.
+// `pingpong`: kSwapPingpong, else kSwapAB.
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
 void run_swapped_nn(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong);
 template <Op kOp>
 void run_swapped(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                 const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config) {
-    if (config == CutlassConfig::kSwapPingpong) {
+                 const int32_t* d_offsets, cudaStream_t stream, bool pingpong) {
+    if (pingpong)
         run_grouped<kOp, SwapABPingpong>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    } else if (config == CutlassConfig::kSwapSplit) {
-        // One after the other on the stream (the second's argument fill waits for the first GEMM, so they share the
-        // stream's argument buffer); each leaves the other's groups no tiles and their output rows untouched.
-        run_grouped<kOp, SwapABNarrow>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream, Share::kNarrowRows);
-        run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream, Share::kWideRows);
-    } else {
+    else
         run_grouped<kOp, SwapAB>(s, A, B, C, d_offsets, WgradWrite::overwrite, stream);
-    }
 }
 
 // wgrad (tn) on ping-pong, its tile as wgrad_pingpong_tile says (or forced: kPingpongWide, kPingpongWideTransposed).
@@ -417,11 +403,11 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
         return;
-    } else if (is_swapped_config(config)) {
+    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
         if constexpr (kOp == Op::kNT)
-            run_swapped_nt(s, A, B, C, d_offsets, stream, config);
+            run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         else
-            run_swapped_nn(s, A, B, C, d_offsets, stream, config);
+            run_swapped_nn(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         return;
     }
     if (config == CutlassConfig::kPingpong)

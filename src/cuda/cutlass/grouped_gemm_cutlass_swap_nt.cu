@@ -4,8 +4,8 @@
 namespace moekit::cuda::cutlass_detail {
 
 void run_swapped_nt(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
-                    const int32_t* d_offsets, cudaStream_t stream, CutlassConfig config) {
-    run_swapped<Op::kNT>(s, A, B, C, d_offsets, stream, config);
+                    const int32_t* d_offsets, cudaStream_t stream, bool pingpong) {
+    run_swapped<Op::kNT>(s, A, B, C, d_offsets, stream, pingpong);
 }
 
 }  // namespace moekit::cuda::cutlass_detail
