@@ -12,6 +12,7 @@
 
 #include "lib/bench_expert_mlp.h"
 #include "core/rng.h"
+#include "core/tile_padding_math.h"
 #include "cuda/activation.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_cutlass.h"
@@ -174,7 +175,9 @@ nlohmann::json header(const Problem& q, const Options& o) {
     int minc = *std::min_element(q.counts.begin(), q.counts.end());
     return {{"preset", q.p.name}, {"H", q.H},          {"F", q.F},           {"E", q.E},         {"topk", q.p.topk},
             {"T", q.p.tokens},    {"rows", q.rows},    {"zipf_s", o.zipf_s}, {"iters", o.iters}, {"device", prop.name},
-            {"max_count", maxc},  {"min_count", minc}, {"counts", q.counts}};
+            {"max_count", maxc},  {"min_count", minc}, {"counts", q.counts},
+            // The grouped GEMMs' math on 128-row tiles over the routed rows' (their padding rows, not in the dense floor).
+            {"rows_on_128_row_tiles", q.rows > 0 ? double(rows_on_row_tiles(q.counts, 128)) / double(q.rows) : 1.0}};
 }
 
 }  // namespace
@@ -362,8 +365,11 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
 }
 
 std::string format_gemm_table(const nlohmann::json& r) {
+    char padded[32];
+    std::snprintf(padded, sizeof padded, "%.3f", r.value("rows_on_128_row_tiles", 1.0));
     std::string out = str(r["preset"].get<std::string>(), " (rows ", r["rows"].get<int64_t>(), ", counts ",
-                          r["min_count"].get<int>(), "..", r["max_count"].get<int>(), ", zipf ",
+                          r["min_count"].get<int>(), "..", r["max_count"].get<int>(), " (",
+                          padded, "x computed on 128-row tiles), zipf ",
                           r["zipf_s"].get<double>(), ", median of ", r.value("rounds", 1),
                           " rounds in balanced order) on ", r["device"].get<std::string>(), "\n");
     // auto = the per-shape choice the layer runs; auto pl (wgrad) = the same with plain gradient stores (auto marks

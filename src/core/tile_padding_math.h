@@ -8,6 +8,7 @@
 // 1.6-1.8 % faster on qwen3-30b and dsv3-ep8, the same on mixtral). Plain C++ (tests/cpu/test_tile_padding.cpp).
 #pragma once
 #include <cstdint>
+#include <span>
 
 namespace moekit {
 
@@ -39,6 +40,17 @@ inline bool wide_pingpong_pays_nt(int64_t n) { return wide_pingpong_pads_under(n
 // 0.985, 0.991, 0.996; at k = 7168 (dsv3-ep8's fc2 dgrad) 1.011, its GEMM 7 % slower.
 inline bool swapped_pingpong_pays_nt(int64_t n, int64_t k) {
     return n > 0 && !wide_pingpong_pays_nt(n) && padded_columns(n, 128, 2) == 0 && k <= 2048;
+}
+
+// Rows that row tiles of tile_rows compute for groups of counts[g] rows, each group's last tile padded to a whole
+// one: over the routed rows, the share of a grouped GEMM's math spent on padding. dsv3-ep8's routing (973..1090
+// rows a group) on 128-row tiles: ~1.06 (docs/perf.md, 2026-12-02), which bounds its fc1 forward against dense cuBLAS.
+inline int64_t rows_on_row_tiles(std::span<const int32_t> counts, int64_t tile_rows) {
+    int64_t rows = 0;
+    if (tile_rows <= 0) return 0;
+    for (const int32_t c : counts)
+        if (c > 0) rows += (c + tile_rows - 1) / tile_rows * tile_rows;
+    return rows;
 }
 
 }  // namespace moekit

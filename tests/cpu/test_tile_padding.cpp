@@ -12,6 +12,7 @@ using moekit::padded_columns;
 using moekit::wide_pingpong_pads_little;
 using moekit::wide_pingpong_pads_under;
 using moekit::wide_pingpong_pays_nt;
+using moekit::rows_on_row_tiles;
 using moekit::swapped_pingpong_pays_nt;
 
 TEST(TilePadding, ColumnsPastTheEndRoundedToTheCluster) {
@@ -77,6 +78,16 @@ TEST(TilePadding, SwappedPingpongWhereWideTilesPadAndTheReductionIsShort) {
     EXPECT_FALSE(swapped_pingpong_pays_nt(2176, 1024)) << "17 weight tiles of 128 pad the 2x1 cluster";
     EXPECT_TRUE(swapped_pingpong_pays_nt(2304 + 256, 1024)) << "20 weight tiles; 192-column tiles pad 5 %";
     EXPECT_FALSE(swapped_pingpong_pays_nt(0, 768));
+}
+
+TEST(TilePadding, RowsOnRowTilesPadEachGroupsLastTile) {
+    const std::vector<int32_t> counts{0, 1, 128, 129, 1030, 1024};
+    // 0 + 128 + 128 + 256 + 1152 + 1024
+    EXPECT_EQ(rows_on_row_tiles(counts, 128), 2688);
+    EXPECT_EQ(rows_on_row_tiles(counts, 64), 0 + 64 + 128 + 192 + 1088 + 1024);
+    EXPECT_EQ(rows_on_row_tiles(counts, 1), 1 + 128 + 129 + 1030 + 1024);
+    EXPECT_EQ(rows_on_row_tiles({}, 128), 0);
+    EXPECT_EQ(rows_on_row_tiles(counts, 0), 0);
 }
 
 }  // namespace

@@ -32,6 +32,14 @@ TEST(BenchTables, GemmTableListsColumnsWithoutAHead) {
     EXPECT_NE(t.find("3.058"), std::string::npos) << t;  // auto_ms, in its own column
 }
 
+TEST(BenchTables, GemmTableHeaderShowsThePaddedRowTiles) {
+    nlohmann::json r = one_gemm_result({{"auto_ms", 3.058}, {"sync_ms", 2.981}, {"dense_ms", 2.849}});
+    r["rows_on_128_row_tiles"] = 1.0612;
+    EXPECT_NE(moekit::cuda::bench::format_gemm_table(r).find("counts 973..1090 (1.061x computed on 128-row tiles)"),
+              std::string::npos)
+        << moekit::cuda::bench::format_gemm_table(r);
+}
+
 TEST(BenchTables, GemmTableWithOnlyHeadedColumnsHasNoOtherLine) {
     const std::string t = moekit::cuda::bench::format_gemm_table(
         one_gemm_result({{"auto_ms", 3.058}, {"sync_ms", 2.981}, {"dense_ms", 2.849}, {"cutlass_pp192_ms", 3.0}}));
