@@ -1,7 +1,8 @@
-// Output columns a grouped GEMM's column tiles compute past n, and where CUTLASS's 128x192 ping-pong
-// (kPingpongWide, src/cuda/cutlass; an nt / nn's n, a wgrad's gradient n) is worth its wider tiles. CUTLASS's group
-// scheduler gives a cluster whole tiles: a group's column tiles are rounded up to the cluster's CTAs along N, so on a
-// 1x2 cluster n = 2048 takes 12 tiles of 192 (2304 columns, 12.5 % padding) where 128-column tiles fit exactly.
+// Output columns a grouped GEMM's column tiles compute past n (and, last, the rows its row tiles compute), and where
+// CUTLASS's 128x192 ping-pong (kPingpongWide, src/cuda/cutlass; an nt / nn's n, a wgrad's gradient n) is worth its
+// wider tiles. CUTLASS's group scheduler gives a cluster whole tiles: a group's column tiles are rounded up to the
+// cluster's CTAs along N, so on a 1x2 cluster n = 2048 takes 12 tiles of 192 (2304 columns, 12.5 % padding) where
+// 128-column tiles fit exactly.
 // Measured per GEMM on an H200 (docs/perf.md, 2026-11-28, five rounds against the 128x128 ping-pong): up to 5 %
 // faster where the 192-column tiles pad under 2 % of n (qwen3-30b fc1 forward and fc2 dgrad, n = 1536 / 768;
 // dsv3-ep8 fc1 dgrad, n = 7168), 6-11 % slower at n = 2048. The wgrads' ping-pong takes the same rule (in the layer
