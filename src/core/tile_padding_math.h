@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <span>
 
+#include "core/hd.h"
+
 namespace moekit {
 
 // Columns past n that tiles of tile_n columns compute, their count rounded up to cluster_n CTAs.
@@ -50,7 +52,7 @@ inline int64_t rows_on_row_tiles(std::span<const int32_t> counts, int64_t tile_r
     int64_t rows = 0;
     if (tile_rows <= 0) return 0;
     for (const int32_t c : counts)
-        if (c > 0) rows += (c + tile_rows - 1) / tile_rows * tile_rows;
+        if (c > 0) rows += align_up(c, tile_rows);
     return rows;
 }
 
