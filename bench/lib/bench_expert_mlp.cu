@@ -273,23 +273,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
                                        }});
                 }
             } else {
-                // The own kernel (its half tiles on by default), on CTA pairs multicasting A, and with the half
-                // tiles off (set_gemm_half_tiles).
-                const struct {
-                    const char* key;
-                    int cluster, half_tiles;
-                } own[] = {{"tma_ms", 1, -1}, {"tma2_ms", 2, -1}, {"tma_full_ms", 1, 0}};
-                for (const auto& v : own) {
-                    auto run = graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto);
-                    columns.push_back({v.key, [run, v] {
-                                           set_grouped_gemm_cluster(v.cluster);
-                                           set_gemm_half_tiles(v.half_tiles);
-                                           const double ms = run();
-                                           set_grouped_gemm_cluster(0);
-                                           set_gemm_half_tiles(-1);
-                                           return ms;
-                                       }});
-                }
+                columns.push_back({"tma_ms", graph(GroupedGemmKernel::kTma, CutlassConfig::kAuto)});
             }
             if (cutlass_grouped_gemm_built()) {
                 columns.push_back({"cutlass_coop_ms", graph(GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative)});
@@ -391,8 +375,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
     // auto = the per-shape choice the layer runs; auto pl (wgrad) = the same with plain gradient stores (auto marks
     // them evict-first in L2 on small groups: WgradStores); auto rm (wgrad) = the same with the tiles walked along M
     // (CutlassRaster: auto walks N for a wgrad whose [rows, M] operand overflows half the L2); tma = own kernel
-    // (wgrad: its cooperative 128x256 tile); tma2 = the same on CTA pairs; tma full (nt/nn) = tma with its half
-    // tiles off (set_gemm_half_tiles: a group's last tile of <= 64 rows on both warpgroups); tma pp / pp2 (wgrad) = the own
+    // (wgrad: its cooperative 128x256 tile); tma2 (wgrad) = the same on CTA pairs; tma pp / pp2 (wgrad) = the own
     // kernel's ping-pong (set_tn_pingpong) on single CTAs / CTA pairs; tma pp4 = its ping-pong with four staging
     // buffers a warpgroup and five ring stages;
     // cl-coop / cl-tall / cl-pp = CUTLASS 128x256 / 256x128 / ping-pong 128x128 (sm_90); cl-split = wgrad groups
@@ -411,7 +394,6 @@ std::string format_gemm_table(const nlohmann::json& r) {
                            {"auto_along_m_ms", "auto rm"},
                            {"tma_ms", "tma ms"},
                            {"tma2_ms", "tma2"},
-                           {"tma_full_ms", "tma full"},
                            {"tma_pp_ms", "tma pp"},
                            {"tma_pp2_ms", "tma pp2"},
                            {"tma_pp4_ms", "tma pp4"},

@@ -71,8 +71,7 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"wgrad-192t", &set_wgrad_wide_transposed},
                                            {"wgrad-split", &set_wgrad_split},
                                            {"wgrad-overlap", &set_wgrad_overlap},
-                                           {"pingpong-swapped", &set_pingpong_swapped},
-                                           {"tma-mid", &set_mid_group_own_kernel}};
+                                           {"pingpong-swapped", &set_pingpong_swapped}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
                   sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),

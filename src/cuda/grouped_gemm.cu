@@ -167,14 +167,6 @@ bool wgrad_own_kernel() {
     return g_wgrad_own.on(env);
 }
 
-// nt / nn of mid-sized groups (256..1535 rows) on the own TMA kernel with its half tiles (Params::half_tiles)
-// instead of CUTLASS (set_mid_group_own_kernel, MOEKIT_MID_GROUP_KERNEL=cutlass|tma), for A/B.
-Switch g_mid_own;
-bool mid_group_own_kernel() {
-    static const bool env = choice_from_env("MOEKIT_MID_GROUP_KERNEL", "cutlass", false, "tma", true);
-    return g_mid_own.on(env);
-}
-
 // Per-shape choice among CUTLASS's configurations (and the own TMA kernel), from bench_grouped_gemm's per-GEMM
 // A/B (docs/perf.md); rows per group = max_rows / G.
 //  - small groups (< 256 rows, e.g. 256 experts at 4096 tokens): nt/nn CUTLASS computing Cᵀ = W·Aᵀ with 128
@@ -228,8 +220,6 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    if (rows_per_group < kLargeGroupRows && mid_group_own_kernel())
-        return {GroupedGemmKernel::kTma, CutlassConfig::kAuto};
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
     if (!wide && pingpong_swapped(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
@@ -414,14 +404,6 @@ bool glu_forward_async_epilogue() {
     return g_glu_forward_async.on(async);
 }
 
-// The own TMA kernel's half tiles (Params::half_tiles): on unless set_gemm_half_tiles(0) or
-// MOEKIT_GEMM_HALF_TILES=0, for A/B.
-Switch g_half_tiles;
-bool half_tiles() {
-    static const bool env = choice_from_env("MOEKIT_GEMM_HALF_TILES", "1", true, "0", false);
-    return g_half_tiles.on(env);
-}
-
 template <gemm_detail::Op kOp, int kCluster>
 void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     using gemm_detail::Op;
@@ -434,7 +416,6 @@ void launch_tma(const gemm_detail::Params& p, cudaStream_t stream) {
     const uintptr_t c_bits =
         reinterpret_cast<uintptr_t>(p.C) | (kOp == Op::kTN && G2 > 0 ? reinterpret_cast<uintptr_t>(p.second) : 0);
     q.staged_epilogue = tma_staged_epilogue() && c_bits % 16 == 0 ? 1 : 0;
-    q.half_tiles = kOp != Op::kTN && half_tiles() ? 1 : 0;
     if constexpr (kOp == Op::kTN) {
         int64_t da[2] = {k, rows}, db[2] = {n, rows};
         uint32_t box[2] = {64, 64};
@@ -787,8 +768,6 @@ void set_wgrad_wide(int on) { g_wgrad_wide.set(on); }
 void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
-void set_gemm_half_tiles(int on) { g_half_tiles.set(on); }
-void set_mid_group_own_kernel(int on) { g_mid_own.set(on); }
 void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }

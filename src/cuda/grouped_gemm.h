@@ -158,14 +158,6 @@ void set_wgrad_split(int on);
 // cooperative; -1 (default) = MOEKIT_SWAP_SCHEDULE=cooperative|pingpong, else cooperative.
 void set_swap_pingpong(int on);
 
-// The own TMA kernel's nt / nn: 1 = a group's last row tile with at most 64 rows computed by one consumer warpgroup
-// (Params::half_tiles), 0 = by both as any tile; -1 (default) = MOEKIT_GEMM_HALF_TILES=1|0, else 1.
-void set_gemm_half_tiles(int on);
-
-// nt / nn of mid-sized groups (256..1535 rows a group) under the per-shape choice: 1 = the own TMA kernel (with its
-// half tiles), 0 = CUTLASS's ping-pong; -1 (default) = MOEKIT_MID_GROUP_KERNEL=cutlass|tma, else CUTLASS.
-void set_mid_group_own_kernel(int on);
-
 // nt / nn of mid-sized groups whose 128x192 tiles would pad more than 4 % of n: computed transposed on CUTLASS's
 // ping-pong (kSwapPingpong) instead of on 128x128 tiles. 1 = always, 0 = never; -1 (default) =
 // MOEKIT_PINGPONG_SWAPPED=0|1, else per shape: where the reduction is short (swapped_pingpong_pays_nt,

@@ -98,9 +98,6 @@ struct Params {
     const __nv_bfloat16* gather_tokens;
     const int32_t* gather_row_token;
     __nv_bfloat16* gather_copy;
-    // TMA kernel, nt / nn: a row tile whose group ends within its first 64 rows (a group's last tile) is computed by
-    // consumer warpgroup 0 alone; the other skips its wgmmas and epilogue (tma_kernel; set_gemm_half_tiles).
-    int half_tiles;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }

@@ -577,10 +577,8 @@ __global__ void __launch_bounds__(384, 1)
             const int nk = num_ktiles<kOp>(p, job);
             // Boxes entirely past n (or m, or max_rows) would only feed outputs that are never stored: skip them,
             // and expect only the bytes of the boxes issued (the same A boxes in both CTAs of a cluster).
-            // A half tile (Params::half_tiles) needs only the first 64 rows of A.
-            const bool half = kOp != Op::kTN && p.half_tiles && job.row_end - job.row0 <= 64;
             const int a_boxes = kOp == Op::kTN    ? min(BM / 64, (p.k - job.m0 + 63) / 64)
-                                : kCluster > 1 ? (job.row0 + 64 < p.max_rows && !half ? 2 : 1)
+                                : kCluster > 1 ? (job.row0 + 64 < p.max_rows ? 2 : 1)
                                                : 1;
             const int b_boxes =
                 kOp == Op::kNT ? (job.n0 < p.n ? 1 : 0) : max(0, min(BN / 64, (p.n - job.n0 + 63) / 64));
@@ -683,25 +681,6 @@ __global__ void __launch_bounds__(384, 1)
         const int nk = num_ktiles<kOp>(p, job);
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0.f;
-        // A group's last row tile with at most 64 rows (Params::half_tiles): warpgroup 1 would compute only rows that
-        // are never stored. It skips its wgmmas, handing each stage back once it is full (the ring's protocol is
-        // unchanged), so warpgroup 0 has the tensor cores to itself; dsv3-ep8's ~1000-row groups end in such a
-        // tile about half the time.
-        if (kOp != Op::kTN && cw == 1 && p.half_tiles && job.row_end - job.row0 <= 64) {
-            for (int kt = 0; kt < nk; ++kt, ++it) {
-                const int s = it % kStages;
-                mbar_wait(full(s), (it / kStages) & 1);
-                if ((ctid & 127) == 0) release(s);
-                if (gathering) gather_next();  // its own rows of the step kStages on, into the slot just retired
-            }
-            if constexpr (kAsyncEpi) {  // the epilogue warps wait on both warpgroups' arrivals: stage zeros
-                if (staged_tiles > 0) mbar_wait(freed, (staged_tiles - 1) & 1);
-                stage_tile_async(epi, cw * 64 + w * 16 + (lane >> 2), lane, d);
-                mbar_arrive(staged);
-                ++staged_tiles;
-            }
-            continue;
-        }
         for (int kt = 0; kt < nk; ++kt, ++it) {
             const int s = it % kStages;
             mbar_wait(full(s), (it / kStages) & 1);

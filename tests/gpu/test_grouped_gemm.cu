@@ -122,7 +122,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 enum class Backend {
-    kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kTmaFullTiles, kCutlassCoop, kCutlassTall, kCutlassPingpong,
+    kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
     kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongWideT,
     kAuto, kSync
 };
@@ -133,7 +133,6 @@ const char* name(Backend b) {
            : b == Backend::kTmaPingpong    ? "tma (tn: ping-pong)"
            : b == Backend::kTmaPair        ? "tma-cluster2 (tn: cooperative)"
            : b == Backend::kTmaPairPingpong ? "tma-cluster2 (tn: ping-pong)"
-           : b == Backend::kTmaFullTiles   ? "tma, half tiles off (tn: cooperative)"
            : b == Backend::kCutlassCoop    ? "cutlass-cooperative"
            : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
            : b == Backend::kAuto           ? "per-shape choice"
@@ -173,7 +172,6 @@ std::vector<Backend> backends(bool own_only = false) {
         out.push_back(Backend::kTmaPingpong);
         out.push_back(Backend::kTmaPair);
         out.push_back(Backend::kTmaPairPingpong);
-        out.push_back(Backend::kTmaFullTiles);
         if (own_only) {
             out.push_back(Backend::kAuto);  // falls back to the own kernel for such a C
             return out;
@@ -198,9 +196,7 @@ void select(Backend b) {
     if (b == Backend::kMma) set_grouped_gemm_kernel(GroupedGemmKernel::kMmaSync);
     if (b == Backend::kWgmma) set_grouped_gemm_kernel(GroupedGemmKernel::kWgmma);
     const bool pair = b == Backend::kTmaPair || b == Backend::kTmaPairPingpong;
-    if (b == Backend::kTma || b == Backend::kTmaPingpong || b == Backend::kTmaFullTiles || pair)
-        set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
-    set_gemm_half_tiles(b == Backend::kTmaFullTiles ? 0 : -1);
+    if (b == Backend::kTma || b == Backend::kTmaPingpong || pair) set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
     set_grouped_gemm_cluster(pair ? 2 : 1);
     set_tn_pingpong(b == Backend::kTmaPingpong || b == Backend::kTmaPairPingpong ? 1 : 0);
     if (b == Backend::kCutlassCoop || b == Backend::kCutlassTall || b == Backend::kCutlassPingpong ||
@@ -229,7 +225,6 @@ void reset_backend() {
     set_tn_pingpong(-1);
     set_cutlass_config(CutlassConfig::kAuto);
     set_wgrad_wide(-1);
-    set_gemm_half_tiles(-1);
 }
 
 enum class Op { kNT, kNN };
@@ -456,32 +451,6 @@ TEST(GroupedGemm, LastRowTilesOfEverySize) {
     const std::vector<int> counts{1, 64, 65, 127, 128, 129, 192, 193, 0, 1088, 1030, 200};
     check_row_gemm(Op::kNT, counts, 7, 512, 192, 301);
     check_row_gemm(Op::kNN, counts, 7, 520, 136, 302);
-    // The own kernel's half tiles (a last tile of <= 64 rows on one consumer warpgroup) change no bit of the result,
-    // alone or on CTA pairs: the rows stored come from the same wgmmas either way.
-    if (device_major() != 9) return;
-    const auto off = offsets_of(counts);
-    const int G = int(counts.size()), rows = off[G], n = 512, k = 192;
-    DeviceBuffer<bf16> A(random_bf16(size_t(rows) * k, 303, size_t(rows) * k)),
-        B(random_bf16(size_t(G) * n * k, 304, size_t(G) * n * k));
-    DeviceBuffer<int32_t> dOff(off);
-    const GroupedGemmShape shape{G, rows, n, k};
-    for (const int cluster : {1, 2})
-        for (const bool nt : {true, false}) {
-            std::vector<bf16> got[2];
-            for (const int half : {0, 1}) {
-                set_grouped_gemm_kernel(GroupedGemmKernel::kTma);
-                set_grouped_gemm_cluster(cluster);
-                set_gemm_half_tiles(half);
-                DeviceBuffer<bf16> C(size_t(rows) * n);
-                (nt ? grouped_gemm_nt : grouped_gemm_nn)(shape, A.ptr, B.ptr, C.ptr, dOff.ptr, nullptr);
-                MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
-                got[half] = C.download();
-            }
-            size_t differ = 0;
-            for (size_t i = 0; i < got[0].size(); ++i) differ += bits(got[0][i]) != bits(got[1][i]);
-            EXPECT_EQ(differ, 0u) << (nt ? "nt" : "nn") << " cluster " << cluster << ": half tiles change the result";
-        }
-    reset_backend();
 }
 
 TEST(GroupedGemm, MidGroupsTransposedWhereWideTilesPad) {
