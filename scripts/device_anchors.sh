@@ -11,9 +11,11 @@
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
 #                                     SKIP_MOEKIT=1 (peers only: no moekit rows, no report)
-#                                     GEMM_PRESETS="dsv3-ep8 mixtral" (per GEMM, issue 10's acceptance ratio, in the
-#                                     same call: bench_grouped_gemm --acceptance-only --rounds GEMM_ROUNDS, default 12,
-#                                     after moekit's rows; carried prebuilt/ then needs bench_grouped_gemm too)
+#                                     GEMM_PRESETS="dsv3-ep8 mixtral" (the default; per GEMM, issue 10's acceptance
+#                                     ratio, in the same call: bench_grouped_gemm --acceptance-only --rounds
+#                                     GEMM_ROUNDS, default 12, after moekit's rows; carried prebuilt/ then needs
+#                                     bench_grouped_gemm too; GEMM_PRESETS= leaves them out)
+# The report ends with issue 10's acceptance checked point by point on this call's numbers (anchor_math.acceptance).
 # SonicMoE's compiled kernels: its persistent object cache (QUACK_CACHE_DIR) starts from SONIC_CACHE (default
 # .anchors/quack_cache.tar.xz, carried: copy an earlier call's $OUT/quack_cache.tar.xz there) where that exists, and
 # SAVE_SONIC_CACHE=1 packs it into $OUT afterwards (objects only: autotuning results and locks stay behind). A call
@@ -23,6 +25,7 @@
 LIMIT=${LIMIT:-540}
 . "$(dirname "$0")/device_lib.sh"
 ITERS=${ITERS:-10}
+GEMM_PRESETS=${GEMM_PRESETS-dsv3-ep8 mixtral}
 CONFIGS=${CONFIGS:-mixtral dsv3-ep8 dsv3-e256 qwen3-30b dsv3-ep8@zipf1.2 mixtral@zipf1.2}
 PEERS=${PEERS:-torch sonic}
 SCOPES=${SCOPES:-layer mlp}

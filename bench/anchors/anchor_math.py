@@ -173,3 +173,87 @@ def format_table(rows, title_lines=()):
             fmt(r["fwd_tflops"], ".0f"), fmt(r["fwd_bwd_tflops"], ".0f"), fmt(r["moekit_over_fwd"], ".2f"),
             fmt(r["moekit_over_fwd_bwd"], ".2f"), r["note"]))
     return "\n".join(out) + "\n"
+
+
+# Issue 10's acceptance as one side-by-side call measures it: the whole layer's limit over its roofline per preset
+# (a zipf config takes its preset's), the per-GEMM floors (dense cuBLAS time / the per-shape choice's, the median of
+# the per-round ratios of bench_grouped_gemm --acceptance-only) on the presets named, SonicMoE's layer at least
+# moekit's speed wherever it ran.
+ROOFLINE_LIMITS = {"mixtral": 1.18, "dsv3-ep8": 1.18, "qwen3-30b": 1.35, "dsv3-e256": 1.35}
+GEMM_ACCEPTANCE_PRESETS = ("mixtral", "dsv3-ep8")
+GEMM_FLOORS = (("fwd", 0.95), ("dgrad", 0.90), ("wgrad", 0.90))
+GEMM_NAMES = ("fc1_fwd", "fc2_fwd", "fc2_dgrad", "fc2_wgrad", "fc1_dgrad", "fc1_wgrad")
+
+
+def gemm_floor(name):
+    """The acceptance floor of a GEMM named like 'fc1_wgrad': 0.95 for a forward, 0.90 for a dgrad or wgrad."""
+    for kind, floor in GEMM_FLOORS:
+        if name.endswith("_" + kind):
+            return floor
+    raise ValueError("GEMM %r: not a fwd, dgrad or wgrad" % name)
+
+
+def gemm_ratio(g):
+    """dense / the per-shape choice of one bench_grouped_gemm row: the median of its per-round ratios, else the
+    ratio of its medians; None where either was not timed."""
+    if g.get("dense_over_auto_median") is not None:
+        return g["dense_over_auto_median"]
+    a, d = g.get("auto_ms"), g.get("dense_ms")
+    return d / a if a and d and a > 0 and d > 0 else None
+
+
+def acceptance(configs, layers, sonic, gemms):
+    """The checks of one call. layers: {config: moekit bench layer JSON or None}; sonic: {config: SonicMoE's layer
+    result ({'fwd_bwd_ms'} or {'error'}) or None}; gemms: {preset: bench_grouped_gemm JSON (one preset's object) or
+    None}. Each check: dict(point, what, value, limit, met) with met True / False, or None where it was not measured
+    (value None, `note` says why)."""
+    checks = []
+
+    def add(point, what, value, limit, met, note=""):
+        checks.append(dict(point=point, what=what, value=value, limit=limit, met=met, note=note))
+
+    for c in configs:
+        preset, _ = parse_config(c)
+        j = layers.get(c)
+        g = (j or {}).get("grouped", {}).get("fwd_bwd_ms")
+        s = (j or {}).get("sync", {}).get("fwd_bwd_ms")
+        roof = ((j or {}).get("roofline") or {}).get("roofline_ms")
+        ratio = speedup(s, g)
+        add("sync-free faster than sync", c, ratio, "> 1", None if ratio is None else ratio > 1.0,
+            "" if ratio is not None else "no moekit layer result")
+        over = g / roof if g and roof else None
+        limit = ROOFLINE_LIMITS[preset]
+        add("layer over roofline", c, over, "<= %.2f" % limit, None if over is None else over <= limit,
+            "" if over is not None else "no moekit layer result")
+        res = sonic.get(c) or {}
+        mk = speedup(res.get("fwd_bwd_ms"), g)
+        why = "" if mk is not None else "no moekit layer result" if not g else \
+            "SonicMoE: %s" % (res.get("error") or "no result")
+        add("SonicMoE / moekit", c, mk, ">= 1", None if mk is None else mk >= 1.0, why)
+    for preset in GEMM_ACCEPTANCE_PRESETS:
+        rows = {r.get("name"): r for r in ((gemms.get(preset) or {}).get("gemms") or [])}
+        for name in GEMM_NAMES:
+            r = rows.get(name)
+            v = gemm_ratio(r) if r else None
+            floor = gemm_floor(name)
+            add("per GEMM dense / choice", "%s %s" % (preset, name), v, ">= %.2f" % floor,
+                None if v is None else v >= floor, "" if v is not None else "not timed in this call")
+    return checks
+
+
+def format_acceptance(checks):
+    """The checks as text: one line each, then the verdict (every point met, or how many were not / not measured)."""
+    out = ["issue 10 acceptance, this call:"]
+    for k in checks:
+        state = "met" if k["met"] else "NOT MET" if k["met"] is False else "not measured"
+        out.append("  %-26s %-22s %8s  %-7s %s%s" % (k["point"], k["what"], fmt(k["value"], ".3f"), k["limit"], state,
+                                                    "  (%s)" % k["note"] if k["note"] else ""))
+    missed = sum(1 for k in checks if k["met"] is False)
+    unmeasured = sum(1 for k in checks if k["met"] is None)
+    if not missed and not unmeasured:
+        out.append("  every point met in this call (%d checks)" % len(checks))
+    else:
+        # SonicMoE is compared only where it ran (the issue's rule); any other unmeasured check leaves the verdict open.
+        out.append("  %d of %d checks met; %d not met, %d not measured" %
+                   (len(checks) - missed - unmeasured, len(checks), missed, unmeasured))
+    return "\n".join(out) + "\n"

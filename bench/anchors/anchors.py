@@ -230,13 +230,29 @@ def report(args):
         "(moekit's mlp JSON). SonicMoE 'layer': its own router (top-k then softmax: same top-k set as moekit's",
         "softmax-then-top-k on equal logits), inputs skewed like moekit bench's; 'experts': no router, moekit's counts.",
     ]
-    table = am.format_table(rows, title)
+    # Issue 10's acceptance from the same files: moekit's layer JSON, SonicMoE's layer rows, and the per-GEMM JSON
+    # that scripts/device_anchors.sh writes beside moekit's (gemm_<preset>.json, bench_grouped_gemm --json).
+    gemms = {}
+    for preset in am.GEMM_ACCEPTANCE_PRESETS:
+        path = os.path.join(args.moekit_dir, "gemm_%s.json" % preset) if args.moekit_dir else None
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                gemms[preset] = next((r for r in (data if isinstance(data, list) else [data])
+                                      if isinstance(r, dict) and r.get("preset") == preset and "gemms" in r), None)
+            except (OSError, ValueError) as e:
+                print("anchors: %s: unreadable (%s); treated as missing" % (path, e), file=sys.stderr)
+    checks = am.acceptance(args.configs, {c: moekit_all[c].get("layer") for c in args.configs},
+                           {c: per_config[c].get("sonic layer") for c in args.configs}, gemms)
+    table = am.format_table(rows, title) + "\n" + am.format_acceptance(checks)
     sys.stdout.write(table)
     if args.table:
         with open(args.table, "w") as f:
             f.write(table)
     if args.json:
-        write_json(args.json, dict(configs=args.configs, rows=rows, peers=peers_meta, peer_results=per_config,
+        write_json(args.json, dict(configs=args.configs, rows=rows, acceptance=checks, peers=peers_meta,
+                                   peer_results=per_config,
                                    moekit={c: {s: (j is not None) for s, j in m.items()} for c, m in moekit_all.items()}))
     return 0
 

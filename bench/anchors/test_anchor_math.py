@@ -83,6 +83,10 @@ def test_report(rng):
     mlp = dict(grouped=dict(fwd_ms=t["gm"] / 3, fwd_bwd_ms=t["gm"]), sync=dict(fwd_ms=1, fwd_bwd_ms=2),
                floor=dict(fwd_ms=1, fwd_bwd_ms=3), counts=[2048] * 8)
     json.dump(layer, open(os.path.join(d, "mixtral_layer.json"), "w"))
+    gemm_ratio = rng.uniform(0.8, 1.1)  # bench_grouped_gemm --json: an array of presets
+    json.dump([dict(preset="mixtral", gemms=[dict(name="fc2_wgrad", auto_ms=2.0, dense_ms=1.0,
+                                                  dense_over_auto_median=gemm_ratio)])],
+              open(os.path.join(d, "gemm_mixtral.json"), "w"))
     json.dump(mlp, open(os.path.join(d, "mixtral_mlp.json"), "w"))
     json.dump(dict(configs={"mixtral": {"torch._grouped_mm": dict(scope="mlp", fwd_ms=t["tf"], fwd_bwd_ms=t["tfb"])}},
                    device="H"), open(os.path.join(d, "torch.json"), "w"))
@@ -97,6 +101,13 @@ def test_report(rng):
                          capture_output=True, text=True)
     check(out.returncode == 0, "report exits 0 (%s)" % out.stderr[-300:])
     rows = {(r["config"], r["name"], r["scope"]): r for r in json.load(open(d + "/a.json"))["rows"]}
+    acc = {(k["point"], k["what"]): k for k in json.load(open(d + "/a.json"))["acceptance"]}
+    check(close(acc[("sync-free faster than sync", "mixtral")]["value"], t["s"] / t["g"]), "acceptance: sync ratio")
+    check(close(acc[("layer over roofline", "mixtral")]["value"], t["g"] / t["f"]), "acceptance: roofline ratio")
+    check(close(acc[("SonicMoE / moekit", "mixtral")]["value"], t["sl"] / t["g"]), "acceptance: SonicMoE's layer")
+    check(abs(acc[("per GEMM dense / choice", "mixtral fc2_wgrad")]["value"] - gemm_ratio) < 1e-12,
+          "acceptance: a GEMM's ratio read from gemm_mixtral.json")
+    check("issue 10 acceptance, this call:" in open(d + "/a.txt").read(), "the table ends with the acceptance")
     f3 = am.fwd_bwd_flops(T, k, H, F)
     r = rows[("mixtral", "torch._grouped_mm", "mlp")]
     check(close(r["fwd_bwd_tflops"], f3 / (t["tfb"] * 1e-3) / 1e12), "torch TFLOP/s in the JSON")
@@ -124,6 +135,54 @@ def test_report(rng):
     bad = subprocess.run([sys.executable, os.path.join(HERE, "anchors.py"), "plan", "--configs", "mixtral@zipf-1"],
                          capture_output=True, text=True)
     check(bad.returncode == 2 and "zipf exponent" in bad.stderr, "a bad config exits 2 naming the rule")
+
+
+def test_acceptance(rng):
+    # Issue 10's checks from synthetic results whose verdicts are known: each value drawn on one side of its limit.
+    configs = ["mixtral", "dsv3-e256", "dsv3-ep8@zipf1.2", "qwen3-30b"]
+    layers, sonic, want = {}, {}, {}
+    for c in configs:
+        preset, _ = am.parse_config(c)
+        g = rng.uniform(5, 40)
+        faster, under, ahead = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
+        s = g * (rng.uniform(1.01, 2.0) if faster else rng.uniform(0.5, 0.99))
+        lim = am.ROOFLINE_LIMITS[preset]
+        roof = g / (lim * (rng.uniform(0.7, 0.99) if under else rng.uniform(1.01, 1.3)))
+        layers[c] = dict(grouped=dict(fwd_bwd_ms=g), sync=dict(fwd_bwd_ms=s), roofline=dict(roofline_ms=roof))
+        sonic[c] = dict(fwd_bwd_ms=g * (rng.uniform(1.0, 1.5) if ahead else rng.uniform(0.6, 0.99)))
+        want[c] = (faster, under, ahead)
+    sonic["qwen3-30b"] = dict(error="not reached (exit 124, timed out)")
+    layers["dsv3-e256"]["roofline"]["roofline_ms"] = layers["dsv3-e256"]["grouped"]["fwd_bwd_ms"] / 1.35  # the limit
+    want["dsv3-e256"] = (want["dsv3-e256"][0], True, want["dsv3-e256"][2])
+    ratios = {n: rng.uniform(0.8, 1.1) for n in am.GEMM_NAMES}
+    gemms = {"dsv3-ep8": dict(preset="dsv3-ep8", gemms=[dict(name=n, dense_over_auto_median=v, auto_ms=1.0,
+                                                               dense_ms=0.1) for n, v in ratios.items()])}
+    checks = am.acceptance(configs, layers, sonic, gemms)
+    by = {(k["point"], k["what"]): k for k in checks}
+    for c in configs:
+        faster, under, ahead = want[c]
+        check(by[("sync-free faster than sync", c)]["met"] is faster, "sync check on %s" % c)
+        check(by[("layer over roofline", c)]["met"] is under, "roofline check on %s (limit %s)" % (c, by[(
+            "layer over roofline", c)]["limit"]))
+        if c != "qwen3-30b":
+            check(by[("SonicMoE / moekit", c)]["met"] is ahead, "SonicMoE check on %s" % c)
+    q = by[("SonicMoE / moekit", "qwen3-30b")]
+    check(q["met"] is None and "exit 124" in q["note"], "SonicMoE not run: not measured, with its reason")
+    for n, v in ratios.items():
+        k = by[("per GEMM dense / choice", "dsv3-ep8 " + n)]
+        floor = 0.95 if n.endswith("_fwd") else 0.90
+        check(k["met"] is (v >= floor) and k["value"] == v, "per-GEMM %s at %.3f against %.2f (the per-round median, "
+              "not the medians' ratio)" % (n, v, floor))
+        check(by[("per GEMM dense / choice", "mixtral " + n)]["met"] is None, "mixtral's GEMMs not timed: not measured")
+    text = am.format_acceptance(checks)
+    missed = sum(1 for k in checks if k["met"] is False)
+    check(("%d not met" % missed) in text and "7 not measured" in text, "the verdict counts (%s)" % text[-120:])
+    all_met = am.acceptance(["mixtral"], {"mixtral": dict(grouped=dict(fwd_bwd_ms=10.0), sync=dict(fwd_bwd_ms=11.0),
+                                                          roofline=dict(roofline_ms=9.0))},
+                            {"mixtral": dict(fwd_bwd_ms=10.5)},
+                            {p: dict(preset=p, gemms=[dict(name=n, auto_ms=1.0, dense_ms=0.96) for n in am.GEMM_NAMES])
+                             for p in am.GEMM_ACCEPTANCE_PRESETS})
+    check("every point met" in am.format_acceptance(all_met), "every check met: said so")
 
 
 def test_resume():
@@ -155,6 +214,7 @@ if __name__ == "__main__":
     test_presets_match_cpp()
     test_routing(rng)
     test_report(rng)
+    test_acceptance(rng)
     test_resume()
     print("FAILED: %d check(s)" % len(FAILS) if FAILS else "all checks passed")
     sys.exit(1 if FAILS else 0)
