@@ -51,6 +51,10 @@ enum class CutlassConfig {
     kSwapPingpong,
     kPingpongWideTransposed
 };
+// The configurations that compute an nt / nn transposed (Cᵀ = W·Aᵀ: weights along the tile's rows).
+constexpr bool is_swapped_config(CutlassConfig c) {
+    return c == CutlassConfig::kSwapAB || c == CutlassConfig::kSwapPingpong;
+}
 // The mean rows per group at which the per-shape choice (grouped_gemm.cu) and kAuto here change configuration:
 // below kSmallGroupRows a 256-row tile holds a whole group; from kLargeGroupRows on, wgrad is plain ping-pong (no
 // split by size) and nt / nn with a long reduction cooperative.

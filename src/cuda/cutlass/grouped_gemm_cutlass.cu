@@ -66,8 +66,7 @@ namespace cutlass_detail {
 CutlassConfig resolve_config(CutlassConfig requested, int64_t rows_per_group, bool wgrad) {
     if (requested == CutlassConfig::kAuto) requested = CutlassConfig(g_config.load());
     if (requested == CutlassConfig::kSplitBySize && !wgrad) requested = CutlassConfig::kAuto;  // tn only
-    if (requested == CutlassConfig::kSwapAB && wgrad) requested = CutlassConfig::kAuto;      // nt / nn only
-    if (requested == CutlassConfig::kSwapPingpong && wgrad) requested = CutlassConfig::kAuto;  // nt / nn only
+    if (is_swapped_config(requested) && wgrad) requested = CutlassConfig::kAuto;  // nt / nn only
     if (requested == CutlassConfig::kCooperative2x2 && !wgrad) requested = CutlassConfig::kCooperative;  // tn only
     if (requested == CutlassConfig::kPingpongWideTransposed && !wgrad) requested = CutlassConfig::kPingpongWide;
     if (requested == CutlassConfig::kAuto) {

@@ -403,7 +403,7 @@ void run(const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16*
         else
             run_tn<Stores::kPlain>(s, A, B, C, d_offsets, write, config, stream);
         return;
-    } else if (config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong) {
+    } else if (is_swapped_config(config)) {
         if constexpr (kOp == Op::kNT)
             run_swapped_nt(s, A, B, C, d_offsets, stream, config == CutlassConfig::kSwapPingpong);
         else

@@ -12,7 +12,7 @@ bool cutlass_grouped_gemm_nn_glu_backward(const GroupedGemmShape& shape, const _
     using namespace cutlass_detail;
     const int64_t rows_per_group = shape.num_groups > 0 ? shape.max_rows / shape.num_groups : 0;
     if (config == CutlassConfig::kAuto ? resolve_config(config, rows_per_group, false) != CutlassConfig::kPingpong
-                                       : config == CutlassConfig::kSwapAB || config == CutlassConfig::kSwapPingpong)
+                                       : is_swapped_config(config))
         return false;
     static_assert(cute::size<1>(Pingpong::Tile{}) == kGluBackwardTileColumns, "a d(prob) partial per column tile");
     MOEKIT_CHECK(shape.n % 8 == 0 && shape.n < (int64_t(1) << 29), "fused dgrad + activation backward: n = ", shape.n);
