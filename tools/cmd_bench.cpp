@@ -53,7 +53,8 @@ int run_bench(const std::vector<std::string>& args) {
           "they pad little) | wgrad-192t (where only the gradient's m does: the wgrad computed transposed) | "
           "wgrad-split (mid-sized groups' wgrads split by size) | wgrad-overlap (the wgrads on a stream of their own "
           "beside the dgrad chain's memory passes) | pingpong-swapped (nt / nn where 128x192 pads over 4 %: computed "
-          "transposed on ping-pong): also "
+          "transposed on ping-pong) | long-k-coop (nt / nn with a reduction over 2048 on CUTLASS's cooperative "
+          "128x256 instead of ping-pong): also "
           "time the step's graph with that switch on, in the same rounds as with it off (--scope layer, EP=1)");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");

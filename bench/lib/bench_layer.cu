@@ -71,7 +71,8 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"wgrad-192t", &set_wgrad_wide_transposed},
                                            {"wgrad-split", &set_wgrad_split},
                                            {"wgrad-overlap", &set_wgrad_overlap},
-                                           {"pingpong-swapped", &set_pingpong_swapped}};
+                                           {"pingpong-swapped", &set_pingpong_swapped},
+                                           {"long-k-coop", &set_long_reduction_cooperative}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
                   sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),

@@ -35,14 +35,23 @@ inline bool wide_pingpong_pads_little(int64_t n) { return wide_pingpong_pads_und
 // forward, 3.032 vs 3.138 ms), 0.974-0.988 at n = 7168 (1.8 %), 0.93 / 0.915 at n = 1536 / 768 (none); 1.00-1.13 at
 // n = 2048 (12.5 %).
 inline bool wide_pingpong_pays_nt(int64_t n) { return wide_pingpong_pads_under(n, 4); }
+// The longest reduction an nt / nn of mid-sized or large groups runs on CUTLASS's ping-pong (128x128, 128x192 or
+// transposed); a longer one takes the cooperative 128x256. On an H100 (2026-12-07, bench_grouped_gemm, three rounds)
+// every ping-pong configuration took 1.3-1.7x the cooperative's time at k = 4096 and 7168 (dsv3-ep8 fc1 forward
+// 4.721 ms on 128x192 against 3.111 cooperative, dense cuBLAS 2.883; fc2 dgrad 2.511 / 1.591; fc1 dgrad 4.152 /
+// 3.126; mixtral fc1 forward 6.969 / 5.995, fc2 dgrad 3.604 / 2.920) and the same or less at k <= 2048 (dsv3-ep8 fc2
+// forward 1.669 / 1.718; qwen3-30b's GEMMs); on an H200 the two were within 3 % of each other at every k.
+inline constexpr int64_t kPingpongMaxReduction = 2048;
+inline bool pingpong_pays_reduction(int64_t k) { return k <= kPingpongMaxReduction; }
+
 // Where the nt / nn rule above says no, the product computed transposed on ping-pong's 128 weight rows x 192 token
 // rows (CUTLASS kSwapPingpong, n along the 128-row side of a 2x1 cluster) where that side pads nothing and the
-// reduction is short (k <= 2048): each k step then loads 128 + 192 rows for a 128x192 tile instead of 256 for
-// 128x128, which pays where the tile's main loop is short. The layer step with it on / off on an H200
+// reduction is short (pingpong_pays_reduction): each k step then loads 128 + 192 rows for a 128x192 tile instead of
+// 256 for 128x128, which pays where the tile's main loop is short. The layer step with it on / off on an H200
 // (2026-11-28, `moekit bench --variant pingpong-swapped`): qwen3-30b (fc2 forward k = 768, fc1 dgrad k = 1536)
 // 0.985, 0.991, 0.996; at k = 7168 (dsv3-ep8's fc2 dgrad) 1.011, its GEMM 7 % slower.
 inline bool swapped_pingpong_pays_nt(int64_t n, int64_t k) {
-    return n > 0 && !wide_pingpong_pays_nt(n) && padded_columns(n, 128, 2) == 0 && k <= 2048;
+    return n > 0 && !wide_pingpong_pays_nt(n) && padded_columns(n, 128, 2) == 0 && pingpong_pays_reduction(k);
 }
 
 // Rows that row tiles of tile_rows compute for groups of counts[g] rows, each group's last tile padded to a whole

@@ -144,6 +144,15 @@ bool pingpong_swapped(const GroupedGemmShape& s) {
     return swapped_pingpong_pays_nt(s.n, s.k);
 }
 
+// nt / nn of mid-sized and large groups whose reduction is longer than ping-pong pays for
+// (pingpong_pays_reduction, core/tile_padding_math.h, says what was measured) on CUTLASS's cooperative 128x256
+// (set_long_reduction_cooperative, else MOEKIT_LONG_K_SCHEDULE=cooperative|pingpong): on by default.
+Switch g_long_k_coop;
+bool long_reduction_cooperative() {
+    static const bool env = choice_from_env("MOEKIT_LONG_K_SCHEDULE", "cooperative", true, "pingpong", false);
+    return g_long_k_coop.on(env);
+}
+
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
 // default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
 // 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
@@ -179,6 +188,8 @@ bool wgrad_own_kernel() {
 //    stored evict-first in L2 (WgradStores::kAuto, grouped_gemm_cutlass.h: fc1 9.40-9.55 vs 10.43-10.83 ms);
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative 128x256 (8-10% faster);
+//  - the other nt/nn with a reduction longer than 2048 (long_reduction_cooperative): CUTLASS cooperative 128x256
+//    (on an H100 every ping-pong configuration took 1.3-1.7x its time there; on an H200 within 3 %);
 //  - the other nt/nn: CUTLASS ping-pong (each consumer warpgroup's epilogue overlaps the other's main loop). H200,
 //    2026-11-27, median of three interleaved rounds against the own TMA kernel, ms: qwen3-30b fc2 forward 0.721 vs
 //    0.831, fc2 dgrad 0.657 vs 0.679, fc1 forward 1.315 vs 1.329, fc1 dgrad 1.328 vs 1.409; dsv3-ep8 1.495 vs
@@ -219,6 +230,8 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
     }
     if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
+        return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
+    if (!pingpong_pays_reduction(s.k) && long_reduction_cooperative())
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
     if (!wide && pingpong_swapped(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
@@ -769,6 +782,7 @@ void set_wgrad_wide_transposed(int on) { g_wgrad_wide_t.set(on); }
 void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
+void set_long_reduction_cooperative(int on) { g_long_k_coop.set(on); }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }

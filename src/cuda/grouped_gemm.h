@@ -164,6 +164,11 @@ void set_swap_pingpong(int on);
 // core/tile_padding_math.h).
 void set_pingpong_swapped(int on);
 
+// nt / nn of mid-sized and large groups whose reduction is longer than 2048 (pingpong_pays_reduction,
+// core/tile_padding_math.h): 1 = CUTLASS's cooperative 128x256, 0 = the ping-pong rules above as for a short one;
+// -1 (default) = MOEKIT_LONG_K_SCHEDULE=cooperative|pingpong, else cooperative.
+void set_long_reduction_cooperative(int on);
+
 // Multiprocessors of the current device (cached per device): the size of every backend's persistent grid, unless
 // a GemmSmsLeftScope lives on the launching thread.
 int grouped_gemm_sm_count();

@@ -36,7 +36,7 @@ TEST(CmdBench, BadFlagCombinationsAreNamedWithExitStatus2) {
         {"bench --preset mixtral --moe-num-echo-experts 8", "--moe-num-echo-experts=8 goes with --moe-enable-echo"},
         {"bench --preset mixtral --variant fused",
          "--variant=fused: expected glu-forward, glu-backward, gather-fc1, tma-wgrad, pingpong-192, swap-pingpong, "
-         "wgrad-192, wgrad-192t, wgrad-split, wgrad-overlap or pingpong-swapped"},
+         "wgrad-192, wgrad-192t, wgrad-split, wgrad-overlap, pingpong-swapped or long-k-coop"},
         {"bench --preset mixtral --variant glu-forward --scope mlp", "goes with --scope layer at EP=1"},
     };
     for (const Case& c : cases) {

@@ -1,5 +1,5 @@
 // padded_columns / wide_pingpong_pads_little (core/tile_padding_math.h): the output columns column tiles compute
-// past n, rounded to a cluster, and where CUTLASS's 128x192 ping-pong pads little.
+// past n, rounded to a cluster, where CUTLASS's 128x192 ping-pong pads little, and the reductions ping-pong takes.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -15,6 +15,7 @@ using moekit::wide_pingpong_pads_under;
 using moekit::wide_pingpong_pays_nt;
 using moekit::rows_on_row_tiles;
 using moekit::swapped_pingpong_pays_nt;
+using moekit::pingpong_pays_reduction;
 
 TEST(TilePadding, ColumnsPastTheEndRoundedToTheCluster) {
     EXPECT_EQ(padded_columns(2048, 128, 2), 0);
@@ -79,6 +80,19 @@ TEST(TilePadding, SwappedPingpongWhereWideTilesPadAndTheReductionIsShort) {
     EXPECT_FALSE(swapped_pingpong_pays_nt(2176, 1024)) << "17 weight tiles of 128 pad the 2x1 cluster";
     EXPECT_TRUE(swapped_pingpong_pays_nt(2304 + 256, 1024)) << "20 weight tiles; 192-column tiles pad 5 %";
     EXPECT_FALSE(swapped_pingpong_pays_nt(0, 768));
+}
+
+TEST(TilePadding, PingpongOnlyForShortReductions) {
+    EXPECT_TRUE(pingpong_pays_reduction(2048)) << "dsv3-ep8 fc2 forward: ping-pong at least as fast on an H100";
+    EXPECT_TRUE(pingpong_pays_reduction(768));    // qwen3-30b fc2 forward
+    EXPECT_TRUE(pingpong_pays_reduction(1536));   // qwen3-30b fc1 dgrad
+    EXPECT_FALSE(pingpong_pays_reduction(2049));
+    EXPECT_FALSE(pingpong_pays_reduction(4096)) << "mixtral fc1 forward, dsv3-ep8 fc1 dgrad";
+    EXPECT_FALSE(pingpong_pays_reduction(7168)) << "dsv3-ep8 fc1 forward and fc2 dgrad";
+    // The transposed ping-pong shares the bound: wherever it is taken, a ping-pong pays for the reduction.
+    for (int64_t k : {512, 2048, 2049, 4096, 7168})
+        for (int64_t n : {768, 2048, 2560, 4096})
+            if (swapped_pingpong_pays_nt(n, k)) EXPECT_TRUE(pingpong_pays_reduction(k)) << n << " x " << k;
 }
 
 TEST(TilePadding, RowsOnRowTilesPadEachGroupsLastTile) {
