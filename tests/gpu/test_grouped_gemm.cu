@@ -457,13 +457,16 @@ TEST(GroupedGemm, MidGroupsTransposedWhereWideTilesPad) {
     SKIP_WITHOUT_GPU();
     // Mid-sized groups (>= 256 rows a group) with n = 512, where 128x192 tiles would pad 50 % and 128-row weight tiles
     // fill the 2x1 cluster, and a short reduction: the per-shape choice computes nt / nn transposed on ping-pong
-    // (swapped_pingpong_pays_nt); with k = 2304 it does not. Every backend, the choice among them, against the oracle.
+    // (swapped_pingpong_pays_nt); with k = 2304 it does not, and the long reduction takes CUTLASS's cooperative
+    // 128x256 (pingpong_pays_reduction). Every backend, the choice among them, against the oracle.
     ASSERT_TRUE(swapped_pingpong_pays_nt(512, 256));
     ASSERT_FALSE(swapped_pingpong_pays_nt(512, 2304));
+    ASSERT_FALSE(pingpong_pays_reduction(2304));
     const std::vector<int> counts{300, 257, 0, 412, 380, 299, 256, 341};
     check_row_gemm(Op::kNT, counts, 3, 512, 256, 311);
     check_row_gemm(Op::kNN, counts, 3, 512, 256, 312);
     check_row_gemm(Op::kNT, counts, 3, 512, 2304, 313);
+    check_row_gemm(Op::kNN, counts, 3, 512, 2304, 314);
 }
 
 TEST(GroupedGemm, ManyGroupsSmallCounts) {
