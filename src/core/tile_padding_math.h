@@ -37,7 +37,7 @@ inline bool wide_pingpong_pads_little(int64_t n) { return wide_pingpong_pads_und
 inline bool wide_pingpong_pays_nt(int64_t n) { return wide_pingpong_pads_under(n, 4); }
 // The longest reduction an nt / nn of mid-sized or large groups runs on CUTLASS's ping-pong (128x128, 128x192 or
 // transposed); a longer one takes the cooperative 128x256. On an H100 (2026-12-07, bench_grouped_gemm, three rounds)
-// every ping-pong configuration took 1.3-1.7x the cooperative's time at k = 4096 and 7168 (dsv3-ep8 fc1 forward
+// the ping-pong the choice took ran 1.16-1.58x the cooperative's time at k = 4096 and 7168 (dsv3-ep8 fc1 forward
 // 4.721 ms on 128x192 against 3.111 cooperative, dense cuBLAS 2.883; fc2 dgrad 2.511 / 1.591; fc1 dgrad 4.152 /
 // 3.126; mixtral fc1 forward 6.969 / 5.995, fc2 dgrad 3.604 / 2.920) and the same or less at k <= 2048 (dsv3-ep8 fc2
 // forward 1.669 / 1.718; qwen3-30b's GEMMs); on an H200 the two were within 5 % either way.

@@ -189,7 +189,7 @@ bool wgrad_own_kernel() {
 //  - nt/nn of large groups (>= 1536 rows) with a reduction at least twice the output width (mixtral fc2
 //    forward, fc1 dgrad): CUTLASS cooperative 128x256 (8-10% faster);
 //  - the other nt/nn with a reduction longer than 2048 (long_reduction_cooperative): CUTLASS cooperative 128x256
-//    (on an H100 every ping-pong configuration took 1.3-1.7x its time there; on an H200 within 5 % either way);
+//    (on an H100 the ping-pong took 1.16-1.58x its time there; on an H200 within 5 % either way);
 //  - the other nt/nn: CUTLASS ping-pong (each consumer warpgroup's epilogue overlaps the other's main loop). H200,
 //    2026-11-27, median of three interleaved rounds against the own TMA kernel, ms: qwen3-30b fc2 forward 0.721 vs
 //    0.831, fc2 dgrad 0.657 vs 0.679, fc1 forward 1.315 vs 1.329, fc1 dgrad 1.328 vs 1.409; dsv3-ep8 1.495 vs
