@@ -1,7 +1,7 @@
 // Grouped expert GEMMs per preset: fc1/fc2 forward, dgrad and wgrad timed for the grouped wgmma and mma.sync
 // kernels, the synchronous cuBLAS baseline and dense cuBLAS GEMMs of the same FLOPs (the floor).
-// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--even] [--gemm NAME] [--iters N] [--rounds R]
-//                           [--json FILE] [--mlp] [--acceptance-only]
+// usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--even] [--gemm NAME] [--iters N] [--warmup N]
+//                           [--seed N] [--rounds R] [--json FILE] [--mlp] [--acceptance-only]
 // (--gemm: one of fc1_fwd fc2_fwd fc2_dgrad fc2_wgrad fc1_dgrad fc1_wgrad only, e.g. under a profiler).
 // (--rounds: every column timed once a round, rounds interleaved, the median printed; default 3).
 // (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
@@ -13,6 +13,7 @@
 
 #include "io/atomic_file.h"
 #include "lib/bench_expert_mlp.h"
+#include "lib/bench_flags.h"
 #include "lib/bench_main.h"
 #include "moekit/error.h"
 
@@ -33,12 +34,10 @@ int main(int argc, char** argv) {
                 preset = value();
             else if (a == "--skew")
                 o.zipf_s = parse_skew(value());
-            else if (a == "--iters")
-                o.iters = std::stoi(value());
             else if (a == "--rounds")
-                o.rounds = std::stoi(value());
-            else if (a == "--json")
-                json_path = value();
+                o.rounds = int(moekit::bench::parse_int_flag(a, value(), 1));
+            else if (moekit::bench::parse_run_flag(a, value, o.iters, o.warmup, o.seed, json_path))
+                continue;  // --iters, --warmup, --seed, --json: the flags every benchmark shares
             else if (a == "--mlp")
                 mlp = true;
             else if (a == "--even")
@@ -50,8 +49,8 @@ int main(int argc, char** argv) {
             else
                 throw moekit::UsageError("unknown flag " + a);
         }
-        MOEKIT_REQUIRE(o.iters >= 1 && o.rounds >= 1 && o.rounds <= 100,
-                       "--iters and --rounds must be positive (rounds <= 100)");
+        MOEKIT_REQUIRE(o.rounds <= 100, "--rounds=", o.rounds, " must be at most 100");
+        if (!json_path.empty()) moekit::bench::require_json_directory(json_path);
         MOEKIT_REQUIRE(!(o.even && o.zipf_s > 0), "--even gives every expert the same rows: not with --skew");
         if (preset != "all") find_preset(preset);  // an unknown name is a usage error (exit 2), not an empty run
         nlohmann::json all = nlohmann::json::array();
