@@ -229,9 +229,8 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
                     wgrad_split_on() ? CutlassConfig::kSplitBySize : CutlassConfig::kPingpong};
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kPingpong};
     }
-    if (rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n)
-        return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
-    if (!pingpong_pays_reduction(s.k) && long_reduction_cooperative())
+    const bool large_long = rows_per_group >= kLargeGroupRows && s.k >= 2 * s.n;
+    if (large_long || (!pingpong_pays_reduction(s.k) && long_reduction_cooperative()))
         return {GroupedGemmKernel::kCutlass, CutlassConfig::kCooperative};
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
     if (!wide && pingpong_swapped(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
