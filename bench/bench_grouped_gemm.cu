@@ -1,13 +1,15 @@
 // Grouped expert GEMMs per preset: fc1/fc2 forward, dgrad and wgrad timed for the grouped wgmma and mma.sync
 // kernels, the synchronous cuBLAS baseline and dense cuBLAS GEMMs of the same FLOPs (the floor).
 // usage: bench_grouped_gemm [--preset NAME|all] [--skew zipf:S] [--even] [--gemm NAME] [--iters N] [--warmup N]
-//                           [--seed N] [--rounds R] [--json FILE] [--mlp] [--acceptance-only]
+//                           [--seed N] [--rounds R] [--json FILE] [--mlp] [--acceptance-only] [--gemm-tune on|off]
 // (--gemm: one of fc1_fwd fc2_fwd fc2_dgrad fc2_wgrad fc1_dgrad fc1_wgrad only, e.g. under a profiler).
 // (--rounds: every column timed once a round, rounds interleaved, the median printed; default 3).
 // (--mlp: also the expert-MLP forward+backward table of `moekit bench`, without building the moekit tool).
 // (--even: every expert T·k/E rows instead of routed counts: no tile computes padding rows; not with --skew).
 // (--acceptance-only: only the per-shape choice, the sync baseline and dense cuBLAS, each round three measurements
 //  close in time; the other columns print nan).
+// (--gemm-tune: on (default), the auto column is the configuration measured per shape on this device at its first
+//  launch, src/cuda/gemm_tuning.h, printed under the table; off, choose_for_shape's rule alone).
 #include <cstdio>
 #include <string>
 
@@ -46,6 +48,11 @@ int main(int argc, char** argv) {
                 o.only_gemm = value();
             else if (a == "--acceptance-only")
                 o.acceptance_only = true;
+            else if (a == "--gemm-tune") {
+                const std::string v = value();
+                MOEKIT_REQUIRE(v == "on" || v == "off", "--gemm-tune=", v, " must be on or off");
+                o.gemm_tune = v == "on";
+            }
             else
                 throw moekit::UsageError("unknown flag " + a);
         }

@@ -21,7 +21,7 @@ namespace {
 
 constexpr const char* kUsage =
     "moekit bench --preset mixtral|dsv3-ep8|dsv3-e256|qwen3-30b [--skew zipf:S] [--json FILE] [--iters N]\n"
-    "                    [--device cuda] [--scope layer|mlp] [--variant NAME]\n"
+    "                    [--device cuda] [--scope layer|mlp] [--variant NAME] [--gemm-tune on|off]\n"
     "             [--expert-model-parallel-size N --virtual-ranks N [--moe-token-dispatcher-type allgather|alltoall]\n"
     "              [--moe-expert-rank-capacity-factor f] [--moe-enable-echo --moe-num-echo-experts S]]\n"
     "Times one MoE layer step forward+backward (--scope layer, the default: router, permute, expert MLP, combine;\n"
@@ -34,6 +34,7 @@ constexpr const char* kUsage =
 
 int run_bench(const std::vector<std::string>& args) {
     std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall", variant;
+    std::string gemm_tune = "on";
     int64_t iters = 20, ep = 1, virtual_ranks = 0, echo_experts = 0;
     double receive_factor = 0;
     bool enable_echo = false;
@@ -54,8 +55,12 @@ int run_bench(const std::vector<std::string>& args) {
           "wgrad-split (mid-sized groups' wgrads split by size) | wgrad-overlap (the wgrads on a stream of their own "
           "beside the dgrad chain's memory passes) | pingpong-swapped (nt / nn where 128x192 pads over 4 %: computed "
           "transposed on ping-pong) | long-k-coop (nt / nn with a reduction over 2048 on CUTLASS's cooperative "
-          "128x256 instead of ping-pong): also "
+          "128x256 instead of ping-pong) | gemm-tune (the grouped GEMMs' configurations measured per shape on this "
+          "device, against the per-shape rule): also "
           "time the step's graph with that switch on, in the same rounds as with it off (--scope layer, EP=1)");
+    p.add("--gemm-tune", &gemm_tune,
+          "on (default): each grouped GEMM shape's configuration measured on this device at its first eager launch | "
+          "off: the per-shape rule alone");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");
     p.add("--moe-token-dispatcher-type", &dispatcher, "allgather | alltoall (the EP benchmark; default alltoall)");
@@ -81,6 +86,9 @@ int run_bench(const std::vector<std::string>& args) {
                    moekit::bench::layer_variant_list());
     MOEKIT_REQUIRE(variant.empty() || (scope == "layer" && ep == 1), "--variant=", variant,
                    " goes with --scope layer at EP=1");
+    MOEKIT_REQUIRE(gemm_tune == "on" || gemm_tune == "off", "--gemm-tune=", gemm_tune, " must be on or off");
+    MOEKIT_REQUIRE(variant != "gemm-tune" || gemm_tune == "on", "--variant=gemm-tune compares the measured choices "
+                   "with the rule: it needs --gemm-tune on");
     MOEKIT_REQUIRE(dispatcher == "allgather" || dispatcher == "alltoall", "--moe-token-dispatcher-type=", dispatcher,
                    " must be allgather or alltoall");
     MOEKIT_REQUIRE(receive_factor == 0 || (receive_factor > 0 && receive_factor <= 64 && dispatcher == "alltoall" && ep > 1),
@@ -101,6 +109,7 @@ int run_bench(const std::vector<std::string>& args) {
     b::Options o;
     o.iters = int(iters);
     o.variant = variant;
+    o.gemm_tune = gemm_tune == "on";
     if (!skew.empty()) o.zipf_s = b::parse_skew(skew);
     const b::Preset& chosen = b::find_preset(preset);
     nlohmann::json r;
@@ -122,6 +131,7 @@ int run_bench(const std::vector<std::string>& args) {
     (void)skew;
     (void)json_path;
     (void)iters;
+    (void)gemm_tune;
     return 2;  // not reached: thrown above
 #endif
 }

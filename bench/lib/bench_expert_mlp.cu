@@ -18,6 +18,7 @@
 #include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_sync.h"
 #include "lib/bench_util.cuh"
+#include "lib/gemm_tuning_report.h"
 #include "lib/gpu_clocks.h"
 #include "moekit/error.h"
 
@@ -188,6 +189,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         MOEKIT_REQUIRE(known, "--gemm=", o.only_gemm,
                        ": expected fc1_fwd, fc2_fwd, fc2_dgrad, fc2_wgrad, fc1_dgrad or fc1_wgrad");
     }
+    apply_gemm_tuning(o.gemm_tune);
     Problem q(pr, o);
     DevBuf<bf16> dy(q.rows * q.H), dact(q.rows * q.F), dh(q.rows * 2 * q.F), dx(q.rows * q.H);
     fill_uniform(dy.ptr, q.rows * q.H, 1.f, o.seed + 8);
@@ -359,6 +361,7 @@ nlohmann::json bench_gemms(const Preset& pr, const Options& o) {
         r["clocks"] = moekit::bench::clock_json(clocks, keys, n);
         out["gemms"].push_back(r);
     }
+    out["gemm_tuning"] = gemm_tuning_json();
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
     return out;
@@ -470,6 +473,7 @@ std::string format_gemm_table(const nlohmann::json& r) {
                       100 * a["power_capped"].get<double>(), 100 * d["power_capped"].get<double>());
         out += cell;
     }
+    if (r.contains("gemm_tuning")) out += format_gemm_tuning_lines(r["gemm_tuning"]);
     return out;
 }
 
@@ -545,6 +549,7 @@ nlohmann::json stage_times(const GemmFns& f, Problem& q, bf16* dy, bf16* dact, b
 }  // namespace
 
 nlohmann::json bench_expert_mlp(const Preset& pr, const Options& o) {
+    apply_gemm_tuning(o.gemm_tune);
     Problem q(pr, o);
     DevBuf<bf16> dy(q.rows * q.H), dact(q.rows * q.F), dh(q.rows * 2 * q.F), dx(q.rows * q.H);
     fill_uniform(dy.ptr, q.rows * q.H, 1.f, o.seed + 8);

@@ -36,6 +36,9 @@ struct Options {
     // the graph with it off: "glu-forward" (the gated activation in fc1's epilogue), "glu-backward" (its backward in
     // fc2's dgrad epilogue), "gather-fc1" (fc1's loads gathering the token rows: no permute pass); empty: none.
     std::string variant;
+    // The grouped GEMMs' configuration measured per shape on this device at its first eager launch
+    // (src/cuda/gemm_tuning.h; `--gemm-tune on|off`), else choose_for_shape's rule alone.
+    bool gemm_tune = true;
 };
 // Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.
 double parse_skew(const std::string& value);

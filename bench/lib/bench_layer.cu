@@ -10,11 +10,13 @@
 #include <functional>
 
 #include "cuda/expert_gemm.h"
+#include "cuda/gemm_tuning.h"
 #include "cuda/grouped_gemm_sync.h"
 #include "cuda/moe_layer.h"
 #include "lib/bench_expert_mlp.h"
 #include "lib/bench_util.cuh"
 #include "lib/gpu_clocks.h"
+#include "lib/gemm_tuning_report.h"
 #include "lib/layer_variants.h"
 #include "moekit/error.h"
 
@@ -72,7 +74,8 @@ constexpr LayerVariant kLayerVariants[] = {{"glu-forward", &set_glu_forward_fusi
                                            {"wgrad-split", &set_wgrad_split},
                                            {"wgrad-overlap", &set_wgrad_overlap},
                                            {"pingpong-swapped", &set_pingpong_swapped},
-                                           {"long-k-coop", &set_long_reduction_cooperative}};
+                                           {"long-k-coop", &set_long_reduction_cooperative},
+                                           {"gemm-tune", &set_gemm_tuning}};
 
 static_assert(sizeof(kLayerVariants) / sizeof(kLayerVariants[0]) ==
                   sizeof(::moekit::bench::kLayerVariantNames) / sizeof(::moekit::bench::kLayerVariantNames[0]),
@@ -121,10 +124,16 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     const LayerVariant* variant = find_variant(o.variant);
     MOEKIT_REQUIRE(o.variant.empty() || variant, "--variant=", o.variant,
                    ": expected ", ::moekit::bench::layer_variant_list());
+    // A variant's switch back to its default; the tuning's default is the run's (Options::gemm_tune).
+    auto reset_variant = [&] {
+        variant->set(-1);
+        apply_gemm_tuning(o.gemm_tune);
+    };
+    apply_gemm_tuning(o.gemm_tune);
     // The fused activation backward's buffers are allocated at construction where the fusion may run.
     if (variant) variant->set(1);
     auto layer = CudaMoeLayer::create(config, p.tokens, 1);
-    if (variant) variant->set(-1);
+    if (variant) reset_variant();
     const LayerBuffers& b = layer->buffers();
     const int64_t T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, rows = layer->shape().max_rows;
     // Inputs O(1), weights at init scale 0.02 (uniform with that std), never zeros.
@@ -272,7 +281,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
                 variant->set(1 - on);
                 variant_exec[on] = capture_step(*layer, s);
             }
-            variant->set(-1);
+            reset_variant();
         }
         auto step = [&](ExpertGemmKind kind) {
             layer->set_expert_gemm(expert_gemm(kind));
@@ -368,6 +377,7 @@ nlohmann::json bench_layer(const Preset& p, const Options& o) {
     out["memory"] = {{"workspace_bytes", mem.workspace_bytes},
                      {"saved_activation_bytes", mem.saved_activation_bytes},
                      {"saved_activation_bytes_per_token", mem.saved_bytes_per_token()}};
+    out["gemm_tuning"] = gemm_tuning_json();
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(s));
     return out;
@@ -447,6 +457,7 @@ std::string format_layer_table(const nlohmann::json& r) {
         out += line;
     }
     if (r.contains("clocks")) out += moekit::bench::format_clocks(r["clocks"]);
+    if (r.contains("gemm_tuning")) out += format_gemm_tuning_lines(r["gemm_tuning"]);
     if (r.contains("memory")) {
         std::snprintf(line, sizeof line, "  memory: layer %.1f MiB (I/O and parameters included), saved activations "
                       "%.0f bytes/token\n", double(r["memory"]["workspace_bytes"].get<int64_t>()) / (1 << 20),

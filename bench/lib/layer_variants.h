@@ -8,7 +8,8 @@ namespace moekit::bench {
 inline constexpr const char* kLayerVariantNames[] = {"glu-forward",   "glu-backward", "gather-fc1",
                                                      "tma-wgrad",     "pingpong-192", "swap-pingpong",
                                                      "wgrad-192",     "wgrad-192t",   "wgrad-split",
-                                                     "wgrad-overlap", "pingpong-swapped", "long-k-coop"};
+                                                     "wgrad-overlap", "pingpong-swapped", "long-k-coop",
+                                                     "gemm-tune"};
 
 inline bool is_layer_variant(const std::string& name) {
     for (const char* v : kLayerVariantNames)

@@ -12,6 +12,7 @@
 #include "core/tile_padding_math.h"
 #include "core/wgrad_split_math.h"
 #include "cuda/cuda_check.h"
+#include "cuda/gemm_tuning.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"
@@ -235,6 +236,65 @@ Choice choose_for_shape(gemm_detail::Op op, const GroupedGemmShape& s) {
     const bool wide = pingpong_wide() && wide_pingpong_pays_nt(s.n);
     if (!wide && pingpong_swapped(s)) return {GroupedGemmKernel::kCutlass, CutlassConfig::kSwapPingpong};
     return {GroupedGemmKernel::kCutlass, wide ? CutlassConfig::kPingpongWide : CutlassConfig::kPingpong};
+}
+
+// bench_grouped_gemm's column name of a choice (the tuning's records print them).
+std::string choice_name(const Choice& c) {
+    if (c.kernel == GroupedGemmKernel::kTma) return "tma";
+    switch (c.config) {
+        case CutlassConfig::kCooperative: return "cl-coop";
+        case CutlassConfig::kCooperativeTall: return "cl-tall";
+        case CutlassConfig::kPingpong: return "cl-pp";
+        case CutlassConfig::kSplitBySize: return "cl-split";
+        case CutlassConfig::kSwapAB: return "cl-swap";
+        case CutlassConfig::kCooperative2x2: return "cl-2x2";
+        case CutlassConfig::kPingpongWide: return "cl-pp192";
+        case CutlassConfig::kSwapPingpong: return "cl-swpp";
+        case CutlassConfig::kPingpongWideTransposed: return "cl-pp192t";
+        default: return "cl-auto";
+    }
+}
+
+// What the measured choice (gemm_tuning.h) times for a shape: the rule's choice first, then the configurations that
+// won a shape of this class on some card in docs/perf.md's tables (every one tested on every shape class by
+// tests/gpu/test_grouped_gemm.cu). A wgrad's ping-pong is named by its tile, so that the rule's 128x128 / 128x192 /
+// transposed tile and an explicit one are not timed twice.
+std::vector<GemmChoice> tuning_candidates(gemm_detail::Op op, const GroupedGemmShape& s, Choice rule) {
+    using gemm_detail::Op;
+    if (op == Op::kTN && rule.kernel == GroupedGemmKernel::kCutlass && rule.config == CutlassConfig::kPingpong) {
+        const WgradPingpongTile tile = wgrad_pingpong_tile(s.k, s.n);
+        if (tile == WgradPingpongTile::kWide) rule.config = CutlassConfig::kPingpongWide;
+        if (tile == WgradPingpongTile::kWideTransposed) rule.config = CutlassConfig::kPingpongWideTransposed;
+    }
+    std::vector<GemmChoice> out;
+    auto add = [&](Choice c) {
+        for (const GemmChoice& x : out)
+            if (x.kernel == c.kernel && (c.kernel != GroupedGemmKernel::kCutlass || x.config == c.config)) return;
+        out.push_back({c.kernel, c.config, choice_name(c)});
+    };
+    add(rule);
+    const auto cl = [](CutlassConfig c) { return Choice{GroupedGemmKernel::kCutlass, c}; };
+    const int64_t rows_per_group = s.num_groups > 0 ? s.max_rows / s.num_groups : 0;
+    if (op == Op::kTN) {
+        if (rows_per_group < kSmallGroupRows) {
+            add(cl(CutlassConfig::kCooperative2x2));
+            add(cl(CutlassConfig::kCooperative));
+            return out;
+        }
+        for (CutlassConfig c : {CutlassConfig::kPingpong, CutlassConfig::kPingpongWide,
+                                CutlassConfig::kPingpongWideTransposed, CutlassConfig::kCooperative})
+            add(cl(c));
+        if (rows_per_group < kLargeGroupRows) add(cl(CutlassConfig::kSplitBySize));
+    } else if (rows_per_group < kSmallGroupRows) {
+        for (CutlassConfig c : {CutlassConfig::kSwapAB, CutlassConfig::kSwapPingpong, CutlassConfig::kCooperativeTall})
+            add(cl(c));
+    } else {
+        for (CutlassConfig c : {CutlassConfig::kCooperative, CutlassConfig::kCooperativeTall, CutlassConfig::kPingpong,
+                                CutlassConfig::kPingpongWide, CutlassConfig::kSwapPingpong})
+            add(cl(c));
+    }
+    add({GroupedGemmKernel::kTma, CutlassConfig::kAuto});
+    return out;
 }
 
 template <auto kKernel>
@@ -572,6 +632,57 @@ bool fc1_gather_wanted(const GroupedGemmShape& s) {
            tma_cluster() != 2 && glu_forward_async_epilogue();
 }
 
+// The launch of a resolved kernel (and CUTLASS configuration) on checked arguments: the tail of launch(), and what
+// the measured choice times for each candidate.
+template <gemm_detail::Op kOp>
+void run_kernel(const char* name, GroupedGemmKernel kernel, CutlassConfig config, gemm_detail::Params p,
+                const GroupedGemmShape& s, const __nv_bfloat16* A, const __nv_bfloat16* B, void* C,
+                const int32_t* d_offsets, WgradWrite write, cudaStream_t stream) {
+    using namespace gemm_detail;
+    if (kernel == GroupedGemmKernel::kCutlass) {
+        MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
+        if constexpr (kOp == Op::kNT)
+            cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
+        else if constexpr (kOp == Op::kNN)
+            cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
+        else
+            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config);
+        return;
+    }
+    bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
+    const int BM = 128, BN = wgmma ? 256 : 128;
+    p.tiles_n = int(ceil_div(s.n, BN));
+    // NT/NN: every group may end with a partial tile, hence the +G over the dense bound.
+    p.tiles_m = int(kOp == Op::kTN ? ceil_div(s.k, BM) : ceil_div(s.max_rows, BM) + s.num_groups);
+    int64_t grid = int64_t(p.tiles_m) * p.tiles_n * (kOp == Op::kTN ? s.num_groups : 1);
+    MOEKIT_CHECK(grid < (int64_t(1) << 31), name, ": too many tiles for ", s.to_string());
+    if (kernel == GroupedGemmKernel::kTma) {
+        if (tma_cluster() == 2)
+            launch_tma<kOp, 2>(p, stream);
+        else
+            launch_tma<kOp, 1>(p, stream);
+    } else if (wgmma) {
+        constexpr int kSmem = smem_bytes<kOp, 128, 256, 4>();
+        ensure_smem<wgmma_kernel<kOp>>(kSmem);
+        wgmma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
+    } else {
+        constexpr int kSmem = smem_bytes<kOp, 128, 128, 4>();
+        ensure_smem<mma_kernel<kOp>>(kSmem);
+        mma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
+    }
+    MOEKIT_CUDA_LAUNCH_CHECK();
+}
+
+// Whether a launch may time candidates now: the host waits on its stream (never inside a graph capture), a tn's
+// candidates overwrite its gradient (an accumulating one would add into it several times), and a partial grid
+// (GemmSmsLeftScope) would measure another machine.
+bool tuning_allowed(bool tn, WgradWrite write, cudaStream_t stream) {
+    if ((tn && write != WgradWrite::overwrite) || t_sms_left > 0) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    return status == cudaStreamCaptureStatusNone;
+}
+
 // With `glu` (nn only) / `glu_fwd` (nt only): the fused dgrad + gated-activation backward / fc1 forward + activation,
 // launched where glu_fusion_wanted and the kernel allowed has that epilogue (the own TMA kernel; for the backward also
 // CUTLASS's ping-pong where CUTLASS is forced); returns whether it was launched (nothing is done otherwise).
@@ -633,7 +744,26 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     CutlassConfig config = CutlassConfig::kAuto;
     if (kernel == GroupedGemmKernel::kAuto && t_own_kernel_only > 0) kernel = GroupedGemmKernel::kTma;
     if (kernel == GroupedGemmKernel::kAuto) {
-        const Choice c = choose_for_shape(kOp, s);
+        Choice c = choose_for_shape(kOp, s);
+        // The plain product's choice measured on this device where tuning is on (gemm_tuning.h); the fused epilogues,
+        // ECHO's second base and the hot / cold interleave keep the rule.
+        const bool plain = !glu && !glu_fwd && s.second_from == 0 && reinterpret_cast<uintptr_t>(C) % 16 == 0 &&
+                           !(kOp == Op::kTN && tn_hot_rows() > 0);
+        if (plain && gemm_tuning_enabled()) {
+            const char* op = kOp == Op::kNT ? "nt" : kOp == Op::kNN ? "nn" : "tn";
+            GemmChoice m{};
+            if (gemm_tuning_detail::lookup(op, s, &m)) {
+                c = {m.kernel, m.config};
+            } else if (tuning_allowed(kOp == Op::kTN, write, stream)) {
+                m = gemm_tuning_detail::tune(
+                    op, s, tuning_candidates(kOp, s, c),
+                    [&](const GemmChoice& x) {
+                        run_kernel<kOp>(name, x.kernel, x.config, p, s, A, B, C, d_offsets, write, stream);
+                    },
+                    stream);
+                c = {m.kernel, m.config};
+            }
+        }
         kernel = c.kernel, config = c.config;
         // CUTLASS's TMA stores need a 16-byte aligned C; the own kernel takes any 8-byte aligned one.
         if (reinterpret_cast<uintptr_t>(C) % 16 != 0) kernel = GroupedGemmKernel::kTma;
@@ -678,38 +808,7 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             p.gather_copy = gather->rows;
         }
     }
-    if (kernel == GroupedGemmKernel::kCutlass) {
-        MOEKIT_CHECK(reinterpret_cast<uintptr_t>(C) % 16 == 0, name, ": the CUTLASS kernels need C 16-byte aligned");
-        if constexpr (kOp == Op::kNT)
-            cutlass_grouped_gemm_nt(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
-        else if constexpr (kOp == Op::kNN)
-            cutlass_grouped_gemm_nn(s, A, B, static_cast<__nv_bfloat16*>(C), d_offsets, stream, config);
-        else
-            cutlass_grouped_gemm_tn(s, A, B, static_cast<float*>(C), d_offsets, write, stream, config);
-        return true;
-    }
-    bool wgmma = kernel == GroupedGemmKernel::kWgmma || kernel == GroupedGemmKernel::kTma;
-    const int BM = 128, BN = wgmma ? 256 : 128;
-    p.tiles_n = int(ceil_div(s.n, BN));
-    // NT/NN: every group may end with a partial tile, hence the +G over the dense bound.
-    p.tiles_m = int(kOp == Op::kTN ? ceil_div(s.k, BM) : ceil_div(s.max_rows, BM) + s.num_groups);
-    int64_t grid = int64_t(p.tiles_m) * p.tiles_n * (kOp == Op::kTN ? s.num_groups : 1);
-    MOEKIT_CHECK(grid < (int64_t(1) << 31), name, ": too many tiles for ", s.to_string());
-    if (kernel == GroupedGemmKernel::kTma) {
-        if (tma_cluster() == 2)
-            launch_tma<kOp, 2>(p, stream);
-        else
-            launch_tma<kOp, 1>(p, stream);
-    } else if (wgmma) {
-        constexpr int kSmem = smem_bytes<kOp, 128, 256, 4>();
-        ensure_smem<wgmma_kernel<kOp>>(kSmem);
-        wgmma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
-    } else {
-        constexpr int kSmem = smem_bytes<kOp, 128, 128, 4>();
-        ensure_smem<mma_kernel<kOp>>(kSmem);
-        mma_kernel<kOp><<<unsigned(grid), 256, kSmem, stream>>>(p);
-    }
-    MOEKIT_CUDA_LAUNCH_CHECK();
+    run_kernel<kOp>(name, kernel, config, p, s, A, B, C, d_offsets, write, stream);
     return true;
 }
 

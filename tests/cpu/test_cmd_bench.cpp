@@ -36,8 +36,10 @@ TEST(CmdBench, BadFlagCombinationsAreNamedWithExitStatus2) {
         {"bench --preset mixtral --moe-num-echo-experts 8", "--moe-num-echo-experts=8 goes with --moe-enable-echo"},
         {"bench --preset mixtral --variant fused",
          "--variant=fused: expected glu-forward, glu-backward, gather-fc1, tma-wgrad, pingpong-192, swap-pingpong, "
-         "wgrad-192, wgrad-192t, wgrad-split, wgrad-overlap, pingpong-swapped or long-k-coop"},
+         "wgrad-192, wgrad-192t, wgrad-split, wgrad-overlap, pingpong-swapped, long-k-coop or gemm-tune"},
         {"bench --preset mixtral --variant glu-forward --scope mlp", "goes with --scope layer at EP=1"},
+        {"bench --preset mixtral --gemm-tune yes", "--gemm-tune=yes must be on or off"},
+        {"bench --preset mixtral --gemm-tune off --variant gemm-tune", "it needs --gemm-tune on"},
     };
     for (const Case& c : cases) {
         const ToolResult r = run_tool(c.flags);

@@ -17,7 +17,7 @@
 #include "core/wgrad_split_math.h"
 #include "cuda/activation.cuh"
 #include "cuda/cuda_check.h"
-#include "core/tile_padding_math.h"
+#include "cuda/gemm_tuning.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"
@@ -124,7 +124,7 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
 enum class Backend {
     kMma, kWgmma, kTma, kTmaPingpong, kTmaPair, kTmaPairPingpong, kCutlassCoop, kCutlassTall, kCutlassPingpong,
     kCutlassSplit, kCutlassSwap, kCutlass2x2, kCutlassPingpongWide, kCutlassSwapPingpong, kCutlassPingpongWideT,
-    kAuto, kSync
+    kAuto, kTuned, kSync
 };
 const char* name(Backend b) {
     return b == Backend::kMma              ? "mma.sync"
@@ -136,6 +136,7 @@ const char* name(Backend b) {
            : b == Backend::kCutlassCoop    ? "cutlass-cooperative"
            : b == Backend::kCutlassTall    ? "cutlass-cooperative-256x128"
            : b == Backend::kAuto           ? "per-shape choice"
+           : b == Backend::kTuned          ? "per-shape choice measured (tuned afresh)"
            : b == Backend::kCutlassPingpong ? "cutlass-pingpong"
            : b == Backend::kCutlassSplit  ? "cutlass-split-by-size"
            : b == Backend::kCutlassSwap    ? "cutlass-swap-ab (tn: its default)"
@@ -187,6 +188,7 @@ std::vector<Backend> backends(bool own_only = false) {
             out.push_back(Backend::kCutlassSwapPingpong);
             out.push_back(Backend::kCutlassPingpongWideT);
             out.push_back(Backend::kAuto);
+            out.push_back(Backend::kTuned);
         }
     }
     return out;
@@ -217,7 +219,11 @@ void select(Backend b) {
     // The named ping-pong and split backends on 128x128 tiles everywhere (a wgrad's ping-pong takes 128x192 where it
     // pads little by default: the auto backend covers that, kCutlassPingpongWide forces it).
     set_wgrad_wide(b == Backend::kCutlassPingpong || b == Backend::kCutlassSplit ? 0 : -1);
-    if (b == Backend::kAuto) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+    if (b == Backend::kAuto || b == Backend::kTuned) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
+    // The measured choice, tuned on this call's operands: every candidate it times runs on them, and the result is
+    // the kept one's (a wgrad that accumulates keeps the rule: its candidates would add into C several times).
+    set_gemm_tuning(b == Backend::kTuned ? 1 : -1);
+    if (b == Backend::kTuned) clear_gemm_tuning();
 }
 void reset_backend() {
     set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
@@ -225,6 +231,7 @@ void reset_backend() {
     set_tn_pingpong(-1);
     set_cutlass_config(CutlassConfig::kAuto);
     set_wgrad_wide(-1);
+    set_gemm_tuning(-1);
 }
 
 enum class Op { kNT, kNN };
@@ -942,6 +949,82 @@ TEST(GroupedGemm, GraphReplayFollowsNewDeviceCounts) {
         MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
     }
     reset_backend();
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(GroupedGemm, MeasuredChoiceTunedOnceAndNeverInACapture) {
+    SKIP_WITHOUT_SM90();
+    if (!cutlass_grouped_gemm_built()) GTEST_SKIP() << "the per-shape choice needs CUTLASS";
+    // gemm_tuning.h's bookkeeping: a shape is tuned at its first eager launch (every candidate timed, the rule's
+    // first), then looked up; a launch inside a graph capture never tunes (the capture would fail on the host's
+    // wait) and takes the rule; a wgrad that accumulates never tunes. Correctness of the kept choices: the
+    // kTuned backend of every test above, against the oracle.
+    const int G = 8, n = 512, k = 256;
+    const std::vector<int> counts{300, 257, 0, 412, 380, 299, 256, 341};
+    const auto off = offsets_of(counts);
+    const int max_rows = off[G];
+    DeviceBuffer<bf16> dA(random_bf16(size_t(max_rows) * k, 401, size_t(max_rows) * k));
+    DeviceBuffer<bf16> dB(random_bf16(size_t(G) * n * k, 402, size_t(G) * n * k));
+    DeviceBuffer<bf16> dY(random_bf16(size_t(max_rows) * n, 403, size_t(max_rows) * n));
+    DeviceBuffer<int32_t> dOff(off);
+    DeviceBuffer<bf16> dC(size_t(max_rows) * n), dC2(size_t(max_rows) * 2 * n), dRule(size_t(max_rows) * 2 * n);
+    DeviceBuffer<float> dW(size_t(G) * k * n);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    clear_gemm_tuning();
+    set_gemm_tuning(1);
+    const GroupedGemmShape shape{G, max_rows, n, k};
+    grouped_gemm_nt(shape, dA.ptr, dB.ptr, dC.ptr, dOff.ptr, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    auto records = gemm_tuning_records();
+    ASSERT_EQ(records.size(), 1u);
+    EXPECT_EQ(records[0].op, "nt");
+    EXPECT_EQ(records[0].shape.n, n);
+    EXPECT_EQ(records[0].shape.k, k);
+    ASSERT_GE(records[0].names.size(), 4u) << "the rule and at least three other configurations";
+    ASSERT_EQ(records[0].names.size(), records[0].ms.size());
+    for (size_t i = 0; i < records[0].ms.size(); ++i)
+        EXPECT_TRUE(std::isfinite(records[0].ms[i]) && records[0].ms[i] > 0) << records[0].names[i];
+    EXPECT_EQ(records[0].rule, 0);
+    EXPECT_GE(records[0].kept, 0);
+    EXPECT_LT(records[0].kept, int(records[0].names.size()));
+    grouped_gemm_nt(shape, dA.ptr, dB.ptr, dC.ptr, dOff.ptr, stream);  // looked up, not tuned again
+    EXPECT_EQ(gemm_tuning_records().size(), 1u);
+
+    // A new shape (n = 1024, k = 128: the same buffers read as another shape) first launched inside a capture: the
+    // capture succeeds, nothing is tuned, and the replay equals the rule's eager result bit for bit.
+    const GroupedGemmShape wide{G, max_rows, 2 * n, k / 2};
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    grouped_gemm_nt(wide, dA.ptr, dB.ptr, dC2.ptr, dOff.ptr, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    EXPECT_EQ(gemm_tuning_records().size(), 1u) << "a launch inside a capture tuned";
+    set_gemm_tuning(0);
+    grouped_gemm_nt(wide, dA.ptr, dB.ptr, dRule.ptr, dOff.ptr, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto got = dC2.download(), rule = dRule.download();
+    EXPECT_EQ(0, std::memcmp(got.data(), rule.data(), sizeof(bf16) * size_t(max_rows) * 2 * n))
+        << "the captured launch did not take the rule";
+    MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+
+    // A wgrad that accumulates keeps the rule untuned; one that overwrites is tuned.
+    set_gemm_tuning(1);
+    const GroupedGemmShape tn{G, max_rows, n, k};
+    grouped_gemm_tn(tn, dA.ptr, dY.ptr, dW.ptr, dOff.ptr, WgradWrite::accumulate, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(gemm_tuning_records().size(), 1u) << "an accumulating wgrad tuned";
+    grouped_gemm_tn(tn, dA.ptr, dY.ptr, dW.ptr, dOff.ptr, WgradWrite::overwrite, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    records = gemm_tuning_records();
+    ASSERT_EQ(records.size(), 2u);
+    EXPECT_EQ(records[1].op, "tn");
+    set_gemm_tuning(-1);
+    clear_gemm_tuning();
+    EXPECT_TRUE(gemm_tuning_records().empty());
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
