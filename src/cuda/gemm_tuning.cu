@@ -34,6 +34,16 @@ int current_device() {
     return dev;
 }
 
+// This thread's capture mode relaxed while it tunes: a graph another thread captures in global mode would otherwise
+// forbid the waits on this thread's own (not captured) stream, and the failed call would invalidate that capture.
+struct RelaxedCaptureMode {
+    cudaStreamCaptureMode was = cudaStreamCaptureModeRelaxed;
+    RelaxedCaptureMode() { MOEKIT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&was)); }
+    ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&was); }
+    RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+    RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+};
+
 struct Events {  // a timing pair, destroyed however the tuning ends
     cudaEvent_t a = nullptr, b = nullptr;
     Events() {
@@ -96,6 +106,7 @@ GemmChoice tune(const char* op, const GroupedGemmShape& s, const std::vector<Gem
                 const std::function<void(const GemmChoice&)>& run, cudaStream_t stream) {
     MOEKIT_CHECK(!candidates.empty(), "GEMM tuning of ", s.to_string(), ": no candidates");
     const size_t n = candidates.size();
+    const RelaxedCaptureMode relaxed;
     std::vector<bool> ran(n, true);
     // One warm launch each: first-use set-up (shared-memory attributes, argument workspaces) stays out of the timing.
     for (size_t i = 0; i < n; ++i) {

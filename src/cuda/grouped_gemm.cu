@@ -679,7 +679,11 @@ void run_kernel(const char* name, GroupedGemmKernel kernel, CutlassConfig config
 bool tuning_allowed(bool tn, WgradWrite write, cudaStream_t stream) {
     if ((tn && write != WgradWrite::overwrite) || t_sms_left > 0) return false;
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    // The legacy stream cannot be asked while a blocking stream captures (cudaErrorStreamCaptureImplicit): then no.
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
     return status == cudaStreamCaptureStatusNone;
 }
 
