@@ -11,6 +11,8 @@
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
 #                                     SKIP_MOEKIT=1 (peers only: no moekit rows, no report)
+#                                     GEMM_TUNE=on|off (default off: moekit's and the per-GEMM rows with the
+#                                     grouped GEMMs' configuration measured per shape, --gemm-tune)
 #                                     GEMM_PRESETS="dsv3-ep8 mixtral" (the default; per GEMM, issue 10's acceptance
 #                                     ratio, in the same call: bench_grouped_gemm --acceptance-only --rounds
 #                                     GEMM_ROUNDS, default 12, after moekit's rows; carried prebuilt/ then needs
@@ -30,6 +32,7 @@ CONFIGS=${CONFIGS:-mixtral dsv3-ep8 dsv3-e256 qwen3-30b dsv3-ep8@zipf1.2 mixtral
 PEERS=${PEERS:-torch sonic}
 SCOPES=${SCOPES:-layer mlp}
 PEER_RESERVE=${PEER_RESERVE:-200}
+GEMM_TUNE=${GEMM_TUNE:-off}
 export PYTHONUNBUFFERED=1
 SONIC_PASSES=${SONIC_PASSES:-layer experts}
 # SonicMoE compiles its GEMM configurations in worker processes: one per core; its autotuning progress goes to the log.
@@ -82,7 +85,7 @@ if [ $BUILD_RC = 0 ]; then
       f="$M/${c/@/_}_$scope"
       left $((PEER_RESERVE + 30)) "moekit bench $c $scope" || continue
       timeout $((LIMIT - SECONDS - PEER_RESERVE)) $B/moekit bench --preset $preset $skew --scope $scope \
-        --iters $ITERS --json "$f.json" >"$f.txt" 2>&1
+        --iters $ITERS --gemm-tune $GEMM_TUNE --json "$f.json" >"$f.txt" 2>&1
       rc=$?
       echo "moekit bench $c --scope $scope: rc $rc, t=${SECONDS}s; $(grep -E 'fwd\+bwd' "$f.txt" | head -1 | cut -c1-150)" \
         | tee -a "$OUT/summary.txt"
@@ -96,7 +99,7 @@ if [ $BUILD_RC = 0 ]; then
   for p in ${GEMM_PRESETS:-}; do
     [ -x $B/bench_grouped_gemm ] || { log "no $B/bench_grouped_gemm: per-GEMM rows skipped"; break; }
     left $((PEER_RESERVE + 45)) "bench_grouped_gemm $p" || break
-    timeout $((LIMIT - SECONDS - PEER_RESERVE)) $B/bench_grouped_gemm --preset $p --acceptance-only \
+    timeout $((LIMIT - SECONDS - PEER_RESERVE)) $B/bench_grouped_gemm --preset $p --acceptance-only --gemm-tune $GEMM_TUNE \
       --rounds ${GEMM_ROUNDS:-12} --json "$M/gemm_$p.json" >"$M/gemm_$p.txt" 2>&1
     echo "bench_grouped_gemm $p --acceptance-only: rc $?, t=${SECONDS}s" | tee -a "$OUT/summary.txt"
     grep -E "^  (gemm|fc)" "$M/gemm_$p.txt" | tee -a "$OUT/summary.txt"
