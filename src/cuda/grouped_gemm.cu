@@ -257,12 +257,12 @@ std::string choice_name(const Choice& c) {
 
 // What the measured choice (gemm_tuning.h) times for a shape: the rule's choice first, then the configurations that
 // won a shape of this class on some card in docs/perf.md's tables (every one tested on every shape class by
-// tests/gpu/test_grouped_gemm.cu). A wgrad's ping-pong is named by its tile, so that the rule's 128x128 / 128x192 /
-// transposed tile and an explicit one are not timed twice.
+// tests/gpu/test_grouped_gemm.cu). A wgrad's kPingpong takes wgrad_pingpong_tile's tile, so it is named by that
+// tile, and the 128x128 tile is timed only where that is the rule's (elsewhere kPingpong would time a 128x192 twice).
 std::vector<GemmChoice> tuning_candidates(gemm_detail::Op op, const GroupedGemmShape& s, Choice rule) {
     using gemm_detail::Op;
+    const WgradPingpongTile tile = wgrad_pingpong_tile(s.k, s.n);
     if (op == Op::kTN && rule.kernel == GroupedGemmKernel::kCutlass && rule.config == CutlassConfig::kPingpong) {
-        const WgradPingpongTile tile = wgrad_pingpong_tile(s.k, s.n);
         if (tile == WgradPingpongTile::kWide) rule.config = CutlassConfig::kPingpongWide;
         if (tile == WgradPingpongTile::kWideTransposed) rule.config = CutlassConfig::kPingpongWideTransposed;
     }
@@ -281,8 +281,9 @@ std::vector<GemmChoice> tuning_candidates(gemm_detail::Op op, const GroupedGemmS
             add(cl(CutlassConfig::kCooperative));
             return out;
         }
-        for (CutlassConfig c : {CutlassConfig::kPingpong, CutlassConfig::kPingpongWide,
-                                CutlassConfig::kPingpongWideTransposed, CutlassConfig::kCooperative})
+        if (tile == WgradPingpongTile::kSquare) add(cl(CutlassConfig::kPingpong));
+        for (CutlassConfig c :
+             {CutlassConfig::kPingpongWide, CutlassConfig::kPingpongWideTransposed, CutlassConfig::kCooperative})
             add(cl(c));
         if (rows_per_group < kLargeGroupRows) add(cl(CutlassConfig::kSplitBySize));
     } else if (rows_per_group < kSmallGroupRows) {
