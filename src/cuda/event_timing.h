@@ -2,7 +2,8 @@
 // with a pair of CUDA events (time_ms_after: a host step before each run); graph_time_ms: the same for fn
 // captured in a CUDA graph. Header-only because they take any callable. Used by the training engine's speed
 // report (train_engine.cu, `moekit train --device cuda`, tests/gpu/test_cuda_train.cu) and the benchmarks
-// (bench/lib/bench_util.cuh; time_ms_after with a barrier of ranks: bench_layer_ep.cu, bench_dispatch.cu).
+// (bench/lib/bench_util.cuh; time_ms_after with a barrier of ranks: bench_layer_ep.cu, bench_dispatch.cu), and the
+// grouped GEMMs' measured per-shape choice (gemm_tuning.cu).
 #pragma once
 #include <cuda_runtime.h>
 

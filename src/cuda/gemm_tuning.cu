@@ -1,16 +1,14 @@
 // The per-shape choice measured on the running device (gemm_tuning.h says when and why).
 #include "cuda/gemm_tuning.h"
 
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
 
 #include "core/gemm_tuning_math.h"
 #include "cuda/cuda_check.h"
+#include "cuda/event_timing.h"
 #include "moekit/error.h"
 
 namespace moekit::cuda {
@@ -26,7 +24,6 @@ using Key = std::tuple<int, std::string, int64_t, int64_t, int64_t, int64_t>;  /
 std::mutex g_mutex;
 std::map<Key, GemmChoice> g_choices;
 std::vector<GemmTuningRecord> g_records;
-std::atomic<int> g_tuning{-1};
 
 int current_device() {
     int dev = 0;
@@ -44,41 +41,11 @@ struct RelaxedCaptureMode {
     RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
 };
 
-struct Events {  // a timing pair, destroyed however the tuning ends
-    cudaEvent_t a = nullptr, b = nullptr;
-    Events() {
-        MOEKIT_CUDA_CHECK(cudaEventCreate(&a));
-        MOEKIT_CUDA_CHECK(cudaEventCreate(&b));
-    }
-    ~Events() {
-        cudaEventDestroy(a);
-        cudaEventDestroy(b);
-    }
-    Events(const Events&) = delete;
-    Events& operator=(const Events&) = delete;
-};
-
 Key key_of(int device, const char* op, const GroupedGemmShape& s) {
     return Key{device, op, s.num_groups, s.max_rows, s.n, s.k};
 }
 
 }  // namespace
-
-void set_gemm_tuning(int on) { g_tuning = on; }
-int gemm_tuning() { return g_tuning.load(); }
-
-bool gemm_tuning_enabled() {
-    const int v = g_tuning.load();
-    if (v >= 0) return v > 0;
-    static const bool env = [] {
-        const char* e = std::getenv("MOEKIT_GEMM_TUNE");
-        if (!e) return false;
-        MOEKIT_REQUIRE(std::strcmp(e, "0") == 0 || std::strcmp(e, "1") == 0, "MOEKIT_GEMM_TUNE=", e,
-                       ": expected 1 (measure each shape's configuration) or 0 (the per-shape rule)");
-        return e[0] == '1';
-    }();
-    return env;
-}
 
 std::vector<GemmTuningRecord> gemm_tuning_records() {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -116,21 +83,15 @@ GemmChoice tune(const char* op, const GroupedGemmShape& s, const std::vector<Gem
             ran[i] = false;  // e.g. CUTLASS's can_implement refused the shape: checked before anything launched
         }
     }
-    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const Events ev;
-    cudaEvent_t a = ev.a, b = ev.b;
     std::vector<std::vector<double>> times(n);
     for (int round = 0; round < kRounds; ++round)
         for (size_t j = 0; j < n; ++j) {
             const size_t i = (j + size_t(round)) % n;
             if (!ran[i]) continue;
-            MOEKIT_CUDA_CHECK(cudaEventRecord(a, stream));
-            for (int l = 0; l < kLaunchesPerRound; ++l) run(candidates[i]);
-            MOEKIT_CUDA_CHECK(cudaEventRecord(b, stream));
-            MOEKIT_CUDA_CHECK(cudaEventSynchronize(b));
-            float ms = 0;
-            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-            times[i].push_back(double(ms) / kLaunchesPerRound);
+            const auto launches = [&] {
+                for (int l = 0; l < kLaunchesPerRound; ++l) run(candidates[i]);
+            };
+            times[i].push_back(time_ms(launches, stream, 0, 1) / kLaunchesPerRound);
         }
 
     GemmTuningRecord r;

@@ -4,8 +4,8 @@
 // kept one, and every later launch of that shape on that device, captured or not, takes it. Why: the rule was tuned
 // on H200s and an H100 (lower DRAM bandwidth, a 700 W cap) ranks the same configurations differently (docs/perf.md:
 // ping-pong took 1.6x cooperative's time there on long reductions); a measured choice follows the card it runs on.
-// Off by default in the library (a launch's choice is then the rule's, the same in every process); the tools turn
-// it on (`moekit bench` / `bench_grouped_gemm` --gemm-tune). Tuning synchronises the host with the stream, so it
+// Off by default (a launch's choice is then the rule's, the same in every process); `moekit bench` /
+// `bench_grouped_gemm --gemm-tune on` turn it on. Tuning synchronises the host with the stream, so it
 // only happens where the launch is eager; a tn tunes only where it overwrites its gradient (accumulating candidates
 // would add into it), and a launch with the fused epilogues, a second operand base, a partial grid or an unaligned C
 // keeps the rule. Tests: tests/gpu/test_grouped_gemm.cu (the tuned backend on every shape, against the oracle).
@@ -24,9 +24,8 @@ namespace moekit::cuda {
 enum class GroupedGemmKernel;  // grouped_gemm_kernels.cuh
 
 // 1 = tune and take measured choices, 0 = the rule only (measured choices kept, not used); -1 (default) =
-// MOEKIT_GEMM_TUNE=1|0, else 0.
+// MOEKIT_GEMM_TUNE=1|0, else 0. Defined beside the other switches of the choice (grouped_gemm.cu).
 void set_gemm_tuning(int on);
-int gemm_tuning();  // the setter's value (-1: the environment's)
 bool gemm_tuning_enabled();
 
 // One tuned shape: every candidate's median time over the rounds (NaN: it could not run), which was kept.

@@ -154,6 +154,9 @@ bool long_reduction_cooperative() {
     return g_long_k_coop.on(env);
 }
 
+// The per-shape choice measured on the device (gemm_tuning.h): set_gemm_tuning, else MOEKIT_GEMM_TUNE=0|1, else off.
+Switch g_gemm_tuning;
+
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
 // default. H200, 2026-11-28, `moekit bench --variant wgrad-192` (on / off in the same rounds): qwen3-30b 0.982 and
 // 0.989 (its fc2 wgrad, n = 768), dsv3-ep8 0.984 (fc1 wgrad, n = 7168), mixtral 1.000 (fc2 wgrad, n = 14336),
@@ -886,6 +889,11 @@ void set_wgrad_split(int on) { g_wgrad_split.set(on); }
 void set_swap_pingpong(int on) { g_swap_pingpong.set(on); }
 void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
 void set_long_reduction_cooperative(int on) { g_long_k_coop.set(on); }
+void set_gemm_tuning(int on) { g_gemm_tuning.set(on); }
+bool gemm_tuning_enabled() {
+    static const bool env = choice_from_env("MOEKIT_GEMM_TUNE", "0", false, "1", true);
+    return g_gemm_tuning.on(env);
+}
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }
 void set_glu_forward_fusion(int on) { g_glu_fusion[0] = on; }
 void set_glu_forward_async_epilogue(int on) { g_glu_forward_async.set(on); }
