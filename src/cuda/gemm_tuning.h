@@ -49,7 +49,8 @@ struct GemmChoice {
 namespace gemm_tuning_detail {
 // The measured choice of (op, shape) on the current device, if tuned: true and *out set.
 bool lookup(const char* op, const GroupedGemmShape& s, GemmChoice* out);
-// Times run(c) for every candidate on `stream` (one warm launch, then rounds of two launches each, interleaved),
+// Times run(c) for every candidate on `stream` (one warm launch each, the rule back to back for a quarter second so
+// the clock is the one under sustained load, then five interleaved rounds of two launches queued without a wait),
 // records the result and returns the kept candidate (not yet launched for the caller's result). A candidate that
 // throws is left out. candidates[0] is the rule's choice.
 GemmChoice tune(const char* op, const GroupedGemmShape& s, const std::vector<GemmChoice>& candidates,
