@@ -52,6 +52,36 @@ Key key_of(int device, const char* op, const GroupedGemmShape& s) {
     return Key{device, op, s.num_groups, s.max_rows, s.n, s.k};
 }
 
+// Per-launch milliseconds of each entry of `order` (kLaunchesPerRound launches of that candidate), all queued back to
+// back on `stream` with an event between measurements and one host wait at the end; the events are freed on every path.
+std::vector<double> time_back_to_back(const std::vector<size_t>& order, const std::vector<GemmChoice>& candidates,
+                                      const std::function<void(const GemmChoice&)>& run, cudaStream_t stream) {
+    struct Events {
+        std::vector<cudaEvent_t> e;
+        ~Events() {
+            for (cudaEvent_t x : e) cudaEventDestroy(x);
+        }
+    } ev;
+    for (size_t j = 0; j <= order.size(); ++j) {
+        cudaEvent_t x = nullptr;
+        MOEKIT_CUDA_CHECK(cudaEventCreate(&x));
+        ev.e.push_back(x);
+    }
+    MOEKIT_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+    for (size_t j = 0; j < order.size(); ++j) {
+        for (int l = 0; l < kLaunchesPerRound; ++l) run(candidates[order[j]]);
+        MOEKIT_CUDA_CHECK(cudaEventRecord(ev.e[j + 1], stream));
+    }
+    MOEKIT_CUDA_CHECK(cudaEventSynchronize(ev.e.back()));
+    std::vector<double> ms(order.size());
+    for (size_t j = 0; j < order.size(); ++j) {
+        float t = 0;
+        MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&t, ev.e[j], ev.e[j + 1]));
+        ms[j] = double(t) / kLaunchesPerRound;
+    }
+    return ms;
+}
+
 }  // namespace
 
 std::vector<GemmTuningRecord> gemm_tuning_records() {
@@ -90,33 +120,20 @@ GemmChoice tune(const char* op, const GroupedGemmShape& s, const std::vector<Gem
             ran[i] = false;  // e.g. CUTLASS's can_implement refused the shape: checked before anything launched
         }
     }
-    // Pre-heat on the rule (or the first candidate that ran): one timed launch says how many make kPreheatMs.
-    size_t first = 0;
-    while (first < n && !ran[first]) ++first;
     std::vector<std::vector<double>> times(n);
-    if (first < n) {
-        const double one = time_ms([&] { run(candidates[first]); }, stream, 0, 1);
+    const auto first = std::find(ran.begin(), ran.end(), true);
+    if (first != ran.end()) {
+        // Pre-heat on the rule (or the first candidate that ran): one timed launch says how many make kPreheatMs.
+        const GemmChoice& heat = candidates[size_t(first - ran.begin())];
+        const double one = time_ms([&] { run(heat); }, stream, 0, 1);
         const int preheat = int(std::min<double>(kMaxPreheatLaunches, std::ceil(kPreheatMs / std::max(one, 1e-3))));
-        for (int i = 0; i < preheat; ++i) run(candidates[first]);
-        // The timed rounds: event j and j + 1 bracket the j-th measurement; no host wait until the last.
-        std::vector<size_t> order;
+        for (int i = 0; i < preheat; ++i) run(heat);
+        std::vector<size_t> order;  // the measurements in queue order: rounds, each starting one further along
         for (int round = 0; round < kRounds; ++round)
             for (size_t j = 0; j < n; ++j)
-                if (ran[(j + size_t(round)) % n]) order.push_back((j + size_t(round)) % n);
-        std::vector<cudaEvent_t> ev(order.size() + 1);
-        for (cudaEvent_t& e : ev) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
-        MOEKIT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-        for (size_t j = 0; j < order.size(); ++j) {
-            for (int l = 0; l < kLaunchesPerRound; ++l) run(candidates[order[j]]);
-            MOEKIT_CUDA_CHECK(cudaEventRecord(ev[j + 1], stream));
-        }
-        MOEKIT_CUDA_CHECK(cudaEventSynchronize(ev.back()));
-        for (size_t j = 0; j < order.size(); ++j) {
-            float ms = 0;
-            MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
-            times[order[j]].push_back(double(ms) / kLaunchesPerRound);
-        }
-        for (cudaEvent_t e : ev) MOEKIT_CUDA_CHECK(cudaEventDestroy(e));
+                if (const size_t i = (j + size_t(round)) % n; ran[i]) order.push_back(i);
+        const std::vector<double> ms = time_back_to_back(order, candidates, run, stream);
+        for (size_t j = 0; j < order.size(); ++j) times[order[j]].push_back(ms[j]);
     }
 
     GemmTuningRecord r;
