@@ -8,8 +8,8 @@
 // (--even: every expert T·k/E rows instead of routed counts: no tile computes padding rows; not with --skew).
 // (--acceptance-only: only the per-shape choice, the sync baseline and dense cuBLAS, each round three measurements
 //  close in time; the other columns print nan).
-// (--gemm-tune: on, the auto column is the configuration measured per shape on this device at its first launch,
-//  src/cuda/gemm_tuning.h, printed under the table; off (default), choose_for_shape's rule alone).
+// (--gemm-tune: on (default), the auto column is the configuration measured per shape on this device at its first
+//  launch, src/cuda/gemm_tuning.h, printed under the table; off, choose_for_shape's rule alone).
 #include <cstdio>
 #include <string>
 

@@ -11,8 +11,8 @@
 #                                     SCOPES="layer mlp" PEER_RESERVE=200 (seconds kept for the peers)
 #                                     SONIC_PASSES="layer experts" SONIC_TUNE=narrow|default|full (peer_sonic.py)
 #                                     SKIP_MOEKIT=1 (peers only: no moekit rows, no report)
-#                                     GEMM_TUNE=on|off (default off: moekit's and the per-GEMM rows with the
-#                                     grouped GEMMs' configuration measured per shape, --gemm-tune)
+#                                     GEMM_TUNE=on|off (default on, as in the engine: moekit's and the per-GEMM
+#                                     rows with the grouped GEMMs' configuration measured per shape, --gemm-tune)
 #                                     GEMM_PRESETS="dsv3-ep8 mixtral" (the default; per GEMM, issue 10's acceptance
 #                                     ratio, in the same call: bench_grouped_gemm --acceptance-only --rounds
 #                                     GEMM_ROUNDS, default 12, after moekit's rows; carried prebuilt/ then needs
@@ -32,7 +32,7 @@ CONFIGS=${CONFIGS:-mixtral dsv3-ep8 dsv3-e256 qwen3-30b dsv3-ep8@zipf1.2 mixtral
 PEERS=${PEERS:-torch sonic}
 SCOPES=${SCOPES:-layer mlp}
 PEER_RESERVE=${PEER_RESERVE:-200}
-GEMM_TUNE=${GEMM_TUNE:-off}
+GEMM_TUNE=${GEMM_TUNE:-on}
 export PYTHONUNBUFFERED=1
 SONIC_PASSES=${SONIC_PASSES:-layer experts}
 # SonicMoE compiles its GEMM configurations in worker processes: one per core; its autotuning progress goes to the log.

@@ -34,7 +34,7 @@ constexpr const char* kUsage =
 
 int run_bench(const std::vector<std::string>& args) {
     std::string preset, skew, json_path, device = "cuda", scope = "layer", dispatcher = "alltoall", variant;
-    std::string gemm_tune = "off";
+    std::string gemm_tune = "on";
     int64_t iters = 20, ep = 1, virtual_ranks = 0, echo_experts = 0;
     double receive_factor = 0;
     bool enable_echo = false;
@@ -59,8 +59,8 @@ int run_bench(const std::vector<std::string>& args) {
           "device, against the per-shape rule): also "
           "time the step's graph with that switch on, in the same rounds as with it off (--scope layer, EP=1)");
     p.add("--gemm-tune", &gemm_tune,
-          "on: each grouped GEMM shape's configuration measured on this device at its first eager launch | "
-          "off (default): the per-shape rule alone");
+          "on (default): each grouped GEMM shape's configuration measured on this device at its first eager launch | "
+          "off: the per-shape rule alone");
     p.add("--expert-model-parallel-size", &ep, "EP: time the layer at EP=N (needs --virtual-ranks N)");
     p.add("--virtual-ranks", &virtual_ranks, "N virtual ranks on this one GPU (the EP benchmark)");
     p.add("--moe-token-dispatcher-type", &dispatcher, "allgather | alltoall (the EP benchmark; default alltoall)");

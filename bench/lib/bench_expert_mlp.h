@@ -37,9 +37,9 @@ struct Options {
     // fc2's dgrad epilogue), "gather-fc1" (fc1's loads gathering the token rows: no permute pass); empty: none.
     std::string variant;
     // The grouped GEMMs' configuration measured per shape on this device at its first eager launch
-    // (src/cuda/gemm_tuning.h; `--gemm-tune on|off`), else choose_for_shape's rule alone. Off by default until the
-    // GPU suite and a layer A/B have run it (written without a device: docs/perf.md).
-    bool gemm_tune = false;
+    // (src/cuda/gemm_tuning.h; `--gemm-tune on|off`), else choose_for_shape's rule alone. On by default, as in the
+    // engine (docs/perf.md: the GPU suite with it on, its step A/B on an H100).
+    bool gemm_tune = true;
 };
 // Parses "zipf:S" (S > 0) into Options::zipf_s; UsageError otherwise.
 double parse_skew(const std::string& value);

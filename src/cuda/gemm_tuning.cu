@@ -106,6 +106,12 @@ bool lookup(const char* op, const GroupedGemmShape& s, GemmChoice* out) {
     return true;
 }
 
+void keep(const char* op, const GroupedGemmShape& s, const GemmChoice& rule) {
+    const Key key = key_of(current_device(), op, s);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_choices.emplace(key, rule);  // a choice another thread made meanwhile stands
+}
+
 GemmChoice tune(const char* op, const GroupedGemmShape& s, const std::vector<GemmChoice>& candidates,
                 const std::function<void(const GemmChoice&)>& run, cudaStream_t stream) {
     MOEKIT_CHECK(!candidates.empty(), "GEMM tuning of ", s.to_string(), ": no candidates");

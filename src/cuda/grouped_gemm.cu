@@ -154,7 +154,7 @@ bool long_reduction_cooperative() {
     return g_long_k_coop.on(env);
 }
 
-// The per-shape choice measured on the device (gemm_tuning.h): set_gemm_tuning, else MOEKIT_GEMM_TUNE=0|1, else off.
+// The per-shape choice measured on the device (gemm_tuning.h): set_gemm_tuning, else MOEKIT_GEMM_TUNE=1|0, else on.
 Switch g_gemm_tuning;
 
 // CUTLASS's ping-pong wgrads on 128x192 tiles where those pad little (set_wgrad_wide, wgrad_pingpong_tile): on by
@@ -677,18 +677,20 @@ void run_kernel(const char* name, GroupedGemmKernel kernel, CutlassConfig config
     MOEKIT_CUDA_LAUNCH_CHECK();
 }
 
-// Whether a launch may time candidates now: the host waits on its stream (never inside a graph capture), a tn's
-// candidates overwrite its gradient (an accumulating one would add into it several times), and a partial grid
-// (GemmSmsLeftScope) would measure another machine.
-bool tuning_allowed(bool tn, WgradWrite write, cudaStream_t stream) {
-    if ((tn && write != WgradWrite::overwrite) || t_sms_left > 0) return false;
+// What an untuned shape's launch does with the tuning: time candidates now (the host waits on its stream), keep the
+// rule for good (inside a graph capture: a later eager launch must compute what the graph does, bit for bit), or
+// take the rule this once (a tn that accumulates: its candidates would add into the gradient several times; a
+// partial grid, GemmSmsLeftScope: it would measure another machine).
+enum class TuningNow { tune, keep_rule, rule_once };
+TuningNow tuning_now(bool tn, WgradWrite write, cudaStream_t stream) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     // The legacy stream cannot be asked while a blocking stream captures (cudaErrorStreamCaptureImplicit): then no.
     if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
         (void)cudaGetLastError();
-        return false;
+        return TuningNow::rule_once;
     }
-    return status == cudaStreamCaptureStatusNone;
+    if (status != cudaStreamCaptureStatusNone) return TuningNow::keep_rule;
+    return (tn && write != WgradWrite::overwrite) || t_sms_left > 0 ? TuningNow::rule_once : TuningNow::tune;
 }
 
 // With `glu` (nn only) / `glu_fwd` (nt only): the fused dgrad + gated-activation backward / fc1 forward + activation,
@@ -762,7 +764,9 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
             GemmChoice m{};
             if (gemm_tuning_detail::lookup(op, s, &m)) {
                 c = {m.kernel, m.config};
-            } else if (tuning_allowed(kOp == Op::kTN, write, stream)) {
+            } else if (const TuningNow now = tuning_now(kOp == Op::kTN, write, stream); now == TuningNow::keep_rule) {
+                gemm_tuning_detail::keep(op, s, tuning_candidates(kOp, s, c).front());
+            } else if (now == TuningNow::tune) {
                 m = gemm_tuning_detail::tune(
                     op, s, tuning_candidates(kOp, s, c),
                     [&](const GemmChoice& x) {
@@ -891,7 +895,7 @@ void set_pingpong_swapped(int on) { g_pingpong_swapped = on; }
 void set_long_reduction_cooperative(int on) { g_long_k_coop.set(on); }
 void set_gemm_tuning(int on) { g_gemm_tuning.set(on); }
 bool gemm_tuning_enabled() {
-    static const bool env = choice_from_env("MOEKIT_GEMM_TUNE", "0", false, "1", true);
+    static const bool env = choice_from_env("MOEKIT_GEMM_TUNE", "1", true, "0", false);
     return g_gemm_tuning.on(env);
 }
 void set_glu_backward_fusion(int on) { g_glu_fusion[1] = on; }

@@ -221,8 +221,9 @@ void select(Backend b) {
     set_wgrad_wide(b == Backend::kCutlassPingpong || b == Backend::kCutlassSplit ? 0 : -1);
     if (b == Backend::kAuto || b == Backend::kTuned) set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
     // The measured choice, tuned on this call's operands: every candidate it times runs on them, and the result is
-    // the kept one's (a wgrad that accumulates keeps the rule: its candidates would add into C several times).
-    set_gemm_tuning(b == Backend::kTuned ? 1 : -1);
+    // the kept one's (a wgrad that accumulates keeps the rule: its candidates would add into C several times). Every
+    // other backend, kAuto included, is the rule's choice or a forced one: tuning off (it is on by default).
+    set_gemm_tuning(b == Backend::kTuned ? 1 : 0);
     if (b == Backend::kTuned) clear_gemm_tuning();
 }
 void reset_backend() {
@@ -992,7 +993,8 @@ TEST(GroupedGemm, MeasuredChoiceTunedOnceAndNeverInACapture) {
     EXPECT_EQ(gemm_tuning_records().size(), 1u);
 
     // A new shape (n = 1024, k = 128: the same buffers read as another shape) first launched inside a capture: the
-    // capture succeeds, nothing is tuned, and the replay equals the rule's eager result bit for bit.
+    // capture succeeds, nothing is tuned, the replay equals the rule's eager result bit for bit, and the shape keeps
+    // the rule for good: an eager launch of it with tuning on is not tuned and computes the graph's bits.
     const GroupedGemmShape wide{G, max_rows, 2 * n, k / 2};
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -1002,11 +1004,19 @@ TEST(GroupedGemm, MeasuredChoiceTunedOnceAndNeverInACapture) {
     MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
     EXPECT_EQ(gemm_tuning_records().size(), 1u) << "a launch inside a capture tuned";
-    set_gemm_tuning(0);
+    const size_t wide_bytes = sizeof(bf16) * size_t(max_rows) * 2 * n;
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto got = dC2.download();
     grouped_gemm_nt(wide, dA.ptr, dB.ptr, dRule.ptr, dOff.ptr, stream);
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto got = dC2.download(), rule = dRule.download();
-    EXPECT_EQ(0, std::memcmp(got.data(), rule.data(), sizeof(bf16) * size_t(max_rows) * 2 * n))
+    EXPECT_EQ(gemm_tuning_records().size(), 1u) << "a shape first launched in a capture was tuned later";
+    EXPECT_EQ(0, std::memcmp(got.data(), dRule.download().data(), wide_bytes))
+        << "an eager launch after the capture computed other bits than the graph";
+    set_gemm_tuning(0);
+    MOEKIT_CUDA_CHECK(cudaMemsetAsync(dRule.ptr, 0, wide_bytes, stream));
+    grouped_gemm_nt(wide, dA.ptr, dB.ptr, dRule.ptr, dOff.ptr, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(0, std::memcmp(got.data(), dRule.download().data(), wide_bytes))
         << "the captured launch did not take the rule";
     MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
