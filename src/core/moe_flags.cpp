@@ -130,7 +130,8 @@ void add_moe_flags(FlagParser& p, MoeConfig& c) {
     p.add("--moe-loss-backward-scale", &c.moe_loss_backward_scale,
           "[moekit] gradient injected for the aux/z losses (Megatron's main_loss_backward_scale)");
     p.add("--deterministic-mode", &c.deterministic_mode,
-          "bitwise-reproducible runs: accepted; every moekit path already is (fixed-order sums, no float atomics)");
+          "bitwise-reproducible runs across processes: the CUDA layer's grouped GEMMs take the per-shape rule, not "
+          "a configuration measured in this process (every path already has fixed-order sums, no float atomics)");
     p.add("--seed", &c.seed, "random seed (weights init, jitter, random inputs)");
 
     // Megatron MoE flags that moekit does not implement: refused, never silently ignored.

@@ -221,6 +221,11 @@ private:
 
 }  // namespace
 
+MoeConfig train_layer_config(MoeConfig config) {
+    config.deterministic_mode = true;
+    return config;
+}
+
 std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
                                            DeviceComm* ep) {
     return std::make_unique<CudaLayerImpl>(config, bounds, device, ep);

@@ -25,6 +25,9 @@ class DeviceComm;
 // communicator, kept by reference: the training engine shares one among its layers).
 std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
                                            DeviceComm* ep = nullptr);
+// moekit train's layers: `config` with --deterministic-mode, so that the grouped GEMMs take the rule's configuration
+// and a run resumed in another process computes the same bits (a measured choice may differ between processes).
+MoeConfig train_layer_config(MoeConfig config);
 // A rank of the EP group `ep` (Layer::create's EP form): the layer makes and owns its device communicator.
 std::unique_ptr<CudaLayer> make_cuda_layer(const MoeConfig& config, const LayerBounds& bounds, int device,
                                            Communicator& ep);

@@ -69,8 +69,9 @@ public:
         MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
         const LayerBounds bounds{c.seq_length, c.micro_batch_size};
-        for (int64_t l = 0; l < L_; ++l) layers_.push_back(make_cuda_layer(c, bounds, device_, ep_comm_.get()));
-        teacher_layer_ = make_cuda_layer(single_rank_config(c), bounds, device_);  // eval only: one serves every layer
+        const MoeConfig lc = train_layer_config(c);
+        for (int64_t l = 0; l < L_; ++l) layers_.push_back(make_cuda_layer(lc, bounds, device_, ep_comm_.get()));
+        teacher_layer_ = make_cuda_layer(single_rank_config(lc), bounds, device_);  // eval only: one serves every layer
         router_fp64_ = layers_[0]->router_dtype() == DType::f64;
         const int64_t local = layers_[0]->local_experts();
         local_ = std::make_unique<train::FlatLayout>(c, int64_t(groups_->ep_rank()) * local, local);

@@ -28,6 +28,7 @@ namespace {
 
 std::atomic<int> g_kernel{int(GroupedGemmKernel::kAuto)};
 thread_local int t_own_kernel_only = 0;  // OwnGemmKernelScope nesting depth on this thread
+thread_local int t_rule_only = 0;        // GemmRuleScope nesting depth on this thread
 thread_local int t_sms_left = 0;         // GemmSmsLeftScope's SMs left to other kernels (0 = none)
 
 GroupedGemmKernel resolve_kernel() {
@@ -756,10 +757,10 @@ bool launch(const char* name, const GroupedGemmShape& s, const __nv_bfloat16* A,
     if (kernel == GroupedGemmKernel::kAuto) {
         Choice c = choose_for_shape(kOp, s);
         // The plain product's choice measured on this device where tuning is on (gemm_tuning.h); the fused epilogues,
-        // ECHO's second base and the hot / cold interleave keep the rule.
+        // ECHO's second base, the hot / cold interleave and a GemmRuleScope keep the rule.
         const bool plain = !glu && !glu_fwd && s.second_from == 0 && reinterpret_cast<uintptr_t>(C) % 16 == 0 &&
                            !(kOp == Op::kTN && tn_hot_rows() > 0);
-        if (plain && gemm_tuning_enabled()) {
+        if (plain && t_rule_only == 0 && gemm_tuning_enabled()) {
             const char* op = kOp == Op::kNT ? "nt" : kOp == Op::kNN ? "nn" : "tn";
             GemmChoice m{};
             if (gemm_tuning_detail::lookup(op, s, &m)) {
@@ -858,6 +859,12 @@ OwnGemmKernelScope::OwnGemmKernelScope(bool on) : on_(on) {
 }
 OwnGemmKernelScope::~OwnGemmKernelScope() {
     if (on_) --t_own_kernel_only;
+}
+GemmRuleScope::GemmRuleScope(bool on) : on_(on) {
+    if (on_) ++t_rule_only;
+}
+GemmRuleScope::~GemmRuleScope() {
+    if (on_) --t_rule_only;
 }
 
 GemmSmsLeftScope::GemmSmsLeftScope(int sms_left) : previous_(t_sms_left) { t_sms_left = sms_left; }

@@ -205,4 +205,18 @@ private:
     bool on_;
 };
 
+// While a GemmRuleScope(true) lives on a thread, the per-shape choice there is the rule's alone (choose_for_shape):
+// nothing is tuned and no measured choice is taken (gemm_tuning.h), so every process computes the same bits for the
+// same inputs. A layer with --deterministic-mode takes it (moe_layer.cu), and so do moekit train's layers.
+class GemmRuleScope {
+public:
+    explicit GemmRuleScope(bool on);
+    ~GemmRuleScope();
+    GemmRuleScope(const GemmRuleScope&) = delete;
+    GemmRuleScope& operator=(const GemmRuleScope&) = delete;
+
+private:
+    bool on_;
+};
+
 }  // namespace moekit::cuda

@@ -161,6 +161,7 @@ public:
 
     void forward(cudaStream_t stream, bool training) override {
         const OwnGemmKernelScope own_kernels(shares_gpu_with_ranks_);  // virtual ranks: see grouped_gemm.h
+        const GemmRuleScope rule_only(shape_.gemm_rule_only);
         const RouterShape& r = shape_.router;
         const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
         training_ = training;
@@ -234,6 +235,7 @@ public:
 
     void backward(cudaStream_t stream, const BackwardOptions& options) override {
         const OwnGemmKernelScope own_kernels(shares_gpu_with_ranks_);
+        const GemmRuleScope rule_only(shape_.gemm_rule_only);
         const RouterShape& r = shape_.router;
         const bool acc = options.accumulate_param_grads;
         const int64_t H = r.hidden, F = shape_.ffn, F1 = shape_.fc1_rows;
@@ -536,6 +538,7 @@ CudaLayerShape CudaLayerShape::from_config(const MoeConfig& c, int64_t seq_lengt
     s.ffn = c.expert_ffn();
     s.gated_linear_unit = c.gated_linear_unit;
     s.fc1_rows = c.fc1_rows();
+    s.gemm_rule_only = c.deterministic_mode;
     MOEKIT_REQUIRE(activation_from_name(c.activation_func.c_str(), &s.act), "--activation-func=", c.activation_func,
                    ": --device cuda supports gelu, silu, relu, squared_relu");
     s.has_shared = c.shared_ffn() > 0;

@@ -43,6 +43,7 @@ struct CudaLayerShape {
     int64_t echo_slots = 0;         // --moe-enable-echo: spare slots per rank (--moe-num-echo-experts / EP)
     EchoAlgorithm echo_algorithm = EchoAlgorithm::waterfill;  // --moe-echo-algorithm
     int64_t echo_group_floor_rows = 0;                        // --moe-echo-group-floor-rows
+    bool gemm_rule_only = false;  // --deterministic-mode: the grouped GEMMs' rule, never a measured choice
     int64_t local_experts() const { return router.num_experts / ep_size; }
     // The budgeted (sync-free) dispatcher runs: a receive factor or ECHO spare slots, with EP > 1.
     bool sync_free_dispatch() const { return ep_size > 1 && (receive_factor > 0 || echo_slots > 0); }

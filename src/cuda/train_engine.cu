@@ -45,7 +45,8 @@ public:
         MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
         MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
         for (int64_t l = 0; l < L_; ++l)
-            layers_.push_back(make_cuda_layer(c, LayerBounds{c.seq_length, c.micro_batch_size}, device_));
+            layers_.push_back(
+                make_cuda_layer(train_layer_config(c), LayerBounds{c.seq_length, c.micro_batch_size}, device_));
         router_fp64_ = layers_[0]->router_dtype() == DType::f64;
         total_ = layout_.total();
         allocate();

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "cuda/cuda_check.h"
+#include "cuda/gemm_tuning.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_cutlass.h"
 #include "cuda/grouped_gemm_kernels.cuh"  // set_grouped_gemm_kernel
@@ -201,6 +202,31 @@ TEST(CudaLayer, RepeatedStepsAreBitwiseEqual) {
     EXPECT_EQ(d1.data, d2.data);
     EXPECT_EQ(g1.router_weight.data, g2.router_weight.data);
     EXPECT_EQ(flat(g1.fc1), flat(g2.fc1));
+}
+
+// --deterministic-mode takes the grouped GEMMs' rule: with tuning on, such a layer tunes nothing and takes no measured
+// choice, so every process computes the same bits (cuda/gemm_tuning.h); the same layer without it tunes its plain
+// products (the check that the first half could fail).
+TEST(CudaLayer, DeterministicModeTunesNoGemm) {
+    SKIP_WITHOUT_SM90();
+    MoeConfig c = small_config();
+    const MoeWeights<float> w = bf16_weights(c, 9);
+    const LayerInput<float> in = bf16_input(c, 9);
+    const Matrix<float> go = random_matrix<float>(in.hidden.rows, in.hidden.cols, 9, 2, 1.0);
+    cuda::set_gemm_tuning(1);
+    for (const bool deterministic : {true, false}) {
+        SCOPED_TRACE(deterministic ? "--deterministic-mode" : "default");
+        cuda::clear_gemm_tuning();
+        c.deterministic_mode = deterministic;
+        auto gpu = cuda::make_cuda_layer_runner(c);
+        MoeWeights<float> g = zeros_like(w);
+        gpu->forward(w, in);
+        gpu->backward(w, go, g);
+        EXPECT_EQ(cuda::gemm_tuning_records().empty(), deterministic) << cuda::gemm_tuning_records().size()
+                                                                       << " shapes tuned";
+    }
+    cuda::set_gemm_tuning(-1);
+    cuda::clear_gemm_tuning();
 }
 
 // The fused-epilogue tests' layer: gated with the aux loss, bf16-rounded seeded weights, input and output gradient.
