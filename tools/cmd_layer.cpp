@@ -186,6 +186,14 @@ HostTensor bool_tensor(const std::vector<uint8_t>& bytes, std::vector<int64_t> s
     return t;
 }
 
+// One eager step on the GPU: its grouped GEMMs take their rule, as under --deterministic-mode, not a configuration
+// measured per shape (src/cuda/gemm_tuning.h): one step cannot win back the tuning's time, and two processes given
+// the same files write the same bits. The CPU reference ignores the flag.
+MoeConfig one_step_config(MoeConfig c) {
+    c.deterministic_mode = true;
+    return c;
+}
+
 template <typename T>
 int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv, const std::string& inferred,
               const SafetensorsFile* weight_file, const std::string& weights_prefix, Communicator* world) {
@@ -299,7 +307,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
     if constexpr (std::is_same_v<T, float>) {
         if (a.device != "cpu" && !world) {
             // The GPU runner takes fp32 at its interface (bf16 inside) and hands probs/map back to the host.
-            std::unique_ptr<LayerRunner> runner = make_layer_runner(cfg, a.device);
+            std::unique_ptr<LayerRunner> runner = make_layer_runner(one_step_config(cfg), a.device);
             try {
                 output = runner->forward(w, in);
             } catch (const UsageError& e) {
@@ -333,7 +341,7 @@ int run_layer(MoeConfig& cfg, LayerArgs& a, const std::vector<std::string>& argv
             str("dtype=", a.dtype, "\neval=", a.eval, "\nweights=", weights_digest,
                 "\ninput=", digest(hidden), "\npadding_mask=", digest_bytes(padding.data(), padding.size()),
                 "\ngrad_output=", digest(grad_out), "\nranks=", world->size());
-        LayerResults<T> r = run_layer_ranks(*world, cfg, w, in, grad_out, fingerprint, a.device);
+        LayerResults<T> r = run_layer_ranks(*world, one_step_config(cfg), w, in, grad_out, fingerprint, a.device);
         output = std::move(r.output);
         grad_input = std::move(r.grad_input);
         grads = std::move(r.grads);
