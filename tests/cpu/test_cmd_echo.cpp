@@ -11,6 +11,7 @@
 
 #include "io/safetensors.h"
 #include "run_tool.h"
+#include "scratch_dir.h"
 #include <nlohmann/json.hpp>
 
 namespace moekit {
@@ -21,19 +22,9 @@ using testing_util::run_shell;
 using testing_util::run_tool;
 using testing_util::ToolResult;
 
-class CmdEcho : public ::testing::Test {
+class CmdEcho : public testing_util::ScratchDirTest {
 protected:
-    std::filesystem::path dir;
-    void SetUp() override {
-        dir = std::filesystem::temp_directory_path() /
-              (std::string("moekit_test_cmd_echo_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        std::filesystem::remove_all(dir);
-        std::filesystem::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) std::filesystem::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+    CmdEcho() : ScratchDirTest("cmd_echo") {}
 };
 
 // The random init routes unevenly enough at 8 experts, top-2, for the planner to clone (checked).

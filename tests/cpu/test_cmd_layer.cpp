@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "moekit/layer.h"
 #include "run_tool.h"
+#include "scratch_dir.h"
 #include "moekit/weights.h"
 
 namespace moekit {
@@ -20,19 +21,9 @@ namespace {
 using Result = testing_util::ToolResult;
 Result run(const std::string& args) { return testing_util::run_tool("layer " + args); }
 
-class CmdLayer : public ::testing::Test {
-   protected:
-    std::filesystem::path dir;
-    void SetUp() override {
-        dir = std::filesystem::temp_directory_path() /
-              (std::string("moekit_test_cmd_layer_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        std::filesystem::remove_all(dir);
-        std::filesystem::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) std::filesystem::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+class CmdLayer : public testing_util::ScratchDirTest {
+protected:
+    CmdLayer() : ScratchDirTest("cmd_layer") {}
 };
 
 // --device cpu: these compare against the CPU reference bit for bit (the default would be cuda on a GPU host).

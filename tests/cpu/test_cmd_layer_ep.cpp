@@ -15,6 +15,7 @@
 #include "moekit/layer.h"
 #include <nlohmann/json.hpp>
 #include "run_tool.h"
+#include "scratch_dir.h"
 
 namespace moekit {
 namespace {
@@ -27,19 +28,9 @@ using testing_util::ToolResult;
 
 std::string mpirun(int np) { return testing_util::mpirun_prefix(np); }
 
-class CmdLayerEp : public ::testing::Test {
+class CmdLayerEp : public testing_util::ScratchDirTest {
 protected:
-    std::filesystem::path dir;
-    void SetUp() override {
-        dir = std::filesystem::temp_directory_path() /
-              (std::string("moekit_test_cmd_layer_ep_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        std::filesystem::remove_all(dir);
-        std::filesystem::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) std::filesystem::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+    CmdLayerEp() : ScratchDirTest("cmd_layer_ep") {}
 };
 
 const std::string kLayer =

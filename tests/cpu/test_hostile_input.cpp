@@ -19,6 +19,7 @@
 #include "io/safetensors.h"
 #include "moekit/error.h"
 #include "run_tool.h"
+#include "scratch_dir.h"
 
 namespace moekit {
 namespace {
@@ -26,19 +27,9 @@ namespace {
 using Result = testing_util::ToolResult;
 Result layer(const std::string& args) { return testing_util::run_tool("layer --device cpu " + args); }
 
-class HostileInput : public ::testing::Test {
-   protected:
-    std::filesystem::path dir;
-    void SetUp() override {
-        dir = std::filesystem::temp_directory_path() /
-              (std::string("moekit_test_hostile_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        std::filesystem::remove_all(dir);
-        std::filesystem::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) std::filesystem::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+class HostileInput : public testing_util::ScratchDirTest {
+protected:
+    HostileInput() : ScratchDirTest("hostile") {}
 
     // Random weights (--init random, seed printed) saved to w.safetensors and an input x.safetensors [S, 1, H].
     void make_files(uint64_t seed) {

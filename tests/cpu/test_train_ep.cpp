@@ -21,6 +21,7 @@
 
 #include "moekit/comm.h"
 #include "run_tool.h"
+#include "scratch_dir.h"
 #include "train/adam.h"
 #include "train/checkpoint.h"
 #include "train/host_stack.h"
@@ -252,19 +253,9 @@ TEST(TrainEp, OneRankOneMicroBatchIsTheHostLoopBitForBit) {
 
 // ---- the tool ----
 
-class TrainEpTool : public ::testing::Test {
+class TrainEpTool : public testing_util::ScratchDirTest {
 protected:
-    fs::path dir;
-    void SetUp() override {
-        dir = fs::temp_directory_path() / (std::string("moekit_test_train_ep_") + std::to_string(::getpid()) + "_" +
-                                           ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        fs::remove_all(dir);
-        fs::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) fs::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+    TrainEpTool() : ScratchDirTest("train_ep") {}
 };
 
 

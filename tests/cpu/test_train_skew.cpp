@@ -14,6 +14,7 @@
 #include "moekit/layer.h"
 #include "moekit/weights.h"
 #include "run_tool.h"
+#include "scratch_dir.h"
 #include <nlohmann/json.hpp>
 
 namespace moekit {
@@ -22,19 +23,9 @@ namespace {
 using testing_util::run_tool;
 using testing_util::ToolResult;
 
-class TrainSkew : public ::testing::Test {
+class TrainSkew : public testing_util::ScratchDirTest {
 protected:
-    std::filesystem::path dir;
-    void SetUp() override {
-        dir = std::filesystem::temp_directory_path() /
-              (std::string("moekit_test_train_skew_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        std::filesystem::remove_all(dir);
-        std::filesystem::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) std::filesystem::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+    TrainSkew() : ScratchDirTest("train_skew") {}
 };
 
 const std::string kModel =

@@ -15,6 +15,7 @@
 #include "io/safetensors.h"
 #include "moekit/layer.h"
 #include "run_tool.h"
+#include "scratch_dir.h"
 
 namespace moekit {
 namespace {
@@ -22,19 +23,9 @@ namespace {
 using Result = testing_util::ToolResult;
 Result run(const std::string& args) { return testing_util::run_tool("layer " + args); }
 
-class CudaCmdLayer : public ::testing::Test {
+class CudaCmdLayer : public testing_util::ScratchDirTest {
 protected:
-    std::filesystem::path dir;
-    void SetUp() override {
-        dir = std::filesystem::temp_directory_path() / (std::string("moekit_test_cuda_cmd_layer_") +
-                                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-        std::filesystem::remove_all(dir);
-        std::filesystem::create_directories(dir);
-    }
-    void TearDown() override {
-        if (!HasFailure()) std::filesystem::remove_all(dir);
-    }
-    std::string path(const std::string& name) const { return (dir / name).string(); }
+    CudaCmdLayer() : ScratchDirTest("cuda_cmd_layer") {}
 };
 
 double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
