@@ -5,9 +5,10 @@
 # or runs the binaries carried in prebuilt/bin.txz (scripts/pack_prebuilt.sh: the GPU test binaries and moekit), a
 # run then being every GPU test binary, CTEST_J at a time, each under a 240 s limit (test_grouped_gemm alone took
 # 119-127 s on an H200, 2026-11-28).
-# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=4] [RUN_S=170] scripts/device_suite.sh;
-# RUN_S = the seconds a run needs (a run starts only with that much left; its limit is RUN_S + 40 s under ctest,
-# RUN_S + 100 s for carried binaries); results in $OUT (summary.txt first).
+# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=4] [RUN_S=170] [RACE_S=220] [MEM_S=150]
+#   scripts/device_suite.sh; RUN_S = the seconds a run needs (a run starts only with that much left; its limit is
+#   RUN_S + 40 s under ctest, RUN_S + 100 s for carried binaries); RACE_S / MEM_S = the sanitizers' limits;
+#   results in $OUT (summary.txt first).
 . "$(dirname "$0")/device_lib.sh"
 [ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt
 if [ -x prebuilt/moekit ]; then
@@ -40,11 +41,12 @@ for i in $(seq 1 "${REPEAT:-3}"); do
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Total Test time" "$OUT/ctest_gpu_$i.log" | tee -a "$OUT/summary.txt"
 done
 [ $B = prebuilt ] && (cd "$OUT" && tar -czf runs.tar.gz run*_*.log rc_*.txt && rm -f run*_*.log rc_*.txt)
-[ "${SANITIZE:-1}" = 1 ] && left 100 "racecheck" && {
+# racecheck takes 20-32 s a test of these on an H100 (2026-12-07: 3 of 8 done in 90 s), memcheck 1-30 s a test.
+[ "${SANITIZE:-1}" = 1 ] && left $((${RACE_S:-220} + 10)) "racecheck" && {
   log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
-  MOEKIT_TEST_NO_CUBLAS=1 sanitize racecheck 90 $B/test_grouped_gemm '*EmptyFirst*:*LastRowTiles*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+  MOEKIT_TEST_NO_CUBLAS=1 sanitize racecheck ${RACE_S:-220} $B/test_grouped_gemm '*EmptyFirst*:*LastRowTiles*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 }
-[ "${SANITIZE:-1}" = 1 ] && left 80 "memcheck" && sanitize memcheck 70 $B/test_grouped_gemm '*LastRowTiles*:*GridLeaving*:*MidGroupsTransposed*:*WgradPingpong*:*WgradOnWide*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+[ "${SANITIZE:-1}" = 1 ] && left $((${MEM_S:-150} + 10)) "memcheck" && sanitize memcheck ${MEM_S:-150} $B/test_grouped_gemm '*LastRowTiles*:*GridLeaving*:*MidGroupsTransposed*:*WgradPingpong*:*WgradOnWide*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \
