@@ -19,8 +19,11 @@ sanitize() {
   echo "$1 exit $?" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|SUMMARY" "$OUT/$1.log" | tail -3 | tee -a "$OUT/summary.txt"
   # A run cut by its limit prints no summary: say how far it got (tests that finished, with no report before them).
-  echo "$1: $(grep -c '^\[       OK' "$OUT/$1.log") tests OK, $(grep -c '^\[  FAILED  \] [A-Z]' "$OUT/$1.log") failed" \
-    | tee -a "$OUT/summary.txt"
+  # Per-test result lines end in "(N ms)"; gtest's closing list names each failure again without it.
+  local ok failed
+  ok=$(grep -cE '^\[       OK \] .* ms\)$' "$OUT/$1.log")
+  failed=$(grep -cE '^\[  FAILED  \] .* ms\)$' "$OUT/$1.log")
+  echo "$1: $ok tests OK, $failed failed" | tee -a "$OUT/summary.txt"
   grep -oE "(Race reported between|Invalid|Error).* at [A-Za-z_][A-Za-z0-9_]*" "$OUT/$1.log" | sed -E 's/.* at //' \
     | sort | uniq -c | sed 's/^/  in kernel: /' | head -10 | tee -a "$OUT/summary.txt"
 }
