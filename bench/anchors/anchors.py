@@ -9,10 +9,10 @@ Configs: PRESET or PRESET@zipfS. moekit files: D/<config>_layer.json, D/<config>
 replaced by '_'). Peers write their JSON after every config, so a crash or timeout keeps what was done, and
 --resume-after RC goes on in a new process after a crash."""
 import argparse
-import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -24,6 +24,33 @@ DEFAULT_CONFIGS = ["mixtral", "dsv3-ep8", "dsv3-e256", "qwen3-30b", "dsv3-ep8@zi
 
 class UsageError(Exception):
     pass
+
+
+def start_stack_watchdog(period_s, out):
+    """Every period_s seconds, print the main thread's stack to out (a daemon thread; period_s <= 0: none).
+    Not faulthandler.dump_traceback_later: its watchdog walks the other threads' frames without the GIL and can
+    crash the process it watches (CPython issues 116008, 140815): SonicMoE's process died (exit 139) on 2026-12-07
+    with that dump cut mid-line at its 120 s mark, while Triton compiled a kernel, and on 2026-11-28 after one. This
+    one takes the GIL, so it reads frames no thread is changing; a main thread in native code holding the GIL delays
+    the dump and never corrupts it."""
+    if period_s <= 0:
+        return None
+    main_id = threading.main_thread().ident
+    t0 = time.time()
+
+    def watch():
+        while True:
+            time.sleep(period_s)
+            frame = sys._current_frames().get(main_id)
+            if frame is None:
+                return
+            stack = "".join(traceback.format_stack(frame))
+            out.write("anchors: the main thread at %.0f s:\n%s" % (time.time() - t0, stack))
+            out.flush()
+
+    t = threading.Thread(target=watch, name="stack-watchdog", daemon=True)
+    t.start()
+    return t
 
 
 def moekit_file(d, config, scope):
@@ -128,8 +155,8 @@ def run_peer(args, name):
         print("anchors %s: %s" % (name, reason))
         return 0
     import peer_timing
-    # A config that neither finishes nor fails (compiling, autotuning, a hang) leaves its stacks in the log.
-    faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True, file=sys.stderr)
+    # A config that neither finishes nor fails (compiling, autotuning, a hang) leaves its stack in the log.
+    start_stack_watchdog(args.stack_dump_s, sys.stderr)
     if name == "torch":
         import peer_torch
         passes = [("torch._grouped_mm", lambda p, s, counts: peer_torch.run(p, counts, args.iters, args.warmup,
@@ -269,7 +296,8 @@ def main(argv):
     ap.add_argument("--deadline-s", type=int, default=240, help="peers: start no config after this many seconds")
     ap.add_argument("--sonic-passes", nargs="+", choices=["layer", "experts"], default=["layer", "experts"],
                     help="sonic: its whole layer, its expert path on moekit's counts, or both")
-    ap.add_argument("--stack-dump-s", type=int, default=120, help="peers: dump all stacks to stderr this often")
+    ap.add_argument("--stack-dump-s", type=int, default=120,
+                    help="peers: print the main thread's stack to stderr this often (0: never)")
     ap.add_argument("--dry-run", action="store_true", help="peers: print the plan, import nothing")
     ap.add_argument("--skip-reason", help="peers: record this reason for every config and time nothing")
     ap.add_argument("--resume-after", help="peers: an earlier run into --out died with this exit code: keep what "

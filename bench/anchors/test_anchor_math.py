@@ -209,6 +209,32 @@ def test_resume():
     check(bad.returncode == 2 and "--out" in bad.stderr, "a resumed peer run without --out exits 2 naming --out")
 
 
+def test_stack_watchdog():
+    # The peers' stall watchdog prints the main thread's stack while it runs Python (here a busy loop) and native
+    # code (time.sleep), each print whole; period 0 starts nothing.
+    import io
+    import time
+    import anchors
+    out = io.StringIO()
+    check(anchors.start_stack_watchdog(0, out) is None, "stack watchdog: period 0 starts no thread")
+
+    def busy_main_thread_for(seconds):
+        end = time.time() + seconds
+        n = 0
+        while time.time() < end:
+            n += 1
+        return n
+
+    watchdog = anchors.start_stack_watchdog(0.1, out)
+    busy_main_thread_for(0.6)
+    time.sleep(0.3)
+    dumps = out.getvalue().split("anchors: the main thread at ")[1:]
+    check(watchdog is not None and watchdog.daemon and watchdog.is_alive(), "stack watchdog: a live daemon thread")
+    check(len(dumps) >= 4, "stack watchdog: a stack every 0.1 s (%d in 0.9 s)" % len(dumps))
+    check(any("busy_main_thread_for" in d for d in dumps), "stack watchdog: the busy function is named")
+    check(all("test_stack_watchdog" in d for d in dumps), "stack watchdog: every stack is whole, down to its caller")
+
+
 if __name__ == "__main__":
     seed = int(os.environ.get("SEED", random.randrange(1 << 30)))
     print("seed", seed)
@@ -219,5 +245,6 @@ if __name__ == "__main__":
     test_report(rng)
     test_acceptance(rng)
     test_resume()
+    test_stack_watchdog()
     print("FAILED: %d check(s)" % len(FAILS) if FAILS else "all checks passed")
     sys.exit(1 if FAILS else 0)
