@@ -11,21 +11,24 @@ log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
 # left N: true when at least N seconds remain before LIMIT.
 left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
 echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
-# sanitize TOOL SECONDS BINARY FILTER: compute-sanitizer TOOL on a gtest binary, its verdict in the summary
-# (log in $OUT/TOOL.log), with the kernels any report names (racecheck reports hazards inside cuBLAS's nvjet kernels,
-# the sync baseline's, on some shapes; leaving them out with --kernel-name-exclude crashed the sanitizer, 2026-11-26).
+# sanitize TOOL SECONDS BINARY FILTER [TAG]: compute-sanitizer TOOL on a gtest binary (log in $OUT/TAG.log, TAG
+# defaulting to TOOL), its verdict appended to $SUMMARY (default $OUT/summary.txt: a job run beside others gives its
+# own), with the kernels any report names (racecheck reports hazards inside cuBLAS's nvjet kernels, the sync
+# baseline's, on some shapes; leaving them out with --kernel-name-exclude crashed the sanitizer, 2026-11-26).
+# GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX in the environment pick a shard of the filtered tests.
 sanitize() {
-  timeout "$2" compute-sanitizer --error-exitcode 9 --tool "$1" "$3" --gtest_filter="$4" >"$OUT/$1.log" 2>&1
-  echo "$1 exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "PASSED|FAILED|SUMMARY" "$OUT/$1.log" | tail -3 | tee -a "$OUT/summary.txt"
+  local tag=${5:-$1} sum=${SUMMARY:-$OUT/summary.txt}
+  timeout "$2" compute-sanitizer --error-exitcode 9 --tool "$1" "$3" --gtest_filter="$4" >"$OUT/$tag.log" 2>&1
+  echo "$tag exit $?" | tee -a "$sum"
+  grep -E "PASSED|FAILED|SUMMARY" "$OUT/$tag.log" | tail -3 | tee -a "$sum"
   # A run cut by its limit prints no summary: say how far it got (tests that finished, with no report before them).
   # Per-test result lines end in "(N ms)"; gtest's closing list names each failure again without it.
   local ok failed
-  ok=$(grep -cE '^\[       OK \] .* ms\)$' "$OUT/$1.log")
-  failed=$(grep -cE '^\[  FAILED  \] .* ms\)$' "$OUT/$1.log")
-  echo "$1: $ok tests OK, $failed failed" | tee -a "$OUT/summary.txt"
-  grep -oE "(Race reported between|Invalid|Error).* at [A-Za-z_][A-Za-z0-9_]*" "$OUT/$1.log" | sed -E 's/.* at //' \
-    | sort | uniq -c | sed 's/^/  in kernel: /' | head -10 | tee -a "$OUT/summary.txt"
+  ok=$(grep -cE '^\[       OK \] .* ms\)$' "$OUT/$tag.log")
+  failed=$(grep -cE '^\[  FAILED  \] .* ms\)$' "$OUT/$tag.log")
+  echo "$tag: $ok tests OK, $failed failed" | tee -a "$sum"
+  grep -oE "(Race reported between|Invalid|Error).* at [A-Za-z_][A-Za-z0-9_]*" "$OUT/$tag.log" | sed -E 's/.* at //' \
+    | sort | uniq -c | sed 's/^/  in kernel: /' | head -10 | tee -a "$sum"
 }
 # build_targets SECONDS TARGET...: configure $B (Release, sm_90a; extra cmake flags in CMAKE_FLAGS) and build the
 # targets within SECONDS; on failure the first errors go to the summary and the script exits.

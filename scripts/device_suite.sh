@@ -3,12 +3,13 @@
 # compute-sanitizer memcheck and racecheck on the grouped GEMMs (every backend, CUTLASS included) and the
 # sinkhorn/fp64 layer cases repeated. Builds everything first unless BUILD=0 (a warm machine of the previous call),
 # or runs the binaries carried in prebuilt/bin.txz (scripts/pack_prebuilt.sh: the GPU test binaries and moekit), a
-# run then being every GPU test binary, CTEST_J at a time, each under a 240 s limit (test_grouped_gemm alone took
-# 119-127 s on an H200, 2026-11-28).
-# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=4] [RUN_S=170] [RACE_S=220] [MEM_S=150]
-#   scripts/device_suite.sh; RUN_S = the seconds a run needs (a run starts only with that much left; its limit is
-#   RUN_S + 40 s under ctest, RUN_S + 100 s for carried binaries); RACE_S / MEM_S = the sanitizers' limits;
-#   results in $OUT (summary.txt first).
+# run then being every GPU test binary, CTEST_J at a time, each under a 240 s limit, test_grouped_gemm in GEMM_SHARDS
+# gtest shards side by side (alone it took 157-195 s of a ~198 s run on an H100, 2026-12-07: three runs did not fit
+# one call). The sanitizers run side by side too, racecheck in RACE_SHARDS shards, memcheck in MEM_SHARDS.
+# usage: MOEKIT_COMMIT=<sha> [REPEAT=3] [BUILD=1] [SANITIZE=1] [CTEST_J=6] [GEMM_SHARDS=3] [RUN_S=120] [RACE_S=220]
+#   [MEM_S=150] [RACE_SHARDS=2] [MEM_SHARDS=2] scripts/device_suite.sh; RUN_S = the seconds a run needs (a run starts
+#   only with that much left; its limit is RUN_S + 40 s under ctest, RUN_S + 100 s for carried binaries); RACE_S /
+#   MEM_S = the sanitizers' limits; results in $OUT (summary.txt first).
 . "$(dirname "$0")/device_lib.sh"
 [ -f prebuilt/bin.txz ] && [ ! -x prebuilt/moekit ] && tar -xJf prebuilt/bin.txz -C prebuilt
 if [ -x prebuilt/moekit ]; then
@@ -22,13 +23,18 @@ elif [ "${BUILD:-1}" = 1 ] || [ ! -f $B/build.ninja ]; then
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1
   timeout 330 cmake --build $B >>"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
 fi
+GEMM_SHARDS=${GEMM_SHARDS:-3}
 for i in $(seq 1 "${REPEAT:-3}"); do
-  left "${RUN_S:-170}" "GPU suite run $i" || break
+  left "${RUN_S:-120}" "GPU suite run $i" || break
   if [ $B = prebuilt ]; then
     log "GPU test binaries, run $i"
     rm -f "$OUT/rc_$i.txt"
-    (cd $B && ls test_* | timeout $((${RUN_S:-170} + 100)) xargs -P "${CTEST_J:-4}" -I{} sh -c \
-      "timeout 240 ./{} > '$OUT/run${i}_{}.log' 2>&1; echo \"{} \$?\" >> '$OUT/rc_$i.txt'")
+    # An item is a binary, or BINARY@SHARD for test_grouped_gemm's shards (gtest's GTEST_TOTAL_SHARDS / _INDEX).
+    (cd $B && { ls test_* | grep -vx test_grouped_gemm; seq 0 $((GEMM_SHARDS - 1)) | sed 's/^/test_grouped_gemm@/'; } |
+      timeout $((${RUN_S:-120} + 100)) xargs -P "${CTEST_J:-6}" -I{} sh -c \
+      "item={}; bin=\${item%@*}; shard=\${item#*@}; [ \"\$shard\" = \"\$item\" ] && shard=0 n=1 || n=$GEMM_SHARDS;
+       GTEST_TOTAL_SHARDS=\$n GTEST_SHARD_INDEX=\$shard timeout 240 ./\$bin > '$OUT/run${i}_{}.log' 2>&1;
+       echo \"{} \$?\" >> '$OUT/rc_$i.txt'")
     sort "$OUT/rc_$i.txt" | while read -r t rc; do
       echo "$t exit $rc: $(grep -E '^\[  (PASSED|FAILED)  \] [0-9]' "$OUT/run${i}_$t.log" | tr '\n' ' ')"
       [ "$rc" = 0 ] || grep -E "Failure|Expected|Which is|FAILED" "$OUT/run${i}_$t.log" | head -10
@@ -37,16 +43,29 @@ for i in $(seq 1 "${REPEAT:-3}"); do
     continue
   fi
   log "ctest -L gpu, run $i"
-  (cd $B && timeout $((${RUN_S:-170} + 40)) ctest -L gpu -j "${CTEST_J:-4}" --output-on-failure --timeout 150 2>&1) >"$OUT/ctest_gpu_$i.log"
+  (cd $B && timeout $((${RUN_S:-120} + 40)) ctest -L gpu -j "${CTEST_J:-4}" --output-on-failure --timeout 150 2>&1) >"$OUT/ctest_gpu_$i.log"
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Total Test time" "$OUT/ctest_gpu_$i.log" | tee -a "$OUT/summary.txt"
 done
 [ $B = prebuilt ] && (cd "$OUT" && tar -czf runs.tar.gz run*_*.log rc_*.txt && rm -f run*_*.log rc_*.txt)
-# racecheck takes 20-32 s a test of these on an H100 (2026-12-07: 3 of 8 done in 90 s), memcheck 1-30 s a test.
-[ "${SANITIZE:-1}" = 1 ] && left $((${RACE_S:-220} + 10)) "racecheck" && {
-  log "compute-sanitizer racecheck + memcheck, grouped GEMMs (small cases, every backend)"
-  MOEKIT_TEST_NO_CUBLAS=1 sanitize racecheck ${RACE_S:-220} $B/test_grouped_gemm '*EmptyFirst*:*LastRowTiles*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
-}
-[ "${SANITIZE:-1}" = 1 ] && left $((${MEM_S:-150} + 10)) "memcheck" && sanitize memcheck ${MEM_S:-150} $B/test_grouped_gemm '*LastRowTiles*:*GridLeaving*:*MidGroupsTransposed*:*WgradPingpong*:*WgradOnWide*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+# racecheck takes 20-32 s a test of these on an H100 (2026-12-07: 3 of 8 done in 90 s), memcheck 1-30 s a test: the
+# two tools, each in shards, run side by side (separate processes on the one GPU), each shard's verdict collected.
+RACE_FILTER='*EmptyFirst*:*LastRowTiles*:*SizesOff*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+MEM_FILTER='*LastRowTiles*:*GridLeaving*:*MidGroupsTransposed*:*WgradPingpong*:*WgradOnWide*:*EmptyFirst*:*AllRows*:*SizesOff*:*LargeGroups*:*GraphReplay*:*WgradHotCold*:*WgradGradientOff*:*GluBackward*:*WgradEmpty*:*SecondOperand*'
+san_limit=$(( ${RACE_S:-220} > ${MEM_S:-150} ? ${RACE_S:-220} : ${MEM_S:-150} ))
+if [ "${SANITIZE:-1}" = 1 ] && left $((san_limit + 10)) "racecheck + memcheck"; then
+  log "compute-sanitizer racecheck (${RACE_SHARDS:-2} shards) + memcheck (${MEM_SHARDS:-2} shards) side by side, grouped GEMMs (small cases, every backend)"
+  for tool in racecheck memcheck; do
+    [ $tool = racecheck ] && n=${RACE_SHARDS:-2} limit=${RACE_S:-220} filter=$RACE_FILTER
+    [ $tool = memcheck ] && n=${MEM_SHARDS:-2} limit=${MEM_S:-150} filter=$MEM_FILTER
+    for s in $(seq 0 $((n - 1))); do
+      MOEKIT_TEST_NO_CUBLAS=1 GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$s SUMMARY="$OUT/sum_${tool}_$s.txt" \
+        sanitize $tool $limit $B/test_grouped_gemm "$filter" ${tool}_$s >/dev/null &
+    done
+  done
+  wait
+  cat "$OUT"/sum_racecheck_*.txt "$OUT"/sum_memcheck_*.txt >>"$OUT/summary.txt" && rm -f "$OUT"/sum_*.txt
+  echo "sanitizer tests: $(cat "$OUT"/racecheck_*.log | grep -cE '^\[       OK \] .* ms\)$') racecheck, $(cat "$OUT"/memcheck_*.log | grep -cE '^\[       OK \] .* ms\)$') memcheck OK" | tee -a "$OUT/summary.txt"
+fi
 left 40 "sinkhorn repeats" && {
   log "sinkhorn / fp64 layer cases, 10 repeats"
   timeout 35 $B/test_cuda_layer --gtest_filter='*sinkhorn*:*fp64*' --gtest_repeat=10 2>&1 | grep -cE "^\[       OK" \
