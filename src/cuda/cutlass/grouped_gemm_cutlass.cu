@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "core/tile_order_math.h"
@@ -110,11 +111,15 @@ bool raster_along_n(bool wgrad, int64_t m, int64_t n, int64_t rows_per_group) {
     return wgrad_walks_along_n(m, n, rows_per_group, l2);
 }
 
+// MOEKIT_CUTLASS_SWIZZLE=1|2|4|8 (unset: 1): the group scheduler's swizzle, an A/B switch (docs/perf.md).
 int swizzle_size() {
     static const int s = [] {
         const char* env = std::getenv("MOEKIT_CUTLASS_SWIZZLE");
-        const int v = env ? std::atoi(env) : 1;
-        return v == 2 || v == 4 || v == 8 ? v : 1;
+        if (!env) return 1;
+        const std::string v = env;
+        MOEKIT_REQUIRE(v == "1" || v == "2" || v == "4" || v == "8", "MOEKIT_CUTLASS_SWIZZLE=", v,
+                       ": expected 1, 2, 4 or 8");
+        return std::stoi(v);
     }();
     return s;
 }
