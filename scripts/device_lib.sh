@@ -11,6 +11,9 @@ log() { echo "== $* (t=${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
 # left N: true when at least N seconds remain before LIMIT.
 left() { [ $((LIMIT - SECONDS)) -ge "$1" ] || { log "skipped: $2 (too little time left)"; return 1; }; }
 echo "commit ${MOEKIT_COMMIT:-unknown} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$OUT/summary.txt"
+# tests_ok LOG...: the gtest tests these logs say passed (per-test lines end in "(N ms)"; gtest's closing list names
+# each failure again without it).
+tests_ok() { cat "$@" | grep -cE '^\[       OK \] .* ms\)$'; }
 # sanitize TOOL SECONDS BINARY FILTER [TAG]: compute-sanitizer TOOL on a gtest binary (log in $OUT/TAG.log, TAG
 # defaulting to TOOL), its verdict appended to $SUMMARY (default $OUT/summary.txt: a job run beside others gives its
 # own), with the kernels any report names (racecheck reports hazards inside cuBLAS's nvjet kernels, the sync
@@ -22,11 +25,8 @@ sanitize() {
   echo "$tag exit $?" | tee -a "$sum"
   grep -E "PASSED|FAILED|SUMMARY" "$OUT/$tag.log" | tail -3 | tee -a "$sum"
   # A run cut by its limit prints no summary: say how far it got (tests that finished, with no report before them).
-  # Per-test result lines end in "(N ms)"; gtest's closing list names each failure again without it.
-  local ok failed
-  ok=$(grep -cE '^\[       OK \] .* ms\)$' "$OUT/$tag.log")
-  failed=$(grep -cE '^\[  FAILED  \] .* ms\)$' "$OUT/$tag.log")
-  echo "$tag: $ok tests OK, $failed failed" | tee -a "$sum"
+  echo "$tag: $(tests_ok "$OUT/$tag.log") tests OK, $(grep -cE '^\[  FAILED  \] .* ms\)$' "$OUT/$tag.log") failed" \
+    | tee -a "$sum"
   grep -oE "(Race reported between|Invalid|Error).* at [A-Za-z_][A-Za-z0-9_]*" "$OUT/$tag.log" | sed -E 's/.* at //' \
     | sort | uniq -c | sed 's/^/  in kernel: /' | head -10 | tee -a "$sum"
 }

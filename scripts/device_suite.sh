@@ -63,7 +63,7 @@ sanitize_shards() {
   done
   wait
   for s in $(seq 0 $((n - 1))); do cat "$OUT/sum_${tool}_$s.txt" >>"$OUT/summary.txt"; rm -f "$OUT/sum_${tool}_$s.txt"; done
-  echo "$tool: $(cat "$OUT"/${tool}_*.log | grep -cE '^\[       OK \] .* ms\)$') tests OK in all" | tee -a "$OUT/summary.txt"
+  echo "$tool: $(tests_ok "$OUT"/${tool}_*.log) tests OK in all" | tee -a "$OUT/summary.txt"
 }
 [ "${SANITIZE:-1}" = 1 ] && [ "${MEM_SHARDS:-2}" -gt 0 ] && left $((${MEM_S:-150} + 10)) "memcheck" &&
   sanitize_shards memcheck "${MEM_SHARDS:-2}" "${MEM_S:-150}" "$MEM_FILTER"
